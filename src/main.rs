@@ -1,0 +1,52 @@
+//! `stoker`: the command line — dataset tools, the worker, benchmarks (and, with later
+//! issues, the demo and the operator).
+
+use clap::{Parser, Subcommand};
+
+mod cmd {
+    pub mod bench;
+    pub mod dataset;
+    pub mod worker;
+}
+
+#[derive(Parser)]
+#[command(
+    name = "stoker",
+    version,
+    about = "Keeps the GPUs of multimodal training jobs fed"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Make, index and inspect JSONL + image datasets.
+    #[command(subcommand)]
+    Dataset(cmd::dataset::DatasetCommand),
+    /// Serve preprocessed batches to trainer ranks over TCP.
+    Worker(cmd::worker::WorkerArgs),
+    /// Benchmarks that print ours-vs-baseline tables (docs/benchmarks.md).
+    #[command(subcommand)]
+    Bench(cmd::bench::BenchCommand),
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,aws_config=warn,aws_smithy_runtime=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async move {
+        match cli.command {
+            Command::Dataset(c) => cmd::dataset::run(c).await,
+            Command::Worker(a) => cmd::worker::run(a).await,
+            Command::Bench(c) => cmd::bench::run(c).await,
+        }
+    })
+}

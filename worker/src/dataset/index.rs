@@ -1,0 +1,280 @@
+//! The dataset index: every valid JSONL line of every shard, addressable by sample id.
+//!
+//! Building it reads each shard once, parses and validates every line (JSON, schema, image
+//! paths inside the root and present in the store) and records the bad ones as shard:line
+//! with the reason. Sample ids number the valid lines in (shard key, line) order.
+
+use super::sample::Conversation;
+use crate::source::{resolve_relative, ObjectInfo, Store};
+use futures::{StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
+
+/// Where `stoker dataset index` writes the index, at the dataset root.
+pub const INDEX_KEY: &str = "stoker-index.json";
+const FORMAT: u32 = 1;
+/// Shards read at once while indexing.
+const SHARD_FETCH_CONCURRENCY: usize = 8;
+
+/// A valid line: 1-based line number, byte offset and length (without the newline).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LineRef(pub u32, pub u64, pub u32);
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ShardIndex {
+    pub key: String,
+    pub size: u64,
+    pub version: String,
+    pub lines: Vec<LineRef>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BadLine {
+    pub shard: String,
+    pub line: u32,
+    pub reason: String,
+}
+
+impl std::fmt::Display for BadLine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}: {}", self.shard, self.line, self.reason)
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DatasetIndex {
+    pub format: u32,
+    /// Fingerprint of the shards (keys, sizes, versions): changes when the data does.
+    pub version: u64,
+    pub shards: Vec<ShardIndex>,
+    pub bad_lines: Vec<BadLine>,
+    #[serde(skip)]
+    starts: Vec<u64>,
+}
+
+/// FNV-1a: a stable 64-bit fingerprint (std's hasher may change between Rust releases).
+pub fn fingerprint(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for b in p.iter().chain(&[0xff]) {
+            h ^= *b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+impl DatasetIndex {
+    fn finish(mut self) -> Self {
+        let mut acc = 0;
+        self.starts = self
+            .shards
+            .iter()
+            .map(|s| {
+                let start = acc;
+                acc += s.lines.len() as u64;
+                start
+            })
+            .collect();
+        self
+    }
+
+    pub fn num_samples(&self) -> u64 {
+        self.shards.iter().map(|s| s.lines.len() as u64).sum()
+    }
+
+    /// The shard and line of a sample id.
+    pub fn locate(&self, sample_id: u64) -> Option<(&ShardIndex, LineRef)> {
+        let i = self
+            .starts
+            .partition_point(|&s| s <= sample_id)
+            .checked_sub(1)?;
+        let shard = &self.shards[i];
+        let line = *shard.lines.get((sample_id - self.starts[i]) as usize)?;
+        Some((shard, line))
+    }
+
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("index serializes")
+    }
+
+    pub fn from_json(data: &[u8]) -> anyhow::Result<Self> {
+        let idx: DatasetIndex = serde_json::from_slice(data)?;
+        anyhow::ensure!(
+            idx.format == FORMAT,
+            "index format {} is not {FORMAT}",
+            idx.format
+        );
+        Ok(idx.finish())
+    }
+
+    /// Reads and validates every shard of the store.
+    pub async fn build(
+        store: &Store,
+        progress: Option<&indicatif::ProgressBar>,
+    ) -> anyhow::Result<Self> {
+        let objects = store.list().await?;
+        let keys: HashSet<&str> = objects.iter().map(|o| o.key.as_str()).collect();
+        let shards: Vec<&ObjectInfo> = objects
+            .iter()
+            .filter(|o| o.key.ends_with(".jsonl"))
+            .collect();
+        anyhow::ensure!(
+            !shards.is_empty(),
+            "no .jsonl shards under {}",
+            store.describe("")
+        );
+        if let Some(p) = progress {
+            p.set_length(shards.iter().map(|s| s.size).sum());
+        }
+        let results: Vec<(ShardIndex, Vec<BadLine>)> = futures::stream::iter(shards)
+            .map(|obj| async {
+                let data = store.get(&obj.key).await?;
+                let out = index_shard(obj, &data, &keys);
+                if let Some(p) = progress {
+                    p.inc(obj.size);
+                }
+                anyhow::Ok(out)
+            })
+            .buffered(SHARD_FETCH_CONCURRENCY)
+            .try_collect()
+            .await?;
+        let mut parts: Vec<Vec<u8>> = Vec::new();
+        let mut idx = DatasetIndex {
+            format: FORMAT,
+            version: 0,
+            shards: Vec::new(),
+            bad_lines: Vec::new(),
+            starts: Vec::new(),
+        };
+        for (shard, bad) in results {
+            parts.push(format!("{}\0{}\0{}", shard.key, shard.size, shard.version).into_bytes());
+            idx.shards.push(shard);
+            idx.bad_lines.extend(bad);
+        }
+        let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+        idx.version = fingerprint(&refs);
+        Ok(idx.finish())
+    }
+
+    /// The stored index if it still describes the store's shards, else a fresh one.
+    pub async fn load_or_build(store: &Store) -> anyhow::Result<Self> {
+        if let Ok(data) = store.get(INDEX_KEY).await {
+            let idx = Self::from_json(&data)?;
+            let current: Vec<ObjectInfo> = store.list().await?;
+            let fresh = idx.shards.iter().all(|s| {
+                current
+                    .iter()
+                    .any(|o| o.key == s.key && o.size == s.size && o.version == s.version)
+            }) && current.iter().filter(|o| o.key.ends_with(".jsonl")).count()
+                == idx.shards.len();
+            if fresh {
+                return Ok(idx);
+            }
+            tracing::warn!(
+                "{} is stale (shards changed); re-indexing",
+                store.describe(INDEX_KEY)
+            );
+        }
+        Self::build(store, None).await
+    }
+}
+
+/// Splits a shard into lines and validates each; returns the valid lines and the bad ones.
+fn index_shard(obj: &ObjectInfo, data: &[u8], keys: &HashSet<&str>) -> (ShardIndex, Vec<BadLine>) {
+    let mut lines = Vec::new();
+    let mut bad = Vec::new();
+    let mut offset = 0usize;
+    for (i, raw) in data.split(|&b| b == b'\n').enumerate() {
+        let start = offset;
+        offset += raw.len() + 1;
+        let line = raw.strip_suffix(b"\r").unwrap_or(raw);
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let line_no = i as u32 + 1;
+        match validate_line(&obj.key, line, keys) {
+            Ok(()) => lines.push(LineRef(line_no, start as u64, line.len() as u32)),
+            Err(reason) => bad.push(BadLine {
+                shard: obj.key.clone(),
+                line: line_no,
+                reason,
+            }),
+        }
+    }
+    let shard = ShardIndex {
+        key: obj.key.clone(),
+        size: obj.size,
+        version: obj.version.clone(),
+        lines,
+    };
+    (shard, bad)
+}
+
+fn validate_line(shard: &str, line: &[u8], keys: &HashSet<&str>) -> Result<(), String> {
+    let conv = Conversation::parse(line).map_err(|e| e.to_string())?;
+    for path in conv.image_paths() {
+        let key = resolve_relative(shard, path).map_err(|e| e.to_string())?;
+        if !keys.contains(key.as_str()) {
+            return Err(format!("image {path:?} (key {key}) does not exist"));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_lines_are_indexed_and_bad_ones_reported() {
+        let data = b"{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"},{\"role\":\"assistant\",\"content\":\"yo\"}]}\n\
+not json\n\
+\n\
+{\"image\":\"../x.jpg\",\"conversations\":[{\"from\":\"human\",\"value\":\"<image>\"},{\"from\":\"gpt\",\"value\":\"a\"}]}\n\
+{\"image\":\"gone.jpg\",\"conversations\":[{\"from\":\"human\",\"value\":\"<image>\"},{\"from\":\"gpt\",\"value\":\"a\"}]}\n";
+        let obj = ObjectInfo {
+            key: "s.jsonl".into(),
+            size: data.len() as u64,
+            version: "1".into(),
+        };
+        let (shard, bad) = index_shard(&obj, data, &HashSet::new());
+        assert_eq!(shard.lines.len(), 1);
+        assert_eq!(shard.lines[0].0, 1);
+        let where_: Vec<(u32, bool)> = bad
+            .iter()
+            .map(|b| {
+                (
+                    b.line,
+                    b.to_string().starts_with(&format!("s.jsonl:{}:", b.line)),
+                )
+            })
+            .collect();
+        assert_eq!(where_, vec![(2, true), (4, true), (5, true)]);
+        assert!(bad[1].reason.contains("escapes the dataset root"));
+        assert!(bad[2].reason.contains("does not exist"));
+    }
+
+    #[test]
+    fn locate_maps_ids_across_shards() {
+        let shard = |key: &str, n: u32| ShardIndex {
+            key: key.into(),
+            size: 0,
+            version: String::new(),
+            lines: (0..n).map(|i| LineRef(i + 1, i as u64 * 10, 9)).collect(),
+        };
+        let idx = DatasetIndex {
+            format: FORMAT,
+            version: 0,
+            shards: vec![shard("a", 3), shard("b", 0), shard("c", 2)],
+            bad_lines: vec![],
+            starts: vec![],
+        }
+        .finish();
+        assert_eq!(idx.num_samples(), 5);
+        assert_eq!(idx.locate(2).unwrap().0.key, "a");
+        let (s, l) = idx.locate(3).unwrap();
+        assert_eq!((s.key.as_str(), l.0), ("c", 1));
+        assert!(idx.locate(5).is_none());
+    }
+}

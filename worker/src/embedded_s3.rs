@@ -1,0 +1,99 @@
+//! An S3-compatible server in-process (s3s-fs over a local folder): the object store of the
+//! demo, the benchmarks and the tests, reached through the real aws-sdk-s3 over HTTP.
+//!
+//! Each top-level folder of the root is a bucket. A configurable delay before every response
+//! stands in for an object store's time to first byte.
+
+use crate::source::S3Options;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto::Builder as ConnBuilder;
+use s3s::auth::SimpleAuth;
+use s3s::service::S3ServiceBuilder;
+use std::path::Path;
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+pub const ACCESS_KEY: &str = "stoker-embedded";
+pub const SECRET_KEY: &str = "stoker-embedded-secret";
+
+pub struct EmbeddedS3 {
+    pub endpoint: String,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl EmbeddedS3 {
+    /// Serves `root` on `addr` (e.g. "127.0.0.1:0") until dropped.
+    pub async fn start(
+        root: &Path,
+        addr: &str,
+        first_byte_latency: Duration,
+    ) -> anyhow::Result<Self> {
+        let fs = s3s_fs::FileSystem::new(root)
+            .map_err(|e| anyhow::anyhow!("embedded S3 over {}: {e:?}", root.display()))?;
+        let mut builder = S3ServiceBuilder::new(fs);
+        builder.set_auth(SimpleAuth::from_single(ACCESS_KEY, SECRET_KEY));
+        let service = builder.build().into_shared();
+        let listener = TcpListener::bind(addr).await?;
+        let endpoint = format!("http://{}", listener.local_addr()?);
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let http = ConnBuilder::new(TokioExecutor::new());
+            loop {
+                let socket = tokio::select! {
+                    r = listener.accept() => match r {
+                        Ok((s, _)) => s,
+                        Err(_) => continue,
+                    },
+                    _ = &mut rx => break,
+                };
+                let _ = socket.set_nodelay(true);
+                let svc = service.clone();
+                let delayed = hyper::service::service_fn(move |req| {
+                    let svc = svc.clone();
+                    async move {
+                        if !first_byte_latency.is_zero() {
+                            tokio::time::sleep(first_byte_latency).await;
+                        }
+                        hyper::service::Service::call(&svc, req).await
+                    }
+                });
+                let conn = http
+                    .serve_connection(TokioIo::new(socket), delayed)
+                    .into_owned();
+                tokio::spawn(conn);
+            }
+        });
+        Ok(EmbeddedS3 {
+            endpoint,
+            shutdown: Some(tx),
+        })
+    }
+
+    /// Client settings that reach this server.
+    pub fn s3_options(&self) -> S3Options {
+        S3Options {
+            s3_endpoint: Some(self.endpoint.clone()),
+            s3_region: Some("us-east-1".into()),
+            s3_path_style: true,
+            static_credentials: Some((ACCESS_KEY.into(), SECRET_KEY.into())),
+        }
+    }
+
+    /// The same settings as environment variables, for child processes.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
+            ("AWS_REGION", "us-east-1".into()),
+            ("AWS_ACCESS_KEY_ID", ACCESS_KEY.into()),
+            ("AWS_SECRET_ACCESS_KEY", SECRET_KEY.into()),
+        ]
+    }
+}
+
+impl Drop for EmbeddedS3 {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}

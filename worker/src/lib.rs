@@ -1,0 +1,20 @@
+//! Stoker's data plane: dataset sources and index, the deterministic plan, Qwen-VL
+//! preprocessing, and the batch server that streams ready batches to trainer ranks.
+
+pub mod dataset {
+    pub mod index;
+    pub mod sample;
+    pub mod synth;
+}
+pub mod preprocess {
+    pub mod preset;
+    pub mod resample;
+    pub mod text;
+    pub mod vision;
+}
+pub mod embedded_s3;
+pub mod metrics;
+pub mod pipeline;
+pub mod plan;
+pub mod server;
+pub mod source;

@@ -1,0 +1,193 @@
+//! The worker's Prometheus metrics (names follow docs/metrics.md) and its HTTP endpoint:
+//! `/metrics`, `/healthz` (the process is alive) and `/readyz` (it accepts requests).
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+pub struct Metrics {
+    pub registry: Registry,
+    /// Per-stage latency: fetch, decode, resize, tokenize, collate, send.
+    pub stage_seconds: HistogramVec,
+    pub request_seconds: Histogram,
+    pub samples_total: IntCounter,
+    pub batches_total: IntCounter,
+    pub bytes_sent_total: IntCounter,
+    pub object_bytes_total: IntCounter,
+    pub sample_errors_total: IntCounterVec,
+    pub requests_refused_total: IntCounterVec,
+    pub requests_in_flight: IntGauge,
+    pub fetches_in_flight: IntGauge,
+    /// Work waiting for a bounded resource: "fetch" (object-store slots), "cpu" (pool).
+    pub queue_depth: IntGaugeVec,
+    pub dataset_samples: IntGauge,
+    pub dataset_bad_lines: IntGauge,
+    pub ready: AtomicBool,
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Self> {
+        let registry = Registry::new();
+        let stage_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "stoker_worker_stage_seconds",
+                "Time spent per pipeline stage, per sample (fetch, decode, resize, tokenize) or per batch (collate, send).",
+            )
+            .buckets(prometheus::exponential_buckets(0.0005, 2.0, 16).expect("buckets")),
+            &["stage"],
+        )
+        .expect("metric");
+        let request_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "stoker_worker_request_seconds",
+                "Time from receiving a batch request to the last byte sent.",
+            )
+            .buckets(prometheus::exponential_buckets(0.005, 2.0, 14).expect("buckets")),
+        )
+        .expect("metric");
+        let counter = |name: &str, help: &str| IntCounter::new(name, help).expect("metric");
+        let gauge = |name: &str, help: &str| IntGauge::new(name, help).expect("metric");
+        let m = Metrics {
+            stage_seconds,
+            request_seconds,
+            samples_total: counter("stoker_worker_samples_total", "Samples served in batches."),
+            batches_total: counter(
+                "stoker_worker_batches_total",
+                "Batches (rank slices) served.",
+            ),
+            bytes_sent_total: counter(
+                "stoker_worker_sent_bytes_total",
+                "Batch payload bytes sent to clients.",
+            ),
+            object_bytes_total: counter(
+                "stoker_worker_object_store_read_bytes_total",
+                "Bytes read from the object store.",
+            ),
+            sample_errors_total: IntCounterVec::new(
+                Opts::new(
+                    "stoker_worker_sample_errors_total",
+                    "Samples that could not be served, by kind of error.",
+                ),
+                &["kind"],
+            )
+            .expect("metric"),
+            requests_refused_total: IntCounterVec::new(
+                Opts::new(
+                    "stoker_worker_requests_refused_total",
+                    "Requests and connections refused, by reason.",
+                ),
+                &["reason"],
+            )
+            .expect("metric"),
+            requests_in_flight: gauge(
+                "stoker_worker_requests_in_flight",
+                "Batch requests being prepared or sent.",
+            ),
+            fetches_in_flight: gauge(
+                "stoker_worker_object_fetches_in_flight",
+                "Object-store reads in progress.",
+            ),
+            queue_depth: IntGaugeVec::new(
+                Opts::new(
+                    "stoker_worker_queue_depth",
+                    "Tasks waiting for a bounded resource (fetch slots, CPU pool).",
+                ),
+                &["queue"],
+            )
+            .expect("metric"),
+            dataset_samples: gauge(
+                "stoker_worker_dataset_samples",
+                "Valid samples in the dataset index.",
+            ),
+            dataset_bad_lines: gauge(
+                "stoker_worker_dataset_bad_lines",
+                "JSONL lines excluded by the index as invalid (listed by `stoker dataset index`).",
+            ),
+            ready: AtomicBool::new(false),
+            registry,
+        };
+        let r = &m.registry;
+        r.register(Box::new(m.stage_seconds.clone()))
+            .expect("register");
+        r.register(Box::new(m.request_seconds.clone()))
+            .expect("register");
+        for c in [
+            &m.samples_total,
+            &m.batches_total,
+            &m.bytes_sent_total,
+            &m.object_bytes_total,
+        ] {
+            r.register(Box::new(c.clone())).expect("register");
+        }
+        r.register(Box::new(m.sample_errors_total.clone()))
+            .expect("register");
+        r.register(Box::new(m.requests_refused_total.clone()))
+            .expect("register");
+        for g in [
+            &m.requests_in_flight,
+            &m.fetches_in_flight,
+            &m.dataset_samples,
+            &m.dataset_bad_lines,
+        ] {
+            r.register(Box::new(g.clone())).expect("register");
+        }
+        r.register(Box::new(m.queue_depth.clone()))
+            .expect("register");
+        Arc::new(m)
+    }
+
+    pub fn observe_stage(&self, stage: &str, d: std::time::Duration) {
+        self.stage_seconds
+            .with_label_values(&[stage])
+            .observe(d.as_secs_f64());
+    }
+
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding");
+        String::from_utf8(buf).expect("prometheus text is UTF-8")
+    }
+
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::SeqCst);
+    }
+}
+
+/// Serves /metrics, /healthz and /readyz until the listener fails.
+pub async fn serve_http(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<()> {
+    use axum::{http::StatusCode, routing::get, Router};
+    let m1 = metrics.clone();
+    let m2 = metrics;
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let m = m1.clone();
+                async move { ([("content-type", "text/plain; version=0.0.4")], m.render()) }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let m = m2.clone();
+                async move {
+                    if m.ready.load(Ordering::SeqCst) {
+                        (StatusCode::OK, "ready\n")
+                    } else {
+                        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+                    }
+                }
+            }),
+        );
+    axum::serve(listener, app).await?;
+    Ok(())
+}

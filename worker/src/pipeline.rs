@@ -1,0 +1,508 @@
+//! Sample id → preprocessed sample → collated batch.
+//!
+//! Concurrency is matched to the stage: object-store reads are async and bounded by a
+//! semaphore (`max_fetches`); decode, resize, patchify and tokenize run on the blocking pool,
+//! bounded by a second semaphore sized to the cores. A request's samples are loaded
+//! concurrently, so a slow object delays only its own batch, never other requests.
+
+use crate::dataset::index::DatasetIndex;
+use crate::dataset::sample::{Conversation, SampleError};
+use crate::metrics::Metrics;
+use crate::plan::Plan;
+use crate::preprocess::preset::{PixelDtype, Preset};
+use crate::preprocess::text::{TextError, TextProcessor, IGNORE_INDEX};
+use crate::preprocess::vision::{
+    process_image, DecodeLimits, ImageError, ImageOut, ImageTimings, PixelLut,
+};
+use crate::source::{resolve_relative, FetchError, PathError, Store};
+use futures::StreamExt;
+use std::sync::Arc;
+use std::time::Instant;
+use stoker_wire::{DType, Skipped};
+use tokio::sync::Semaphore;
+
+/// What to do with a sample that cannot be served.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum OnError {
+    /// Serve the batch without it, naming it in the batch's `skipped` list (and a metric).
+    Skip,
+    /// Fail the whole request with an error naming the sample.
+    Fail,
+}
+
+/// Why one sample failed; `kind` is the metric label, the message names the object or line.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("sample {sample_id} ({location}): {message}")]
+pub struct SampleFailure {
+    pub sample_id: u64,
+    pub location: String,
+    pub kind: &'static str,
+    pub message: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum Cause {
+    #[error(transparent)]
+    Fetch(#[from] FetchError),
+    #[error(transparent)]
+    Sample(#[from] SampleError),
+    #[error(transparent)]
+    Path(#[from] PathError),
+    #[error("image {key}: {err}")]
+    Image { key: String, err: ImageError },
+    #[error(transparent)]
+    Text(#[from] TextError),
+    #[error("sample id is not in the index")]
+    NoSuchSample,
+}
+
+impl Cause {
+    fn kind(&self) -> &'static str {
+        match self {
+            Cause::Fetch(FetchError::NotFound(_)) => "object_missing",
+            Cause::Fetch(FetchError::Io(..)) => "object_store",
+            Cause::Sample(SampleError::NotUtf8(_)) => "not_utf8",
+            Cause::Sample(SampleError::Json(_)) => "invalid_json",
+            Cause::Sample(SampleError::Schema(_)) => "invalid_sample",
+            Cause::Path(_) => "path_refused",
+            Cause::Image { err, .. } => match err {
+                ImageError::Unsupported => "image_unsupported",
+                ImageError::Corrupt(_) => "image_corrupt",
+                ImageError::TooLarge { .. } => "image_too_large",
+                ImageError::AspectRatio { .. } => "image_aspect_ratio",
+            },
+            Cause::Text(TextError::TooLong { .. }) => "too_long",
+            Cause::Text(_) => "text",
+            Cause::NoSuchSample => "no_such_sample",
+        }
+    }
+}
+
+/// A preprocessed sample, ready to collate.
+pub struct PreparedSample {
+    pub sample_id: u64,
+    pub input_ids: Vec<i64>,
+    pub labels: Vec<i64>,
+    pub images: Vec<ImageOut>,
+    /// The rendered chat text, for `dataset inspect`.
+    pub text: String,
+    pub truncated: bool,
+}
+
+/// Collated tensors of one rank slice.
+pub struct Batch {
+    pub sample_ids: Vec<u64>,
+    pub skipped: Vec<Skipped>,
+    /// `[B, L]` each, right-padded to the longest sample.
+    pub input_ids: Vec<i64>,
+    pub labels: Vec<i64>,
+    pub attention_mask: Vec<i64>,
+    pub seq_len: usize,
+    /// One chunk per image, in sample then image order: concatenated they are `pixel_values`.
+    pub pixel_chunks: Vec<Vec<u8>>,
+    pub pixel_rows: usize,
+    pub image_grid_thw: Vec<i64>,
+}
+
+#[derive(Debug, Clone)]
+pub struct PipelineConfig {
+    pub preset: Preset,
+    pub limits: DecodeLimits,
+    pub on_error: OnError,
+    /// Object-store reads in flight at once, across all requests.
+    pub max_fetches: usize,
+    /// CPU-bound preprocessing tasks at once; default: the number of cores.
+    pub cpu_threads: usize,
+}
+
+pub struct Pipeline {
+    pub store: Store,
+    pub index: DatasetIndex,
+    pub plan: Plan,
+    pub text: TextProcessor,
+    pub config: PipelineConfig,
+    pub metrics: Arc<Metrics>,
+    lut: PixelLut,
+    fetch_slots: Semaphore,
+    cpu_slots: Arc<Semaphore>,
+}
+
+/// Converts i64s to little-endian bytes (the wire is little endian).
+pub fn i64_bytes(v: &[i64]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+impl Pipeline {
+    pub fn new(
+        store: Store,
+        index: DatasetIndex,
+        plan: Plan,
+        text: TextProcessor,
+        config: PipelineConfig,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        metrics.dataset_samples.set(index.num_samples() as i64);
+        metrics.dataset_bad_lines.set(index.bad_lines.len() as i64);
+        Pipeline {
+            lut: PixelLut::new(&config.preset),
+            fetch_slots: Semaphore::new(config.max_fetches.max(1)),
+            cpu_slots: Arc::new(Semaphore::new(config.cpu_threads.max(1))),
+            store,
+            index,
+            plan,
+            text,
+            config,
+            metrics,
+        }
+    }
+
+    pub fn pixel_dtype(&self) -> DType {
+        match self.config.preset.pixel_dtype {
+            PixelDtype::F32 => DType::F32,
+            PixelDtype::Bf16 => DType::BF16,
+            PixelDtype::U8 => DType::U8,
+        }
+    }
+
+    async fn fetch(
+        &self,
+        key: &str,
+        range: Option<(u64, u64)>,
+    ) -> Result<bytes::Bytes, FetchError> {
+        let queue = self.metrics.queue_depth.with_label_values(&["fetch"]);
+        queue.inc();
+        let permit = self.fetch_slots.acquire().await.expect("never closed");
+        queue.dec();
+        self.metrics.fetches_in_flight.inc();
+        let t = Instant::now();
+        let r = match range {
+            Some((s, l)) => self.store.get_range(key, s, l).await,
+            None => self.store.get(key).await,
+        };
+        self.metrics.observe_stage("fetch", t.elapsed());
+        self.metrics.fetches_in_flight.dec();
+        drop(permit);
+        if let Ok(b) = &r {
+            self.metrics.object_bytes_total.inc_by(b.len() as u64);
+        }
+        r
+    }
+
+    /// Loads and preprocesses one sample.
+    pub async fn load_sample(
+        self: &Arc<Self>,
+        sample_id: u64,
+    ) -> Result<PreparedSample, SampleFailure> {
+        let Some((shard, line)) = self.index.locate(sample_id) else {
+            return Err(self.failure(sample_id, "-".into(), Cause::NoSuchSample));
+        };
+        let location = format!("{}:{}", shard.key, line.0);
+        self.prepare(sample_id, &shard.key, line.1, line.2 as u64)
+            .await
+            .map_err(|c| self.failure(sample_id, location, c))
+    }
+
+    fn failure(&self, sample_id: u64, location: String, cause: Cause) -> SampleFailure {
+        let kind = cause.kind();
+        self.metrics
+            .sample_errors_total
+            .with_label_values(&[kind])
+            .inc();
+        SampleFailure {
+            sample_id,
+            location,
+            kind,
+            message: cause.to_string(),
+        }
+    }
+
+    async fn prepare(
+        self: &Arc<Self>,
+        sample_id: u64,
+        shard: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<PreparedSample, Cause> {
+        let line = self.fetch(shard, Some((offset, len))).await?;
+        let conv = Conversation::parse(&line)?;
+        let keys = conv
+            .image_paths()
+            .map(|p| resolve_relative(shard, p))
+            .collect::<Result<Vec<_>, _>>()?;
+        let fetches = keys
+            .iter()
+            .map(|k| async move { (k.clone(), self.fetch(k, None).await) });
+        let mut images = Vec::with_capacity(keys.len());
+        for (key, r) in futures::future::join_all(fetches).await {
+            images.push((key, r?));
+        }
+
+        let queue = self.metrics.queue_depth.with_label_values(&["cpu"]);
+        queue.inc();
+        let permit = self
+            .cpu_slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("never closed");
+        queue.dec();
+        let this = self.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            this.preprocess(sample_id, conv, images)
+        })
+        .await
+        .expect("preprocessing never panics");
+        out
+    }
+
+    /// The CPU part: decode/resize/patchify every image, then tokenize.
+    fn preprocess(
+        &self,
+        sample_id: u64,
+        conv: Conversation,
+        images: Vec<(String, bytes::Bytes)>,
+    ) -> Result<PreparedSample, Cause> {
+        let preset = &self.config.preset;
+        let mut timings = ImageTimings::default();
+        let mut outs = Vec::with_capacity(images.len());
+        for (key, bytes) in images {
+            let out = process_image(&bytes, preset, &self.lut, self.config.limits, &mut timings)
+                .map_err(|err| Cause::Image { key, err })?;
+            outs.push(out);
+        }
+        if !outs.is_empty() {
+            self.metrics.observe_stage("decode", timings.decode);
+            self.metrics.observe_stage("resize", timings.resize);
+        }
+        let merge2 = (preset.merge_size * preset.merge_size) as usize;
+        let tokens: Vec<usize> = outs.iter().map(|o| o.rows / merge2).collect();
+        let t = Instant::now();
+        let tok = self.text.tokenize(&conv, &tokens)?;
+        self.metrics.observe_stage("tokenize", t.elapsed());
+        outs.truncate(tok.kept_images);
+        let text = self
+            .text
+            .render(&conv, conv.messages.len(), false)
+            .unwrap_or_default();
+        Ok(PreparedSample {
+            sample_id,
+            input_ids: tok.input_ids,
+            labels: tok.labels,
+            images: outs,
+            text,
+            truncated: tok.truncated,
+        })
+    }
+
+    /// Loads `ids` (concurrently, in order) and collates them. Under `OnError::Skip` failed
+    /// samples are listed in `skipped`; under `Fail` the first failure is returned.
+    pub async fn build_batch(self: &Arc<Self>, ids: &[u64]) -> Result<Batch, SampleFailure> {
+        let results: Vec<Result<PreparedSample, SampleFailure>> =
+            futures::stream::iter(ids.iter().copied())
+                .map(|id| {
+                    let this = self.clone();
+                    async move { this.load_sample(id).await }
+                })
+                .buffered(ids.len().max(1))
+                .collect()
+                .await;
+        let mut samples = Vec::with_capacity(results.len());
+        let mut skipped = Vec::new();
+        for r in results {
+            match r {
+                Ok(s) => samples.push(s),
+                Err(f) if self.config.on_error == OnError::Skip => {
+                    tracing::warn!("skipping {f}");
+                    skipped.push(Skipped {
+                        sample_id: f.sample_id,
+                        reason: f.to_string(),
+                    })
+                }
+                Err(f) => return Err(f),
+            }
+        }
+        let t = Instant::now();
+        let batch = collate(samples, skipped, self.text.pad_id);
+        self.metrics.observe_stage("collate", t.elapsed());
+        Ok(batch)
+    }
+}
+
+/// Pads token sequences to the longest and lines the images up.
+pub fn collate(samples: Vec<PreparedSample>, skipped: Vec<Skipped>, pad_id: i64) -> Batch {
+    let seq_len = samples.iter().map(|s| s.input_ids.len()).max().unwrap_or(0);
+    let b = samples.len();
+    let mut input_ids = vec![pad_id; b * seq_len];
+    let mut labels = vec![IGNORE_INDEX; b * seq_len];
+    let mut attention_mask = vec![0i64; b * seq_len];
+    let mut pixel_chunks = Vec::new();
+    let mut pixel_rows = 0;
+    let mut image_grid_thw = Vec::new();
+    let mut sample_ids = Vec::with_capacity(b);
+    for (i, s) in samples.into_iter().enumerate() {
+        let n = s.input_ids.len();
+        let row = i * seq_len;
+        input_ids[row..row + n].copy_from_slice(&s.input_ids);
+        labels[row..row + n].copy_from_slice(&s.labels);
+        attention_mask[row..row + n].fill(1);
+        for img in s.images {
+            pixel_rows += img.rows;
+            image_grid_thw.extend_from_slice(&img.grid_thw);
+            pixel_chunks.push(img.pixel_bytes);
+        }
+        sample_ids.push(s.sample_id);
+    }
+    Batch {
+        sample_ids,
+        skipped,
+        input_ids,
+        labels,
+        attention_mask,
+        seq_len,
+        pixel_chunks,
+        pixel_rows,
+        image_grid_thw,
+    }
+}
+
+/// Preprocessing knobs, shared by `stoker worker`, `dataset inspect` and the benchmarks.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PreprocessArgs {
+    /// Model family: sets patch size, normalization, resize bounds and chat format.
+    #[arg(long, value_enum, default_value = "qwen2-vl")]
+    pub preset: crate::preprocess::preset::PresetName,
+    /// tokenizer.json, or a folder holding tokenizer.json [default: $STOKER_TOKENIZER, else
+    /// ~/.cache/stoker/qwen-tokenizer as installed by scripts/setup-test-deps.sh].
+    #[arg(long)]
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// Chat template override: a .jinja file, chat_template.json or tokenizer_config.json.
+    #[arg(long)]
+    pub template: Option<std::path::PathBuf>,
+    /// Output dtype of pixel_values (u8 leaves normalization to the GPU).
+    #[arg(long, value_enum)]
+    pub pixel_dtype: Option<PixelDtype>,
+    /// Lower bound on resized pixels per image [default: the preset's].
+    #[arg(long)]
+    pub min_pixels: Option<u64>,
+    /// Upper bound on resized pixels per image [default: the preset's].
+    #[arg(long)]
+    pub max_pixels: Option<u64>,
+    /// Longest token sequence per sample (see docs/preprocessing.md for truncation).
+    #[arg(long)]
+    pub max_length: Option<usize>,
+    /// Largest image side accepted for decoding (decompression-bomb guard).
+    #[arg(long, default_value_t = 16_384)]
+    pub max_image_side: u32,
+    /// Largest decoded image, in pixels (decompression-bomb guard).
+    #[arg(long, default_value_t = 64 << 20)]
+    pub max_image_pixels: u64,
+}
+
+impl PreprocessArgs {
+    pub fn preset(&self) -> Preset {
+        let mut p = Preset::new(self.preset);
+        if let Some(d) = self.pixel_dtype {
+            p.pixel_dtype = d;
+        }
+        if let Some(v) = self.min_pixels {
+            p.min_pixels = v;
+        }
+        if let Some(v) = self.max_pixels {
+            p.max_pixels = v;
+        }
+        if let Some(v) = self.max_length {
+            p.max_length = v;
+        }
+        p
+    }
+
+    pub fn limits(&self) -> DecodeLimits {
+        DecodeLimits {
+            max_side: self.max_image_side,
+            max_pixels: self.max_image_pixels,
+        }
+    }
+
+    pub fn tokenizer_path(&self) -> anyhow::Result<std::path::PathBuf> {
+        if let Some(p) = &self.tokenizer {
+            return Ok(p.clone());
+        }
+        if let Ok(p) = std::env::var("STOKER_TOKENIZER") {
+            return Ok(p.into());
+        }
+        let home = std::env::var("HOME").unwrap_or_else(|_| ".".into());
+        let p = std::path::PathBuf::from(home).join(".cache/stoker/qwen-tokenizer");
+        anyhow::ensure!(
+            p.join("tokenizer.json").exists(),
+            "no tokenizer given and none at {}: pass --tokenizer PATH, set STOKER_TOKENIZER, or run scripts/setup-test-deps.sh",
+            p.display()
+        );
+        Ok(p)
+    }
+
+    pub fn text_processor(&self) -> anyhow::Result<TextProcessor> {
+        TextProcessor::load(
+            &self.tokenizer_path()?,
+            self.template.as_deref(),
+            &self.preset(),
+        )
+    }
+}
+
+/// Which batches a worker serves and how it treats bad samples.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PlanArgs {
+    /// Seed of the sample order.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Samples per global batch (all ranks together).
+    #[arg(long, default_value_t = 32)]
+    pub global_batch_size: u32,
+    /// A sample that cannot be served: skip it (named in the batch) or fail the request.
+    #[arg(long, value_enum, default_value = "skip")]
+    pub on_error: OnError,
+    /// Object-store reads in flight at once.
+    #[arg(long, default_value_t = 64)]
+    pub max_fetches: usize,
+    /// Preprocessing threads [default: the number of cores].
+    #[arg(long)]
+    pub cpu_threads: Option<usize>,
+}
+
+/// Opens the store, loads (or builds) the index and assembles the pipeline.
+pub async fn open_pipeline(
+    data: &str,
+    s3: &crate::source::S3Options,
+    pre: &PreprocessArgs,
+    plan: &PlanArgs,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<Arc<Pipeline>> {
+    let store = Store::open(data, s3).await?;
+    let index = DatasetIndex::load_or_build(&store).await?;
+    if !index.bad_lines.is_empty() {
+        tracing::warn!(
+            "{} invalid lines are excluded from the plan (first: {}); `stoker dataset index` lists them",
+            index.bad_lines.len(),
+            index.bad_lines[0]
+        );
+    }
+    anyhow::ensure!(index.num_samples() > 0, "{data}: no valid samples");
+    let text = pre.text_processor()?;
+    let config = PipelineConfig {
+        preset: pre.preset(),
+        limits: pre.limits(),
+        on_error: plan.on_error,
+        max_fetches: plan.max_fetches,
+        cpu_threads: plan
+            .cpu_threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
+    };
+    let plan = Plan::new(index.num_samples(), plan.global_batch_size, plan.seed);
+    Ok(Arc::new(Pipeline::new(
+        store, index, plan, text, config, metrics,
+    )))
+}

@@ -1,0 +1,101 @@
+//! Model-family presets: the constants of the Qwen-VL image processors and chat formats.
+
+use serde::{Deserialize, Serialize};
+
+const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
+const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
+
+/// How the worker turns pixels into `pixel_values` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum PixelDtype {
+    /// Normalized float32, what transformers returns.
+    F32,
+    /// Normalized bfloat16: half the bytes.
+    Bf16,
+    /// Raw resized pixels; normalization is left to the GPU: a quarter of the bytes.
+    U8,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+pub enum PresetName {
+    #[value(name = "qwen2-vl")]
+    #[serde(rename = "qwen2-vl")]
+    Qwen2Vl,
+    #[value(name = "qwen2.5-vl")]
+    #[serde(rename = "qwen2.5-vl")]
+    Qwen25Vl,
+    #[value(name = "qwen3-vl")]
+    #[serde(rename = "qwen3-vl")]
+    Qwen3Vl,
+}
+
+/// Everything that determines the bytes of a preprocessed sample.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Preset {
+    pub name: PresetName,
+    pub patch_size: u32,
+    pub merge_size: u32,
+    pub temporal_patch_size: u32,
+    pub image_mean: [f32; 3],
+    pub image_std: [f32; 3],
+    pub min_pixels: u64,
+    pub max_pixels: u64,
+    pub pixel_dtype: PixelDtype,
+    /// Longest token sequence per sample; see docs/preprocessing.md for the truncation policy.
+    pub max_length: usize,
+}
+
+impl Preset {
+    pub fn new(name: PresetName) -> Self {
+        let qwen2 = Preset {
+            name,
+            patch_size: 14,
+            merge_size: 2,
+            temporal_patch_size: 2,
+            image_mean: CLIP_MEAN,
+            image_std: CLIP_STD,
+            // transformers' class defaults (the Hub configs raise max_pixels to 12845056).
+            min_pixels: 56 * 56,
+            max_pixels: 28 * 28 * 1280,
+            pixel_dtype: PixelDtype::F32,
+            max_length: 8192,
+        };
+        match name {
+            PresetName::Qwen2Vl | PresetName::Qwen25Vl => qwen2,
+            PresetName::Qwen3Vl => Preset {
+                patch_size: 16,
+                image_mean: [0.5; 3],
+                image_std: [0.5; 3],
+                min_pixels: 65_536,
+                max_pixels: 16_777_216,
+                ..qwen2
+            },
+        }
+    }
+
+    pub fn factor(&self) -> u32 {
+        self.patch_size * self.merge_size
+    }
+
+    /// Values per row of `pixel_values`: C·T·P·P.
+    pub fn patch_dim(&self) -> usize {
+        (3 * self.temporal_patch_size * self.patch_size * self.patch_size) as usize
+    }
+
+    /// The template's system prompt inserted when a conversation has none.
+    pub fn default_system(&self) -> Option<&'static str> {
+        match self.name {
+            PresetName::Qwen2Vl | PresetName::Qwen25Vl => Some("You are a helpful assistant."),
+            PresetName::Qwen3Vl => None,
+        }
+    }
+
+    pub fn label(&self) -> &'static str {
+        match self.name {
+            PresetName::Qwen2Vl => "qwen2-vl",
+            PresetName::Qwen25Vl => "qwen2.5-vl",
+            PresetName::Qwen3Vl => "qwen3-vl",
+        }
+    }
+}

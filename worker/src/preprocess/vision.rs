@@ -1,0 +1,366 @@
+//! Image bytes → `pixel_values` rows and a `(t, h, w)` grid, as the Qwen-VL processors do.
+
+use super::preset::{PixelDtype, Preset};
+use super::resample::resize_rgb8;
+use image::{DynamicImage, ImageDecoder, ImageReader, Limits};
+use std::io::Cursor;
+
+/// Guards against decompression bombs: checked from the header, before any pixel is decoded.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeLimits {
+    pub max_side: u32,
+    pub max_pixels: u64,
+}
+
+impl Default for DecodeLimits {
+    fn default() -> Self {
+        DecodeLimits {
+            max_side: 16_384,
+            max_pixels: 64 << 20,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum ImageError {
+    #[error("unsupported image format")]
+    Unsupported,
+    #[error("corrupt or truncated image: {0}")]
+    Corrupt(String),
+    #[error(
+        "image {w}x{h} exceeds the decode limits ({max_side} px per side, {max_pixels} pixels)"
+    )]
+    TooLarge {
+        w: u32,
+        h: u32,
+        max_side: u32,
+        max_pixels: u64,
+    },
+    #[error("image {h}x{w} (HxW) is too thin: aspect ratio above 200")]
+    AspectRatio { h: u32, w: u32 },
+}
+
+/// A decoded, upright RGB image.
+pub struct Rgb {
+    pub width: usize,
+    pub height: usize,
+    pub data: Vec<u8>,
+}
+
+/// Decodes any supported format, applies the EXIF orientation and converts to RGB8.
+pub fn decode(bytes: &[u8], limits: DecodeLimits) -> Result<Rgb, ImageError> {
+    let reader = ImageReader::new(Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| ImageError::Corrupt(e.to_string()))?;
+    if reader.format().is_none() {
+        return Err(ImageError::Unsupported);
+    }
+    let mut decoder = reader.into_decoder().map_err(classify)?;
+    let (w, h) = decoder.dimensions();
+    if w > limits.max_side || h > limits.max_side || w as u64 * h as u64 > limits.max_pixels {
+        return Err(ImageError::TooLarge {
+            w,
+            h,
+            max_side: limits.max_side,
+            max_pixels: limits.max_pixels,
+        });
+    }
+    let mut decoder_limits = Limits::default();
+    // RGBA16 is the widest layout a decoder may allocate.
+    decoder_limits.max_alloc = Some(limits.max_pixels * 8 + (1 << 20));
+    decoder.set_limits(decoder_limits).map_err(classify)?;
+    let orientation = decoder.orientation().ok();
+    let mut img = DynamicImage::from_decoder(decoder).map_err(classify)?;
+    if let Some(o) = orientation {
+        img.apply_orientation(o);
+    }
+    let rgb = match img {
+        DynamicImage::ImageRgb8(i) => i,
+        other => other.to_rgb8(),
+    };
+    Ok(Rgb {
+        width: rgb.width() as usize,
+        height: rgb.height() as usize,
+        data: rgb.into_raw(),
+    })
+}
+
+fn classify(e: image::ImageError) -> ImageError {
+    match e {
+        image::ImageError::Unsupported(_) => ImageError::Unsupported,
+        other => ImageError::Corrupt(other.to_string()),
+    }
+}
+
+/// Python's `round` (ties to even) of a non-negative f64.
+fn round_half_even(x: f64) -> f64 {
+    let r = x.round();
+    if (x - x.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
+        r - 1.0
+    } else {
+        r
+    }
+}
+
+/// The Qwen-VL `smart_resize`: dimensions divisible by `factor`, pixel count within
+/// [min_pixels, max_pixels], aspect ratio kept. Float operation order follows transformers.
+pub fn smart_resize(
+    height: u32,
+    width: u32,
+    factor: u32,
+    min_pixels: u64,
+    max_pixels: u64,
+) -> Result<(u32, u32), ImageError> {
+    let (h, w, f) = (height as f64, width as f64, factor as f64);
+    if h.max(w) / h.min(w) > 200.0 {
+        return Err(ImageError::AspectRatio {
+            h: height,
+            w: width,
+        });
+    }
+    let mut h_bar = round_half_even(h / f) * f;
+    let mut w_bar = round_half_even(w / f) * f;
+    if h_bar * w_bar > max_pixels as f64 {
+        let beta = ((h * w) / max_pixels as f64).sqrt();
+        h_bar = f.max((h / beta / f).floor() * f);
+        w_bar = f.max((w / beta / f).floor() * f);
+    } else if h_bar * w_bar < min_pixels as f64 {
+        let beta = (min_pixels as f64 / (h * w)).sqrt();
+        h_bar = (h * beta / f).ceil() * f;
+        w_bar = (w * beta / f).ceil() * f;
+    }
+    Ok((h_bar as u32, w_bar as u32))
+}
+
+/// One image's contribution to a batch.
+pub struct ImageOut {
+    /// `[rows, patch_dim]` in the preset's pixel dtype, little endian.
+    pub pixel_bytes: Vec<u8>,
+    pub rows: usize,
+    pub grid_thw: [i64; 3],
+    /// Size after smart_resize (height, width).
+    pub resized: (u32, u32),
+    /// Size of the decoded, upright image (height, width).
+    pub original: (u32, u32),
+}
+
+/// Per-channel lookup from an 8-bit value to its output bytes: the normalization is a pure
+/// function of (channel, value), so computing it once per value is both exact and fast.
+pub struct PixelLut {
+    bytes_per_value: usize,
+    table: Vec<u8>,
+}
+
+impl PixelLut {
+    pub fn new(preset: &Preset) -> Self {
+        let bytes_per_value = match preset.pixel_dtype {
+            PixelDtype::F32 => 4,
+            PixelDtype::Bf16 => 2,
+            PixelDtype::U8 => 1,
+        };
+        let mut table = Vec::with_capacity(3 * 256 * bytes_per_value);
+        for c in 0..3 {
+            for v in 0..=255u8 {
+                // transformers: float64 v * (1/255) → float32; (x - mean) / std in float32.
+                let x = (v as f64 * (1.0 / 255.0)) as f32;
+                let n = (x - preset.image_mean[c]) / preset.image_std[c];
+                match preset.pixel_dtype {
+                    PixelDtype::F32 => table.extend_from_slice(&n.to_le_bytes()),
+                    PixelDtype::Bf16 => {
+                        table.extend_from_slice(&half::bf16::from_f32(n).to_le_bytes())
+                    }
+                    PixelDtype::U8 => table.push(v),
+                }
+            }
+        }
+        PixelLut {
+            bytes_per_value,
+            table,
+        }
+    }
+
+    #[inline(always)]
+    fn get(&self, c: usize, v: u8) -> &[u8] {
+        let i = (c * 256 + v as usize) * self.bytes_per_value;
+        &self.table[i..i + self.bytes_per_value]
+    }
+}
+
+/// Normalizes and patchifies a resized RGB image into `pixel_values` rows.
+///
+/// Row order is (h-block, w-block, merge-row, merge-col) and within a row (c, t, py, px), the
+/// transformers layout; the temporal frames are copies of the one image.
+pub fn patchify(rgb: &Rgb, preset: &Preset, lut: &PixelLut) -> (Vec<u8>, usize, [i64; 3]) {
+    let p = preset.patch_size as usize;
+    let m = preset.merge_size as usize;
+    let t = preset.temporal_patch_size as usize;
+    let (gh, gw) = (rgb.height / p, rgb.width / p);
+    let rows = gh * gw;
+    let bpv = lut.bytes_per_value;
+    let row_bytes = 3 * t * p * p * bpv;
+    let frame_bytes = p * p * bpv;
+    let mut out = vec![0u8; rows * row_bytes];
+    let mut row = 0;
+    for bh in 0..gh / m {
+        for bw in 0..gw / m {
+            for mh in 0..m {
+                for mw in 0..m {
+                    let y0 = (bh * m + mh) * p;
+                    let x0 = (bw * m + mw) * p;
+                    let dst = &mut out[row * row_bytes..(row + 1) * row_bytes];
+                    for c in 0..3 {
+                        let chan = &mut dst[c * t * frame_bytes..(c + 1) * t * frame_bytes];
+                        let (first, rest) = chan.split_at_mut(frame_bytes);
+                        for py in 0..p {
+                            let src = &rgb.data[((y0 + py) * rgb.width + x0) * 3..];
+                            for px in 0..p {
+                                let o = (py * p + px) * bpv;
+                                first[o..o + bpv].copy_from_slice(lut.get(c, src[px * 3 + c]));
+                            }
+                        }
+                        for frame in rest.chunks_exact_mut(frame_bytes) {
+                            frame.copy_from_slice(first);
+                        }
+                    }
+                    row += 1;
+                }
+            }
+        }
+    }
+    (out, rows, [1, gh as i64, gw as i64])
+}
+
+/// Stage timings of one image, for the worker's histograms.
+#[derive(Default, Debug, Clone, Copy)]
+pub struct ImageTimings {
+    pub decode: std::time::Duration,
+    pub resize: std::time::Duration,
+}
+
+/// The whole per-image chain: decode → smart_resize → bicubic → normalize/patchify.
+pub fn process_image(
+    bytes: &[u8],
+    preset: &Preset,
+    lut: &PixelLut,
+    limits: DecodeLimits,
+    timings: &mut ImageTimings,
+) -> Result<ImageOut, ImageError> {
+    let t0 = std::time::Instant::now();
+    let rgb = decode(bytes, limits)?;
+    let t1 = std::time::Instant::now();
+    let (h, w) = smart_resize(
+        rgb.height as u32,
+        rgb.width as u32,
+        preset.factor(),
+        preset.min_pixels,
+        preset.max_pixels,
+    )?;
+    let original = (rgb.height as u32, rgb.width as u32);
+    let resized = Rgb {
+        data: if (h as usize, w as usize) == (rgb.height, rgb.width) {
+            rgb.data
+        } else {
+            resize_rgb8(&rgb.data, rgb.width, rgb.height, w as usize, h as usize)
+        },
+        width: w as usize,
+        height: h as usize,
+    };
+    let (pixel_bytes, rows, grid_thw) = patchify(&resized, preset, lut);
+    let t2 = std::time::Instant::now();
+    timings.decode += t1 - t0;
+    timings.resize += t2 - t1;
+    Ok(ImageOut {
+        pixel_bytes,
+        rows,
+        grid_thw,
+        resized: (h, w),
+        original,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::preprocess::preset::PresetName;
+
+    #[test]
+    fn smart_resize_matches_reference_fixtures() {
+        assert_eq!(
+            smart_resize(561, 278, 28, 3136, 1_003_520).unwrap(),
+            (560, 280)
+        );
+        // 640x480 (WxH): qwen2-vl → 476x644, qwen3-vl unchanged.
+        assert_eq!(
+            smart_resize(480, 640, 28, 3136, 1_003_520).unwrap(),
+            (476, 644)
+        );
+        assert_eq!(
+            smart_resize(480, 640, 32, 65_536, 16_777_216).unwrap(),
+            (480, 640)
+        );
+        // Tiny images are scaled up to min_pixels; huge ones down to max_pixels.
+        let (h, w) = smart_resize(10, 10, 28, 3136, 1_003_520).unwrap();
+        assert!(h as u64 * w as u64 >= 3136 && h % 28 == 0 && w % 28 == 0);
+        let (h, w) = smart_resize(4000, 3000, 28, 3136, 1_003_520).unwrap();
+        assert!(h as u64 * w as u64 <= 1_003_520);
+        assert!(matches!(
+            smart_resize(10, 2100, 28, 3136, 1_003_520),
+            Err(ImageError::AspectRatio { .. })
+        ));
+    }
+
+    #[test]
+    fn python_round_ties_to_even() {
+        assert_eq!(round_half_even(2.5), 2.0);
+        assert_eq!(round_half_even(3.5), 4.0);
+        assert_eq!(round_half_even(2.4), 2.0);
+    }
+
+    #[test]
+    fn patchify_shapes_match_the_reference_example() {
+        let preset = Preset::new(PresetName::Qwen2Vl);
+        let lut = PixelLut::new(&preset);
+        let rgb = Rgb {
+            width: 644,
+            height: 476,
+            data: vec![128; 644 * 476 * 3],
+        };
+        let (bytes, rows, grid) = patchify(&rgb, &preset, &lut);
+        assert_eq!(grid, [1, 34, 46]);
+        assert_eq!(rows, 1564);
+        assert_eq!(bytes.len(), 1564 * 1176 * 4);
+    }
+
+    #[test]
+    fn patchify_places_pixels_in_transformers_order() {
+        let mut preset = Preset::new(PresetName::Qwen2Vl);
+        preset.pixel_dtype = PixelDtype::U8;
+        preset.patch_size = 2;
+        let lut = PixelLut::new(&preset);
+        // 4x8 image (h x w): gh=2, gw=4; pixel value encodes (y, x, c).
+        let (w, h) = (8, 4);
+        let data: Vec<u8> = (0..h * w * 3)
+            .map(|i| {
+                let (y, x, c) = (i / 3 / w, i / 3 % w, i % 3);
+                (y * 40 + x * 4 + c) as u8
+            })
+            .collect();
+        let rgb = Rgb {
+            width: w,
+            height: h,
+            data,
+        };
+        let (out, rows, _) = patchify(&rgb, &preset, &lut);
+        assert_eq!(rows, 8);
+        let row_len = 3 * 2 * 2 * 2;
+        // Row 1 is merge-col 1 of the first 2x2 block: patch (py=0, px=1) → x0 = 2.
+        let r1 = &out[row_len..2 * row_len];
+        assert_eq!(r1[0], 2 * 4); // c=0, t=0, py=0, px=0 → pixel (0, 2)
+        assert_eq!(r1[4], 2 * 4); // t=1 repeats the frame
+        assert_eq!(r1[8], 2 * 4 + 1); // c=1
+                                      // Row 2 is merge-row 1: patch (py=1, px=0) → y0 = 2.
+        assert_eq!(out[2 * row_len], 2 * 40);
+        // Row 4 is the second 2x2 block along w: x0 = 4.
+        assert_eq!(out[4 * row_len], 4 * 4);
+    }
+}

@@ -1,0 +1,438 @@
+//! The batch server: a framed TCP protocol (docs/protocol.md).
+//!
+//! A connection starts with the client's Hello (the pipeline token) and the worker's Welcome
+//! (the plan it serves). Then the client pipelines Requests; each is prepared as its own task
+//! and its Batch (or Error) is written as soon as it is ready, so answers may come out of
+//! order (they echo the request id). Per connection at most `max_inflight_per_conn` requests
+//! are prepared at once; beyond that the server stops reading, and TCP pushes back.
+
+use crate::pipeline::{i64_bytes, Batch, Pipeline};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use stoker_wire::{
+    BatchHead, BatchRequest, ErrorCode, ErrorFrame, FrameHeader, Hello, Kind, TensorRef, Welcome,
+    HEADER_LEN,
+};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, Notify, Semaphore};
+
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Answers waiting for the socket, per connection.
+const OUTBOX_CAPACITY: usize = 4;
+
+pub struct ServerConfig {
+    /// The pipeline token clients must present; `None` disables the check (local use only).
+    pub token: Option<String>,
+    pub max_inflight_per_conn: usize,
+    /// How long a drain waits for in-flight requests before giving up.
+    pub drain_timeout: Duration,
+}
+
+pub struct Server {
+    pub pipeline: Arc<Pipeline>,
+    pub welcome: Welcome,
+    config: ServerConfig,
+    draining: AtomicBool,
+    inflight: AtomicUsize,
+    idle: Notify,
+}
+
+/// Reads one frame; `Ok(None)` on a clean end of stream before a header.
+pub async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+) -> anyhow::Result<Option<(Kind, Vec<u8>)>> {
+    let mut h = [0u8; HEADER_LEN];
+    match r.read_exact(&mut h).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let header = FrameHeader::decode(&h)?;
+    let mut payload = vec![0u8; header.len as usize];
+    r.read_exact(&mut payload).await?;
+    Ok(Some((header.kind, payload)))
+}
+
+pub async fn write_frame<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    kind: Kind,
+    payload: &[u8],
+) -> std::io::Result<()> {
+    let h = FrameHeader {
+        kind,
+        len: payload.len() as u64,
+    };
+    w.write_all(&h.encode()).await?;
+    w.write_all(payload).await
+}
+
+/// Writes a batch frame: head, then each tensor's padding and chunks, with no staging copy.
+async fn write_batch<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    req: BatchRequest,
+    batch: &Batch,
+    pixel_dtype: stoker_wire::DType,
+) -> std::io::Result<u64> {
+    let b = batch.sample_ids.len() as u64;
+    let l = batch.seq_len as u64;
+    let ids = i64_bytes(&batch.input_ids);
+    let labels = i64_bytes(&batch.labels);
+    let mask = i64_bytes(&batch.attention_mask);
+    let grid = i64_bytes(&batch.image_grid_thw);
+    let pixel_bytes: u64 = batch.pixel_chunks.iter().map(|c| c.len() as u64).sum();
+    let row_bytes = if batch.pixel_rows == 0 {
+        0
+    } else {
+        pixel_bytes / batch.pixel_rows as u64
+    };
+    let pixel_dim = row_bytes / pixel_dtype.size() as u64;
+    let tensors = [
+        TensorRef {
+            name: "input_ids",
+            dtype: stoker_wire::DType::I64,
+            shape: vec![b, l],
+            chunks: vec![&ids],
+        },
+        TensorRef {
+            name: "labels",
+            dtype: stoker_wire::DType::I64,
+            shape: vec![b, l],
+            chunks: vec![&labels],
+        },
+        TensorRef {
+            name: "attention_mask",
+            dtype: stoker_wire::DType::I64,
+            shape: vec![b, l],
+            chunks: vec![&mask],
+        },
+        TensorRef {
+            name: "pixel_values",
+            dtype: pixel_dtype,
+            shape: vec![batch.pixel_rows as u64, pixel_dim],
+            chunks: batch.pixel_chunks.iter().map(Vec::as_slice).collect(),
+        },
+        TensorRef {
+            name: "image_grid_thw",
+            dtype: stoker_wire::DType::I64,
+            shape: vec![batch.image_grid_thw.len() as u64 / 3, 3],
+            chunks: vec![&grid],
+        },
+    ];
+    let (head, pads) = BatchHead::layout(
+        req,
+        batch.sample_ids.clone(),
+        batch.skipped.clone(),
+        &tensors,
+    );
+    let total = head.len() as u64
+        + tensors
+            .iter()
+            .zip(&pads)
+            .map(|(t, p)| *p as u64 + t.nbytes())
+            .sum::<u64>();
+    w.write_all(
+        &FrameHeader {
+            kind: Kind::Batch,
+            len: total,
+        }
+        .encode(),
+    )
+    .await?;
+    w.write_all(&head).await?;
+    let zeros = [0u8; stoker_wire::ALIGN];
+    for (t, pad) in tensors.iter().zip(pads) {
+        w.write_all(&zeros[..pad]).await?;
+        for c in &t.chunks {
+            w.write_all(c).await?;
+        }
+    }
+    Ok(total + HEADER_LEN as u64)
+}
+
+/// Equal-time comparison, so the token cannot be guessed byte by byte from response times.
+fn token_matches(expected: &str, given: &str) -> bool {
+    let (a, b) = (expected.as_bytes(), given.as_bytes());
+    let mut diff = (a.len() != b.len()) as u8;
+    for i in 0..a.len() {
+        diff |= a[i] ^ b.get(i).copied().unwrap_or(0);
+    }
+    diff == 0
+}
+
+enum Outgoing {
+    Error(ErrorFrame),
+    Batch(BatchRequest, Batch, Instant),
+}
+
+struct InflightGuard<'a>(&'a Server);
+
+impl Drop for InflightGuard<'_> {
+    fn drop(&mut self) {
+        if self.0.inflight.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+        self.0.pipeline.metrics.requests_in_flight.dec();
+    }
+}
+
+impl Server {
+    pub fn new(pipeline: Arc<Pipeline>, config: ServerConfig) -> Arc<Self> {
+        let plan = &pipeline.plan;
+        let welcome = Welcome {
+            plan_id: plan_id(&pipeline),
+            dataset_version: pipeline.index.version,
+            num_samples: plan.num_samples,
+            global_batch_size: plan.global_batch_size,
+            batches_per_epoch: plan.batches_per_epoch(),
+            description: format!(
+                "{} {:?} seed={}",
+                pipeline.config.preset.label(),
+                pipeline.config.preset.pixel_dtype,
+                plan.seed
+            ),
+        };
+        Arc::new(Server {
+            pipeline,
+            welcome,
+            config,
+            draining: AtomicBool::new(false),
+            inflight: AtomicUsize::new(0),
+            idle: Notify::new(),
+        })
+    }
+
+    fn refuse(&self, reason: &str) {
+        self.pipeline
+            .metrics
+            .requests_refused_total
+            .with_label_values(&[reason])
+            .inc();
+    }
+
+    /// Accepts connections until `shutdown` resolves, then drains: stops accepting, answers
+    /// new requests with Unavailable, and waits for in-flight requests to finish.
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: TcpListener,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        self.pipeline.metrics.set_ready(true);
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                r = listener.accept() => {
+                    if let Ok((stream, peer)) = r {
+                        let this = self.clone();
+                        tokio::spawn(async move {
+                            if let Err(e) = this.handle(stream).await {
+                                tracing::debug!("connection from {peer}: {e:#}");
+                            }
+                        });
+                    }
+                }
+                _ = &mut shutdown => break,
+            }
+        }
+        drop(listener);
+        self.drain().await;
+    }
+
+    pub async fn drain(&self) {
+        self.pipeline.metrics.set_ready(false);
+        self.draining.store(true, Ordering::SeqCst);
+        let deadline = tokio::time::Instant::now() + self.config.drain_timeout;
+        loop {
+            let idle = self.idle.notified();
+            if self.inflight.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, idle).await.is_err() {
+                tracing::warn!(
+                    "drain timed out with {} requests in flight",
+                    self.inflight.load(Ordering::SeqCst)
+                );
+                return;
+            }
+        }
+    }
+
+    async fn handle(self: Arc<Self>, stream: TcpStream) -> anyhow::Result<()> {
+        stream.set_nodelay(true)?;
+        let (mut rd, wr) = stream.into_split();
+        let mut wr = BufWriter::with_capacity(64 << 10, wr);
+
+        let hello = tokio::time::timeout(HELLO_TIMEOUT, read_frame(&mut rd)).await;
+        let hello = match hello {
+            Ok(Ok(Some((Kind::Hello, p)))) => Hello::decode(&p)?,
+            _ => {
+                self.refuse("no_hello");
+                let e = ErrorFrame {
+                    request_id: 0,
+                    code: ErrorCode::BadRequest,
+                    message: "expected a Hello frame first".into(),
+                };
+                write_frame(&mut wr, Kind::Error, &e.encode()).await?;
+                wr.flush().await?;
+                return Ok(());
+            }
+        };
+        if let Some(expected) = &self.config.token {
+            if !token_matches(expected, &hello.token) {
+                self.refuse("unauthorized");
+                let message = if hello.token.is_empty() {
+                    "this worker requires a pipeline token and none was sent"
+                } else {
+                    "wrong pipeline token"
+                };
+                let e = ErrorFrame {
+                    request_id: 0,
+                    code: ErrorCode::Unauthorized,
+                    message: message.into(),
+                };
+                write_frame(&mut wr, Kind::Error, &e.encode()).await?;
+                wr.flush().await?;
+                return Ok(());
+            }
+        }
+        write_frame(&mut wr, Kind::Welcome, &self.welcome.encode()).await?;
+        wr.flush().await?;
+
+        let (tx, mut rx) = mpsc::channel::<Outgoing>(OUTBOX_CAPACITY);
+        let pixel_dtype = self.pipeline.pixel_dtype();
+        let metrics = self.pipeline.metrics.clone();
+        let writer = tokio::spawn(async move {
+            while let Some(out) = rx.recv().await {
+                match out {
+                    Outgoing::Error(e) => write_frame(&mut wr, Kind::Error, &e.encode()).await?,
+                    Outgoing::Batch(req, batch, started) => {
+                        let t = Instant::now();
+                        let n = write_batch(&mut wr, req, &batch, pixel_dtype).await?;
+                        wr.flush().await?;
+                        metrics.observe_stage("send", t.elapsed());
+                        metrics
+                            .request_seconds
+                            .observe(started.elapsed().as_secs_f64());
+                        metrics.bytes_sent_total.inc_by(n);
+                        metrics.batches_total.inc();
+                        metrics.samples_total.inc_by(batch.sample_ids.len() as u64);
+                        continue;
+                    }
+                }
+                wr.flush().await?;
+            }
+            anyhow::Ok(())
+        });
+
+        let slots = Arc::new(Semaphore::new(self.config.max_inflight_per_conn.max(1)));
+        while let Some((kind, payload)) = read_frame(&mut rd).await? {
+            if kind != Kind::Request {
+                self.refuse("bad_request");
+                let e = ErrorFrame {
+                    request_id: 0,
+                    code: ErrorCode::BadRequest,
+                    message: format!("unexpected {kind:?} frame"),
+                };
+                let _ = tx.send(Outgoing::Error(e)).await;
+                break;
+            }
+            let req = match BatchRequest::decode(&payload) {
+                Ok(r) => r,
+                Err(e) => {
+                    self.refuse("bad_request");
+                    let e = ErrorFrame {
+                        request_id: 0,
+                        code: ErrorCode::BadRequest,
+                        message: e.to_string(),
+                    };
+                    let _ = tx.send(Outgoing::Error(e)).await;
+                    break;
+                }
+            };
+            let permit = slots.clone().acquire_owned().await.expect("never closed");
+            let this = self.clone();
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let out = this.answer(req).await;
+                let _ = tx.send(out).await;
+                drop(permit);
+            });
+        }
+        drop(tx);
+        writer.await??;
+        Ok(())
+    }
+
+    async fn answer(&self, req: BatchRequest) -> Outgoing {
+        let started = Instant::now();
+        let err = |code, message: String| {
+            Outgoing::Error(ErrorFrame {
+                request_id: req.request_id,
+                code,
+                message,
+            })
+        };
+        if self.draining.load(Ordering::SeqCst) {
+            self.refuse("draining");
+            return err(
+                ErrorCode::Unavailable,
+                "worker is draining; retry on another worker".into(),
+            );
+        }
+        if req.plan_id != self.welcome.plan_id {
+            self.refuse("plan_mismatch");
+            return err(
+                ErrorCode::PlanMismatch,
+                format!(
+                    "request is for plan {:016x}; this worker serves plan {:016x} ({})",
+                    req.plan_id, self.welcome.plan_id, self.welcome.description
+                ),
+            );
+        }
+        self.inflight.fetch_add(1, Ordering::SeqCst);
+        self.pipeline.metrics.requests_in_flight.inc();
+        let _guard = InflightGuard(self);
+        let ids = match self.pipeline.plan.rank_slice(
+            req.epoch,
+            req.global_batch,
+            req.rank,
+            req.world_size,
+        ) {
+            Ok(ids) => ids,
+            Err(e) => {
+                self.refuse("bad_request");
+                return err(ErrorCode::BadRequest, e.to_string());
+            }
+        };
+        match self.pipeline.build_batch(&ids).await {
+            Ok(batch) => Outgoing::Batch(req, batch, started),
+            Err(f) => err(ErrorCode::Failed, f.to_string()),
+        }
+    }
+}
+
+/// The identity of what a worker serves: data version, order and every preprocessing knob.
+pub fn plan_id(p: &Pipeline) -> u64 {
+    let preset = serde_json::to_vec(&p.config.preset).expect("preset serializes");
+    crate::dataset::index::fingerprint(&[
+        &p.index.version.to_le_bytes(),
+        &p.plan.seed.to_le_bytes(),
+        &p.plan.global_batch_size.to_le_bytes(),
+        &preset,
+        &p.text.fingerprint.to_le_bytes(),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::token_matches;
+
+    #[test]
+    fn token_comparison() {
+        assert!(token_matches("s3cret", "s3cret"));
+        assert!(!token_matches("s3cret", "s3cre"));
+        assert!(!token_matches("s3cret", "s3cretX"));
+        assert!(!token_matches("s3cret", ""));
+    }
+}

@@ -1,0 +1,352 @@
+//! Where a dataset lives: an S3 bucket prefix (through aws-sdk-s3) or a local folder.
+//!
+//! Keys are always relative to the dataset root and use `/`; [`resolve_relative`] is the one
+//! place that turns a path written inside a JSONL line into a key, and it refuses any path
+//! that would leave the root.
+
+use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata};
+use bytes::Bytes;
+use std::path::{Path, PathBuf};
+
+/// Connection settings for S3-compatible stores; the credentials come from the standard chain
+/// (environment, profile, web identity, instance metadata).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct S3Options {
+    /// S3 endpoint URL (for MinIO, Ceph, an embedded server, …); default: AWS.
+    #[arg(long, env = "AWS_ENDPOINT_URL")]
+    pub s3_endpoint: Option<String>,
+    /// Region (default: from the environment or profile, else us-east-1).
+    #[arg(long, env = "AWS_REGION")]
+    pub s3_region: Option<String>,
+    /// Use path-style addressing (http://host/bucket/key), needed by most non-AWS stores.
+    #[arg(long)]
+    pub s3_path_style: bool,
+    /// Static (access key, secret key), for in-process use; otherwise the standard chain.
+    #[arg(skip)]
+    pub static_credentials: Option<(String, String)>,
+}
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum FetchError {
+    #[error("object {0} does not exist")]
+    NotFound(String),
+    #[error("fetching {0}: {1}")]
+    Io(String, String),
+}
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[error("path {path:?} in {base} is not allowed: {why}")]
+pub struct PathError {
+    pub path: String,
+    pub base: String,
+    pub why: &'static str,
+}
+
+/// Resolves `rel` against the folder of `base_key` (a JSONL shard), within the dataset root.
+pub fn resolve_relative(base_key: &str, rel: &str) -> Result<String, PathError> {
+    let err = |why| PathError {
+        path: rel.to_string(),
+        base: base_key.to_string(),
+        why,
+    };
+    if rel.is_empty() {
+        return Err(err("empty path"));
+    }
+    if rel.starts_with('/') || rel.starts_with('\\') || rel.contains("://") || rel.contains(':') {
+        return Err(err(
+            "absolute paths and URLs are refused; use a path relative to the JSONL file",
+        ));
+    }
+    if rel.contains('\\') || rel.contains('\0') {
+        return Err(err("backslashes and NUL are refused"));
+    }
+    let mut parts: Vec<&str> = base_key.split('/').collect();
+    parts.pop(); // the shard's file name
+    for seg in rel.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                if parts.pop().is_none() {
+                    return Err(err("it escapes the dataset root"));
+                }
+            }
+            s => parts.push(s),
+        }
+    }
+    if parts.is_empty() {
+        return Err(err("it names the dataset root"));
+    }
+    Ok(parts.join("/"))
+}
+
+#[derive(Debug, Clone)]
+pub struct ObjectInfo {
+    pub key: String,
+    pub size: u64,
+    /// ETag for S3, mtime+size for a local file: changes when the content does.
+    pub version: String,
+}
+
+#[derive(Clone)]
+pub enum Store {
+    Local {
+        root: PathBuf,
+    },
+    S3 {
+        client: aws_sdk_s3::Client,
+        bucket: String,
+        /// Empty, or ends with '/'.
+        prefix: String,
+    },
+}
+
+impl Store {
+    /// Opens `s3://bucket/prefix`, `file:///path` or a plain path.
+    pub async fn open(uri: &str, s3: &S3Options) -> anyhow::Result<Store> {
+        if let Some(rest) = uri.strip_prefix("s3://") {
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            anyhow::ensure!(!bucket.is_empty(), "{uri}: no bucket name");
+            let mut prefix = prefix.trim_end_matches('/').to_string();
+            if !prefix.is_empty() {
+                prefix.push('/');
+            }
+            let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest());
+            if let Some(e) = &s3.s3_endpoint {
+                loader = loader.endpoint_url(e);
+            }
+            let region = s3.s3_region.clone().unwrap_or_else(|| "us-east-1".into());
+            loader = loader.region(aws_config::Region::new(region));
+            if let Some((ak, sk)) = &s3.static_credentials {
+                loader = loader.credentials_provider(aws_sdk_s3::config::Credentials::new(
+                    ak, sk, None, None, "stoker",
+                ));
+            }
+            let conf = loader.load().await;
+            let s3conf = aws_sdk_s3::config::Builder::from(&conf)
+                .force_path_style(s3.s3_path_style)
+                .build();
+            return Ok(Store::S3 {
+                client: aws_sdk_s3::Client::from_conf(s3conf),
+                bucket: bucket.to_string(),
+                prefix,
+            });
+        }
+        let path = uri.strip_prefix("file://").unwrap_or(uri);
+        let root = PathBuf::from(path);
+        anyhow::ensure!(root.is_dir(), "{uri}: not a folder (and not an s3:// URI)");
+        Ok(Store::Local {
+            root: root.canonicalize()?,
+        })
+    }
+
+    /// The full name of a key, for messages.
+    pub fn describe(&self, key: &str) -> String {
+        match self {
+            Store::Local { root } => root.join(key).display().to_string(),
+            Store::S3 { bucket, prefix, .. } => format!("s3://{bucket}/{prefix}{key}"),
+        }
+    }
+
+    /// Every object under the root, sorted by key.
+    pub async fn list(&self) -> anyhow::Result<Vec<ObjectInfo>> {
+        let mut out = Vec::new();
+        match self {
+            Store::Local { root } => list_local(root, root, &mut out)?,
+            Store::S3 {
+                client,
+                bucket,
+                prefix,
+            } => {
+                let mut pages = client
+                    .list_objects_v2()
+                    .bucket(bucket)
+                    .prefix(prefix.as_str())
+                    .into_paginator()
+                    .send();
+                while let Some(page) = pages.next().await {
+                    let page = page.map_err(|e| {
+                        anyhow::anyhow!(
+                            "listing {}: {}",
+                            self.describe(""),
+                            DisplayErrorContext(&e)
+                        )
+                    })?;
+                    for o in page.contents() {
+                        let key = o.key().unwrap_or_default();
+                        out.push(ObjectInfo {
+                            key: key[prefix.len()..].to_string(),
+                            size: o.size().unwrap_or(0) as u64,
+                            version: o.e_tag().unwrap_or_default().to_string(),
+                        });
+                    }
+                }
+            }
+        }
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
+    pub async fn get(&self, key: &str) -> Result<Bytes, FetchError> {
+        self.fetch(key, None).await
+    }
+
+    /// Bytes `start .. start + len` of an object.
+    pub async fn get_range(&self, key: &str, start: u64, len: u64) -> Result<Bytes, FetchError> {
+        self.fetch(key, Some((start, len))).await
+    }
+
+    async fn fetch(&self, key: &str, range: Option<(u64, u64)>) -> Result<Bytes, FetchError> {
+        let io = |e: String| FetchError::Io(self.describe(key), e);
+        match self {
+            Store::Local { root } => {
+                use tokio::io::{AsyncReadExt, AsyncSeekExt};
+                let path = root.join(key);
+                let mut f = match tokio::fs::File::open(&path).await {
+                    Ok(f) => f,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        return Err(FetchError::NotFound(self.describe(key)))
+                    }
+                    Err(e) => return Err(io(e.to_string())),
+                };
+                let mut buf = Vec::new();
+                match range {
+                    None => f.read_to_end(&mut buf).await,
+                    Some((start, len)) => {
+                        f.seek(std::io::SeekFrom::Start(start))
+                            .await
+                            .map_err(|e| io(e.to_string()))?;
+                        f.take(len).read_to_end(&mut buf).await
+                    }
+                }
+                .map_err(|e| io(e.to_string()))?;
+                Ok(buf.into())
+            }
+            Store::S3 {
+                client,
+                bucket,
+                prefix,
+            } => {
+                let mut req = client
+                    .get_object()
+                    .bucket(bucket)
+                    .key(format!("{prefix}{key}"));
+                if let Some((start, len)) = range {
+                    req = req.range(format!("bytes={start}-{}", start + len.max(1) - 1));
+                }
+                let resp = req.send().await.map_err(|e| {
+                    let not_found = e
+                        .as_service_error()
+                        .is_some_and(|s| s.is_no_such_key() || s.code() == Some("NotFound"));
+                    if not_found {
+                        FetchError::NotFound(self.describe(key))
+                    } else {
+                        io(DisplayErrorContext(&e).to_string())
+                    }
+                })?;
+                let body = resp
+                    .body
+                    .collect()
+                    .await
+                    .map_err(|e| io(format!("reading body: {e}")))?;
+                Ok(body.into_bytes())
+            }
+        }
+    }
+
+    pub async fn put(&self, key: &str, data: Vec<u8>) -> anyhow::Result<()> {
+        match self {
+            Store::Local { root } => {
+                let path = root.join(key);
+                if let Some(dir) = path.parent() {
+                    tokio::fs::create_dir_all(dir).await?;
+                }
+                tokio::fs::write(&path, data).await?;
+            }
+            Store::S3 {
+                client,
+                bucket,
+                prefix,
+            } => {
+                client
+                    .put_object()
+                    .bucket(bucket)
+                    .key(format!("{prefix}{key}"))
+                    .body(data.into())
+                    .send()
+                    .await
+                    .map_err(|e| {
+                        anyhow::anyhow!(
+                            "writing {}: {}",
+                            self.describe(key),
+                            DisplayErrorContext(&e)
+                        )
+                    })?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn list_local(root: &Path, dir: &Path, out: &mut Vec<ObjectInfo>) -> anyhow::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let meta = entry.metadata()?;
+        let path = entry.path();
+        if meta.is_dir() {
+            list_local(root, &path, out)?;
+        } else if meta.is_file() {
+            let rel = path
+                .strip_prefix(root)?
+                .to_string_lossy()
+                .replace('\\', "/");
+            let mtime = meta
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map(|d| d.as_nanos())
+                .unwrap_or(0);
+            out.push(ObjectInfo {
+                key: rel,
+                size: meta.len(),
+                version: format!("{mtime}-{}", meta.len()),
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_paths_resolve_against_the_shard_folder() {
+        assert_eq!(
+            resolve_relative("a/b/s.jsonl", "img/x.jpg").unwrap(),
+            "a/b/img/x.jpg"
+        );
+        assert_eq!(
+            resolve_relative("a/b/s.jsonl", "../c.png").unwrap(),
+            "a/c.png"
+        );
+        assert_eq!(resolve_relative("s.jsonl", "./x.jpg").unwrap(), "x.jpg");
+    }
+
+    #[test]
+    fn traversal_and_absolute_paths_are_refused() {
+        for bad in [
+            "../x.jpg",
+            "a/../../x",
+            "/etc/passwd",
+            "s3://other/x",
+            "C:\\x",
+            "..\\x",
+            "",
+        ] {
+            let e = resolve_relative("s.jsonl", bad).unwrap_err();
+            assert_eq!(e.path, bad);
+        }
+        let e = resolve_relative("d/s.jsonl", "../../etc/passwd").unwrap_err();
+        assert!(e.to_string().contains("escapes the dataset root"), "{e}");
+    }
+}

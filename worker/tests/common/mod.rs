@@ -1,0 +1,166 @@
+//! Shared fixtures: a synthetic dataset behind the embedded S3 server, a worker on loopback,
+//! and a minimal protocol client.
+#![allow(dead_code)]
+
+use clap::Parser;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use stoker_wire::{BatchHead, BatchRequest, ErrorFrame, Hello, Kind, Welcome};
+use stoker_worker::dataset::synth::{generate, SynthFormat, SynthOptions};
+use stoker_worker::embedded_s3::EmbeddedS3;
+use stoker_worker::metrics::Metrics;
+use stoker_worker::pipeline::{open_pipeline, PlanArgs, PreprocessArgs};
+use stoker_worker::server::{read_frame, write_frame, Server, ServerConfig};
+use tokio::net::TcpStream;
+
+pub const TOKEN: &str = "test-token";
+
+#[derive(Parser)]
+pub struct Knobs {
+    #[command(flatten)]
+    pub pre: PreprocessArgs,
+    #[command(flatten)]
+    pub plan: PlanArgs,
+}
+
+pub fn knobs(args: &[&str]) -> Knobs {
+    Knobs::parse_from(std::iter::once("test").chain(args.iter().copied()))
+}
+
+/// A dataset in `root/bucket/data/`, served by an embedded S3 server.
+pub struct Dataset {
+    pub root: tempfile::TempDir,
+    pub s3: EmbeddedS3,
+    pub uri: String,
+}
+
+impl Dataset {
+    pub fn dir(&self) -> std::path::PathBuf {
+        self.root.path().join("bucket/data")
+    }
+}
+
+pub async fn synth_dataset(samples: usize, format: SynthFormat) -> Dataset {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("bucket/data");
+    let o = SynthOptions {
+        samples,
+        format,
+        samples_per_shard: 10,
+        min_side: 64,
+        max_side: 360,
+        ..SynthOptions::default()
+    };
+    generate(&dir, &o, &indicatif::ProgressBar::hidden()).unwrap();
+    let s3 = EmbeddedS3::start(root.path(), "127.0.0.1:0", Duration::ZERO).await.unwrap();
+    Dataset { root, s3, uri: "s3://bucket/data".into() }
+}
+
+pub struct Worker {
+    pub addr: SocketAddr,
+    pub server: Arc<Server>,
+    pub metrics: Arc<Metrics>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    pub task: tokio::task::JoinHandle<()>,
+}
+
+impl Worker {
+    /// Triggers the SIGTERM path: not ready, finish in-flight, stop.
+    pub fn terminate(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+pub async fn start_worker(ds: &Dataset, args: &[&str]) -> Worker {
+    let k = knobs(args);
+    let metrics = Metrics::new();
+    let pipeline = open_pipeline(&ds.uri, &ds.s3.s3_options(), &k.pre, &k.plan, metrics.clone())
+        .await
+        .unwrap();
+    let server = Server::new(
+        pipeline,
+        ServerConfig {
+            token: Some(TOKEN.into()),
+            max_inflight_per_conn: 4,
+            drain_timeout: Duration::from_secs(30),
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(server.clone().serve(listener, async {
+        let _ = rx.await;
+    }));
+    Worker { addr, server, metrics, stop: Some(tx), task }
+}
+
+pub enum Answer {
+    Batch(BatchHead, Vec<u8>),
+    Error(ErrorFrame),
+}
+
+impl Answer {
+    pub fn batch(self) -> (BatchHead, Vec<u8>) {
+        match self {
+            Answer::Batch(h, p) => (h, p),
+            Answer::Error(e) => panic!("expected a batch, got {e:?}"),
+        }
+    }
+    pub fn error(self) -> ErrorFrame {
+        match self {
+            Answer::Error(e) => e,
+            Answer::Batch(h, _) => panic!("expected an error, got batch {:?}", h.sample_ids),
+        }
+    }
+}
+
+pub struct Client {
+    pub stream: TcpStream,
+}
+
+impl Client {
+    pub async fn connect(addr: SocketAddr, token: &str) -> Result<(Client, Welcome), ErrorFrame> {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        let hello = Hello { token: token.into(), client: "test".into() };
+        write_frame(&mut stream, Kind::Hello, &hello.encode()).await.unwrap();
+        match read_frame(&mut stream).await.unwrap().unwrap() {
+            (Kind::Welcome, p) => Ok((Client { stream }, Welcome::decode(&p).unwrap())),
+            (Kind::Error, p) => Err(ErrorFrame::decode(&p).unwrap()),
+            (k, _) => panic!("unexpected {k:?}"),
+        }
+    }
+
+    pub async fn send(&mut self, req: BatchRequest) {
+        write_frame(&mut self.stream, Kind::Request, &req.encode()).await.unwrap();
+    }
+
+    pub async fn recv(&mut self) -> Answer {
+        match read_frame(&mut self.stream).await.unwrap().expect("answer") {
+            (Kind::Batch, p) => Answer::Batch(BatchHead::decode(&p, p.len() as u64).unwrap(), p),
+            (Kind::Error, p) => Answer::Error(ErrorFrame::decode(&p).unwrap()),
+            (k, _) => panic!("unexpected {k:?}"),
+        }
+    }
+
+    pub async fn get(&mut self, req: BatchRequest) -> Answer {
+        self.send(req).await;
+        self.recv().await
+    }
+}
+
+pub fn request(w: &Welcome, epoch: u64, g: u64, rank: u32, world: u32) -> BatchRequest {
+    BatchRequest { request_id: g * 1000 + rank as u64, plan_id: w.plan_id, epoch, global_batch: g, rank, world_size: world }
+}
+
+/// A tensor's bytes inside a batch payload.
+pub fn tensor<'a>(head: &BatchHead, payload: &'a [u8], name: &str) -> &'a [u8] {
+    let t = head.tensor(name).unwrap_or_else(|| panic!("no tensor {name}"));
+    &payload[t.offset as usize..(t.offset + t.nbytes) as usize]
+}
+
+pub fn i64s(b: &[u8]) -> Vec<i64> {
+    b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()
+}
