@@ -221,6 +221,6 @@ fn write_safetensors(
             TensorView::new(Dtype::I64, vec![b.image_grid_thw.len() / 3, 3], &grid)?,
         ),
     ];
-    safetensors::serialize_to_file(tensors, None, path)?;
+    safetensors::serialize_to_file(tensors, &None, path)?;
     Ok(())
 }

@@ -49,11 +49,19 @@ pub struct Rgb {
 
 /// Decodes any supported format, applies the EXIF orientation and converts to RGB8.
 pub fn decode(bytes: &[u8], limits: DecodeLimits) -> Result<Rgb, ImageError> {
-    let reader = ImageReader::new(Cursor::new(bytes))
+    let mut reader = ImageReader::new(Cursor::new(bytes))
         .with_guessed_format()
         .map_err(|e| ImageError::Corrupt(e.to_string()))?;
     if reader.format().is_none() {
         return Err(ImageError::Unsupported);
+    }
+    // Header parsing allocates no pixels; our own limits apply once the size is known.
+    reader.no_limits();
+    if reader.format() == Some(image::ImageFormat::Jpeg) && !jpeg_has_end(bytes) {
+        // The decoder would fill the missing rows with gray; Pillow refuses such files.
+        return Err(ImageError::Corrupt(
+            "truncated JPEG: no end-of-image marker".into(),
+        ));
     }
     let mut decoder = reader.into_decoder().map_err(classify)?;
     let (w, h) = decoder.dimensions();
@@ -83,6 +91,13 @@ pub fn decode(bytes: &[u8], limits: DecodeLimits) -> Result<Rgb, ImageError> {
         height: rgb.height() as usize,
         data: rgb.into_raw(),
     })
+}
+
+/// Whether a JPEG's end-of-image marker (FF D9) is present near its end (some writers append
+/// a few bytes after it).
+fn jpeg_has_end(bytes: &[u8]) -> bool {
+    let tail = &bytes[bytes.len().saturating_sub(1024)..];
+    tail.windows(2).any(|w| w == [0xff, 0xd9])
 }
 
 fn classify(e: image::ImageError) -> ImageError {

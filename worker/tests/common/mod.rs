@@ -53,8 +53,14 @@ pub async fn synth_dataset(samples: usize, format: SynthFormat) -> Dataset {
         ..SynthOptions::default()
     };
     generate(&dir, &o, &indicatif::ProgressBar::hidden()).unwrap();
-    let s3 = EmbeddedS3::start(root.path(), "127.0.0.1:0", Duration::ZERO).await.unwrap();
-    Dataset { root, s3, uri: "s3://bucket/data".into() }
+    let s3 = EmbeddedS3::start(root.path(), "127.0.0.1:0", Duration::ZERO)
+        .await
+        .unwrap();
+    Dataset {
+        root,
+        s3,
+        uri: "s3://bucket/data".into(),
+    }
 }
 
 pub struct Worker {
@@ -77,9 +83,15 @@ impl Worker {
 pub async fn start_worker(ds: &Dataset, args: &[&str]) -> Worker {
     let k = knobs(args);
     let metrics = Metrics::new();
-    let pipeline = open_pipeline(&ds.uri, &ds.s3.s3_options(), &k.pre, &k.plan, metrics.clone())
-        .await
-        .unwrap();
+    let pipeline = open_pipeline(
+        &ds.uri,
+        &ds.s3.s3_options(),
+        &k.pre,
+        &k.plan,
+        metrics.clone(),
+    )
+    .await
+    .unwrap();
     let server = Server::new(
         pipeline,
         ServerConfig {
@@ -94,7 +106,13 @@ pub async fn start_worker(ds: &Dataset, args: &[&str]) -> Worker {
     let task = tokio::spawn(server.clone().serve(listener, async {
         let _ = rx.await;
     }));
-    Worker { addr, server, metrics, stop: Some(tx), task }
+    Worker {
+        addr,
+        server,
+        metrics,
+        stop: Some(tx),
+        task,
+    }
 }
 
 pub enum Answer {
@@ -124,8 +142,13 @@ pub struct Client {
 impl Client {
     pub async fn connect(addr: SocketAddr, token: &str) -> Result<(Client, Welcome), ErrorFrame> {
         let mut stream = TcpStream::connect(addr).await.unwrap();
-        let hello = Hello { token: token.into(), client: "test".into() };
-        write_frame(&mut stream, Kind::Hello, &hello.encode()).await.unwrap();
+        let hello = Hello {
+            token: token.into(),
+            client: "test".into(),
+        };
+        write_frame(&mut stream, Kind::Hello, &hello.encode())
+            .await
+            .unwrap();
         match read_frame(&mut stream).await.unwrap().unwrap() {
             (Kind::Welcome, p) => Ok((Client { stream }, Welcome::decode(&p).unwrap())),
             (Kind::Error, p) => Err(ErrorFrame::decode(&p).unwrap()),
@@ -134,7 +157,9 @@ impl Client {
     }
 
     pub async fn send(&mut self, req: BatchRequest) {
-        write_frame(&mut self.stream, Kind::Request, &req.encode()).await.unwrap();
+        write_frame(&mut self.stream, Kind::Request, &req.encode())
+            .await
+            .unwrap();
     }
 
     pub async fn recv(&mut self) -> Answer {
@@ -152,15 +177,26 @@ impl Client {
 }
 
 pub fn request(w: &Welcome, epoch: u64, g: u64, rank: u32, world: u32) -> BatchRequest {
-    BatchRequest { request_id: g * 1000 + rank as u64, plan_id: w.plan_id, epoch, global_batch: g, rank, world_size: world }
+    BatchRequest {
+        request_id: g * 1000 + rank as u64,
+        plan_id: w.plan_id,
+        epoch,
+        global_batch: g,
+        rank,
+        world_size: world,
+    }
 }
 
 /// A tensor's bytes inside a batch payload.
 pub fn tensor<'a>(head: &BatchHead, payload: &'a [u8], name: &str) -> &'a [u8] {
-    let t = head.tensor(name).unwrap_or_else(|| panic!("no tensor {name}"));
+    let t = head
+        .tensor(name)
+        .unwrap_or_else(|| panic!("no tensor {name}"));
     &payload[t.offset as usize..(t.offset + t.nbytes) as usize]
 }
 
 pub fn i64s(b: &[u8]) -> Vec<i64> {
-    b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()
+    b.chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
 }

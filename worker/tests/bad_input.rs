@@ -1,0 +1,235 @@
+//! Bad input gets a clear error naming the thing, a counted metric, and loses nothing: one
+//! test per kind, all in one hand-made dataset served through the embedded S3 server.
+
+mod common;
+
+use common::*;
+use std::time::Duration;
+use stoker_wire::ErrorCode;
+use stoker_worker::dataset::index::{DatasetIndex, INDEX_KEY};
+use stoker_worker::embedded_s3::EmbeddedS3;
+use stoker_worker::source::Store;
+
+fn crc32(data: &[u8]) -> u32 {
+    let mut crc = 0xffff_ffffu32;
+    for &b in data {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xedb8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+fn png_chunk(out: &mut Vec<u8>, kind: &[u8], data: &[u8]) {
+    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    let mut body = kind.to_vec();
+    body.extend_from_slice(data);
+    out.extend_from_slice(&body);
+    out.extend_from_slice(&crc32(&body).to_be_bytes());
+}
+
+/// A well-formed PNG header announcing 60000×60000 pixels: 10.8 GB once decoded.
+fn png_bomb() -> Vec<u8> {
+    let mut v = b"\x89PNG\r\n\x1a\n".to_vec();
+    let mut ihdr = Vec::new();
+    ihdr.extend_from_slice(&60_000u32.to_be_bytes());
+    ihdr.extend_from_slice(&60_000u32.to_be_bytes());
+    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
+    png_chunk(&mut v, b"IHDR", &ihdr);
+    png_chunk(
+        &mut v,
+        b"IDAT",
+        &[0x78, 0x9c, 0x03, 0x00, 0x00, 0x00, 0x00, 0x01],
+    );
+    png_chunk(&mut v, b"IEND", &[]);
+    v
+}
+
+fn small_png() -> Vec<u8> {
+    let img = image::RgbImage::from_fn(60, 40, |x, y| image::Rgb([x as u8 * 4, y as u8 * 6, 90]));
+    let mut out = std::io::Cursor::new(Vec::new());
+    image::DynamicImage::from(img)
+        .write_to(&mut out, image::ImageFormat::Png)
+        .unwrap();
+    out.into_inner()
+}
+
+fn jpeg(w: u16, h: u16) -> Vec<u8> {
+    let px: Vec<u8> = (0..w as usize * h as usize * 3)
+        .map(|i| (i * 7 % 251) as u8)
+        .collect();
+    let mut out = Vec::new();
+    jpeg_encoder::Encoder::new(&mut out, 90)
+        .encode(&px, w, h, jpeg_encoder::ColorType::Rgb)
+        .unwrap();
+    out
+}
+
+fn llava(image: &str) -> String {
+    format!(
+        r#"{{"image": "{image}", "conversations": [{{"from": "human", "value": "<image>\nWhat is it?"}}, {{"from": "gpt", "value": "A test."}}]}}"#
+    )
+}
+
+struct BadDataset {
+    _root: tempfile::TempDir,
+    ds: Dataset,
+}
+
+/// Lines 1–6 pass the index (their problems show only when served); 7–10 do not.
+async fn bad_dataset() -> BadDataset {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("bucket/data");
+    std::fs::create_dir_all(dir.join("img")).unwrap();
+    let full = jpeg(64, 48);
+    let files: Vec<(&str, Vec<u8>)> = vec![
+        ("img/good.png", small_png()),
+        ("img/truncated.jpg", full[..full.len() / 2].to_vec()),
+        (
+            "img/garbage.jpg",
+            [&[0xffu8, 0xd8, 0xff, 0xe0][..], &[0x13; 300][..]].concat(),
+        ),
+        (
+            "img/notes.jpg",
+            b"just some text, not an image at all".to_vec(),
+        ),
+        ("img/bomb.png", png_bomb()),
+        ("img/deleted.png", small_png()),
+    ];
+    for (name, bytes) in &files {
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+    let mut lines: Vec<String> = files.iter().map(|(n, _)| llava(n)).collect();
+    lines.push(r#"{"image": "img/good.png", "conversations": [oops"#.into()); // 7: invalid JSON
+    lines.push(llava("img/absent.png")); // 8: image absent
+    lines.push(String::new()); // 9: placeholder for the non-UTF-8 line
+    lines.push(llava("../../../etc/passwd")); // 10: path traversal
+    let mut shard = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        if i == 8 {
+            shard.extend_from_slice(
+                b"{\"messages\": [{\"role\": \"user\", \"content\": \"caf\xe9\"}]}",
+            );
+        } else {
+            shard.extend_from_slice(l.as_bytes());
+        }
+        shard.push(b'\n');
+    }
+    std::fs::write(dir.join("s.jsonl"), shard).unwrap();
+
+    let s3 = EmbeddedS3::start(root.path(), "127.0.0.1:0", Duration::ZERO)
+        .await
+        .unwrap();
+    let store = Store::open("s3://bucket/data", &s3.s3_options())
+        .await
+        .unwrap();
+    let idx = DatasetIndex::build(&store, None).await.unwrap();
+    store.put(INDEX_KEY, idx.to_json()).await.unwrap();
+    // Missing object: present when indexed, gone when served.
+    std::fs::remove_file(dir.join("img/deleted.png")).unwrap();
+    let ds = Dataset {
+        root: tempfile::tempdir().unwrap(),
+        s3,
+        uri: "s3://bucket/data".into(),
+    };
+    BadDataset { _root: root, ds }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn index_reports_each_bad_line_as_shard_line_with_reason() {
+    let b = bad_dataset().await;
+    let store = Store::open(&b.ds.uri, &b.ds.s3.s3_options()).await.unwrap();
+    let idx = DatasetIndex::build(&store, None).await.unwrap();
+    let report: Vec<String> = idx.bad_lines.iter().map(|l| l.to_string()).collect();
+    assert_eq!(idx.num_samples(), 5, "{report:?}"); // deleted.png now fails at index time too
+    let expect = [
+        ("s.jsonl:6:", "img/deleted.png"),
+        ("s.jsonl:7:", "invalid JSON"),
+        ("s.jsonl:8:", "img/absent.png"),
+        ("s.jsonl:9:", "not UTF-8"),
+        ("s.jsonl:10:", "escapes the dataset root"),
+    ];
+    assert_eq!(report.len(), expect.len(), "{report:?}");
+    for (line, (at, why)) in report.iter().zip(expect) {
+        assert!(
+            line.starts_with(at) && line.contains(why),
+            "{line} should be {at} … {why}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn skip_policy_serves_the_rest_and_names_every_skipped_sample() {
+    let b = bad_dataset().await;
+    let w = start_worker(&b.ds, &["--global-batch-size", "6", "--on-error", "skip"]).await;
+    let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+    assert_eq!(welcome.num_samples, 6);
+    let (head, payload) = c.get(request(&welcome, 0, 0, 0, 1)).await.batch();
+    assert_eq!(head.sample_ids, vec![0], "only the good sample is served");
+    assert_eq!(i64s(tensor(&head, &payload, "image_grid_thw")).len(), 3);
+    let mut skipped: Vec<(u64, String)> = head
+        .skipped
+        .iter()
+        .map(|s| (s.sample_id, s.reason.clone()))
+        .collect();
+    skipped.sort();
+    let expect = [
+        (1, "s.jsonl:2", "img/truncated.jpg", "corrupt or truncated"),
+        (2, "s.jsonl:3", "img/garbage.jpg", "corrupt or truncated"),
+        (3, "s.jsonl:4", "img/notes.jpg", "unsupported image format"),
+        (4, "s.jsonl:5", "img/bomb.png", "exceeds the decode limits"),
+        (5, "s.jsonl:6", "img/deleted.png", "does not exist"),
+    ];
+    assert_eq!(skipped.len(), expect.len(), "{skipped:?}");
+    for ((id, reason), (eid, line, key, why)) in skipped.iter().zip(expect) {
+        assert_eq!(*id, eid);
+        for part in [line, key, why] {
+            assert!(reason.contains(part), "reason {reason:?} lacks {part:?}");
+        }
+    }
+    let m = w.metrics.render();
+    for (kind, n) in [
+        ("image_corrupt", 2),
+        ("image_unsupported", 1),
+        ("image_too_large", 1),
+        ("object_missing", 1),
+    ] {
+        let line = format!("stoker_worker_sample_errors_total{{kind=\"{kind}\"}} {n}");
+        assert!(m.contains(&line), "missing {line}");
+    }
+    assert!(m.contains("stoker_worker_dataset_bad_lines 4"), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_policy_fails_the_request_naming_the_sample() {
+    let b = bad_dataset().await;
+    let w = start_worker(&b.ds, &["--global-batch-size", "6", "--on-error", "fail"]).await;
+    let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+    let e = c.get(request(&welcome, 0, 0, 0, 1)).await.error();
+    assert_eq!(e.code, ErrorCode::Failed);
+    // The first failure in plan order: "sample N (s.jsonl:N+1): … img/…".
+    let id: u64 = e.message["sample ".len()..]
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=5).contains(&id), "{}", e.message);
+    assert!(
+        e.message.contains(&format!("(s.jsonl:{}): ", id + 1)),
+        "{}",
+        e.message
+    );
+    assert!(e.message.contains("img/"), "{}", e.message);
+    // The worker is still healthy and serves the next request.
+    let (mut c2, _) = Client::connect(w.addr, TOKEN).await.unwrap();
+    assert_eq!(
+        c2.get(request(&welcome, 0, 0, 0, 1)).await.error().code,
+        ErrorCode::Failed
+    );
+}

@@ -1,0 +1,171 @@
+//! The worker end to end: embedded S3 → aws-sdk-s3 → preprocessing → framed TCP → client.
+
+mod common;
+
+use common::*;
+use stoker_wire::{DType, ErrorCode};
+use stoker_worker::dataset::synth::SynthFormat;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_planned_slices_with_consistent_tensors() {
+    let ds = synth_dataset(24, SynthFormat::Llava).await;
+    let w = start_worker(&ds, &["--global-batch-size", "8"]).await;
+    let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+    assert_eq!(welcome.num_samples, 24);
+    assert_eq!(welcome.batches_per_epoch, 3);
+
+    let mut seen = Vec::new();
+    for g in 0..3 {
+        for rank in 0..2 {
+            let (head, payload) = c.get(request(&welcome, 0, g, rank, 2)).await.batch();
+            let planned = w.server.pipeline.plan.rank_slice(0, g, rank, 2).unwrap();
+            assert_eq!(head.sample_ids, planned, "batch {g} rank {rank}");
+            assert!(head.skipped.is_empty(), "{:?}", head.skipped);
+            let b = head.sample_ids.len() as u64;
+            let ids = head.tensor("input_ids").unwrap();
+            assert_eq!(ids.shape[0], b);
+            let l = ids.shape[1];
+            let input_ids = i64s(tensor(&head, &payload, "input_ids"));
+            let mask = i64s(tensor(&head, &payload, "attention_mask"));
+            let labels = i64s(tensor(&head, &payload, "labels"));
+            // Image pad tokens in the text equal the patches / merge² of the images.
+            let grid = i64s(tensor(&head, &payload, "image_grid_thw"));
+            let patches: i64 = grid.chunks(3).map(|g| g[0] * g[1] * g[2]).sum();
+            let pads = input_ids.iter().filter(|&&t| t == 151655).count() as i64;
+            assert_eq!(pads * 4, patches);
+            let pv = head.tensor("pixel_values").unwrap();
+            assert_eq!(pv.dtype, DType::F32);
+            assert_eq!(pv.shape, vec![patches as u64, 1176]);
+            // Padding is masked and never trained on; every sample trains on something.
+            for row in 0..b as usize {
+                let r = row * l as usize..(row + 1) * l as usize;
+                assert!(labels[r.clone()].iter().any(|&x| x >= 0));
+                for i in r {
+                    if mask[i] == 0 {
+                        assert_eq!((input_ids[i], labels[i]), (151643, -100));
+                    }
+                }
+            }
+            seen.extend(head.sample_ids);
+        }
+    }
+    seen.sort();
+    assert_eq!(seen, (0..24).collect::<Vec<u64>>());
+    let metrics = w.metrics.render();
+    assert!(
+        metrics.contains("stoker_worker_samples_total 24"),
+        "{metrics}"
+    );
+    for stage in ["fetch", "decode", "resize", "tokenize", "collate", "send"] {
+        assert!(
+            metrics.contains(&format!(
+                "stoker_worker_stage_seconds_count{{stage=\"{stage}\"}}"
+            )),
+            "{stage}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_request_gives_same_bytes_on_any_worker() {
+    let ds = synth_dataset(12, SynthFormat::Messages).await;
+    let a = start_worker(&ds, &["--global-batch-size", "4", "--seed", "5"]).await;
+    let b = start_worker(&ds, &["--global-batch-size", "4", "--seed", "5"]).await;
+    let (mut ca, wa) = Client::connect(a.addr, TOKEN).await.unwrap();
+    let (mut cb, wb) = Client::connect(b.addr, TOKEN).await.unwrap();
+    assert_eq!(wa, wb);
+    for g in 0..3 {
+        let (_, pa) = ca.get(request(&wa, 1, g, 0, 1)).await.batch();
+        let (_, pb) = cb.get(request(&wb, 1, g, 0, 1)).await.batch();
+        let (_, pa2) = ca.get(request(&wa, 1, g, 0, 1)).await.batch();
+        assert_eq!(pa, pb, "batch {g} differs between workers");
+        assert_eq!(pa, pa2, "batch {g} differs between calls");
+    }
+    // Another seed is another plan: refused with a clear error, not silently served.
+    let c = start_worker(&ds, &["--global-batch-size", "4", "--seed", "6"]).await;
+    let (mut cc, _) = Client::connect(c.addr, TOKEN).await.unwrap();
+    let e = cc.get(request(&wa, 0, 0, 0, 1)).await.error();
+    assert_eq!(e.code, ErrorCode::PlanMismatch);
+    assert!(
+        e.message.contains("this worker serves plan"),
+        "{}",
+        e.message
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_or_missing_token_is_refused() {
+    let ds = synth_dataset(4, SynthFormat::Llava).await;
+    let w = start_worker(&ds, &[]).await;
+    let e = Client::connect(w.addr, "nope").await.err().unwrap();
+    assert_eq!(e.code, ErrorCode::Unauthorized);
+    assert_eq!(e.message, "wrong pipeline token");
+    let e = Client::connect(w.addr, "").await.err().unwrap();
+    assert!(
+        e.message.contains("requires a pipeline token"),
+        "{}",
+        e.message
+    );
+    assert!(w
+        .metrics
+        .render()
+        .contains("stoker_worker_requests_refused_total{reason=\"unauthorized\"} 2"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_requests_and_out_of_range_batches() {
+    let ds = synth_dataset(10, SynthFormat::Llava).await;
+    let w = start_worker(&ds, &["--global-batch-size", "5"]).await;
+    let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+    for g in 0..2 {
+        c.send(request(&welcome, 0, g, 0, 1)).await;
+    }
+    c.send(request(&welcome, 0, 2, 0, 1)).await;
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        match c.recv().await {
+            Answer::Batch(h, _) => got.push(h.request.global_batch),
+            Answer::Error(e) => {
+                assert_eq!(e.code, ErrorCode::BadRequest);
+                assert!(e.message.contains("beyond the 2 batches"), "{}", e.message);
+                got.push(99);
+            }
+        }
+    }
+    got.sort();
+    assert_eq!(got, vec![0, 1, 99]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pixel_dtypes_shrink_the_payload() {
+    let ds = synth_dataset(4, SynthFormat::Llava).await;
+    let mut sizes = Vec::new();
+    for dtype in ["f32", "bf16", "u8"] {
+        let w = start_worker(&ds, &["--global-batch-size", "4", "--pixel-dtype", dtype]).await;
+        let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+        let (head, _) = c.get(request(&welcome, 0, 0, 0, 1)).await.batch();
+        sizes.push(head.tensor("pixel_values").unwrap().nbytes);
+    }
+    assert_eq!(sizes[0], sizes[1] * 2);
+    assert_eq!(sizes[0], sizes[2] * 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_in_flight_requests_then_refuses() {
+    let ds = synth_dataset(8, SynthFormat::Llava).await;
+    let mut w = start_worker(&ds, &["--global-batch-size", "8"]).await;
+    let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+    c.send(request(&welcome, 0, 0, 0, 1)).await;
+    // Let the request start, then terminate: it must still complete.
+    while w.metrics.requests_in_flight.get() == 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    w.terminate();
+    let (head, _) = c.recv().await.batch();
+    assert_eq!(head.sample_ids.len(), 8);
+    (&mut w.task).await.unwrap();
+    assert!(!w.metrics.ready.load(std::sync::atomic::Ordering::SeqCst));
+    // The open connection now gets "draining", a retryable refusal.
+    let e = c.get(request(&welcome, 0, 0, 0, 1)).await.error();
+    assert_eq!(e.code, ErrorCode::Unavailable);
+}
