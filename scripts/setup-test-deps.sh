@@ -10,8 +10,8 @@ TOK="$CACHE/qwen-tokenizer"
 mkdir -p "$CACHE"
 
 # Pinned: the parity test compares against these exact versions.
-PY_PKGS=(transformers==5.23.0 pillow==13.0.0 "numpy>=2,<2.5" safetensors pytest)
-STAMP="$VENV/.stoker-deps-v1"
+PY_PKGS=(transformers==5.23.0 pillow==13.0.0 "numpy>=2,<2.5" safetensors jinja2 pytest)
+STAMP="$VENV/.stoker-deps-v2"
 if [ ! -f "$STAMP" ]; then
   echo "setup: creating Python venv at $VENV"
   python3 -m venv "$VENV"

@@ -74,59 +74,43 @@ fn clip8(v: i32) -> u8 {
     (v >> PRECISION_BITS).clamp(0, 255) as u8
 }
 
-/// Resizes packed RGB8 (`w`×`h`) to `ow`×`oh`, exactly as Pillow's BICUBIC does for mode RGB.
-pub fn resize_rgb8(src: &[u8], w: usize, h: usize, ow: usize, oh: usize) -> Vec<u8> {
-    assert_eq!(src.len(), w * h * 3);
-    if (w, h) == (ow, oh) {
-        return src.to_vec();
-    }
-    let horiz = precompute(w, ow);
-    let vert = precompute(h, oh);
-    // Only the input rows the vertical pass reads go through the horizontal pass.
-    let y_first = vert.bounds[0].0;
-    let y_last = vert.bounds[oh - 1].0 + vert.bounds[oh - 1].1;
-
-    let (tmp, tmp_w, row_off) = if ow != w {
-        let rows = y_last - y_first;
-        let mut tmp = vec![0u8; ow * rows * 3];
-        for (ty, out_row) in tmp.chunks_exact_mut(ow * 3).enumerate() {
-            let in_row = &src[(ty + y_first) * w * 3..(ty + y_first + 1) * w * 3];
-            for (xx, px) in out_row.chunks_exact_mut(3).enumerate() {
-                let (xmin, n) = horiz.bounds[xx];
-                let k = &horiz.weights[xx * horiz.ksize..xx * horiz.ksize + n];
-                let init = 1i32 << (PRECISION_BITS - 1);
-                let (mut s0, mut s1, mut s2) = (init, init, init);
-                for (i, &kw) in k.iter().enumerate() {
-                    let p = &in_row[(xmin + i) * 3..(xmin + i) * 3 + 3];
-                    s0 += p[0] as i32 * kw;
-                    s1 += p[1] as i32 * kw;
-                    s2 += p[2] as i32 * kw;
-                }
-                px[0] = clip8(s0);
-                px[1] = clip8(s1);
-                px[2] = clip8(s2);
+/// Horizontal pass over rows `y0..y1` of `src` (width `w`) to width `ow`.
+fn horizontal(src: &[u8], w: usize, y0: usize, y1: usize, c: &Coeffs, ow: usize) -> Vec<u8> {
+    let mut out = vec![0u8; ow * (y1 - y0) * 3];
+    for (ty, out_row) in out.chunks_exact_mut(ow * 3).enumerate() {
+        let in_row = &src[(ty + y0) * w * 3..(ty + y0 + 1) * w * 3];
+        for (xx, px) in out_row.chunks_exact_mut(3).enumerate() {
+            let (xmin, n) = c.bounds[xx];
+            let k = &c.weights[xx * c.ksize..xx * c.ksize + n];
+            let init = 1i32 << (PRECISION_BITS - 1);
+            let (mut s0, mut s1, mut s2) = (init, init, init);
+            for (i, &kw) in k.iter().enumerate() {
+                let p = &in_row[(xmin + i) * 3..(xmin + i) * 3 + 3];
+                s0 += p[0] as i32 * kw;
+                s1 += p[1] as i32 * kw;
+                s2 += p[2] as i32 * kw;
             }
+            px[0] = clip8(s0);
+            px[1] = clip8(s1);
+            px[2] = clip8(s2);
         }
-        (std::borrow::Cow::Owned(tmp), ow, y_first)
-    } else {
-        (std::borrow::Cow::Borrowed(src), w, 0)
-    };
-    if oh == h && row_off == 0 && tmp.len() == ow * oh * 3 {
-        return tmp.into_owned();
     }
+    out
+}
 
-    let stride = tmp_w * 3;
-    let mut out = vec![0u8; ow * oh * 3];
+/// Vertical pass over `src` (width `w`, whose first row is input row `row_off`).
+fn vertical(src: &[u8], w: usize, row_off: usize, c: &Coeffs, oh: usize) -> Vec<u8> {
+    let stride = w * 3;
+    let mut out = vec![0u8; stride * oh];
     let mut acc = vec![0i32; stride];
     for (yy, out_row) in out.chunks_exact_mut(stride).enumerate() {
-        let (ymin, n) = vert.bounds[yy];
-        let k = &vert.weights[yy * vert.ksize..yy * vert.ksize + n];
+        let (ymin, n) = c.bounds[yy];
+        let k = &c.weights[yy * c.ksize..yy * c.ksize + n];
         acc.fill(1i32 << (PRECISION_BITS - 1));
         // Row-major accumulation: the inner loop runs over a contiguous row (vectorizes).
         for (i, &kw) in k.iter().enumerate() {
             let r = ymin + i - row_off;
-            let in_row = &tmp[r * stride..(r + 1) * stride];
-            for (a, &p) in acc.iter_mut().zip(in_row) {
+            for (a, &p) in acc.iter_mut().zip(&src[r * stride..(r + 1) * stride]) {
                 *a += p as i32 * kw;
             }
         }
@@ -135,6 +119,43 @@ pub fn resize_rgb8(src: &[u8], w: usize, h: usize, ow: usize, oh: usize) -> Vec<
         }
     }
     out
+}
+
+/// Resizes packed RGB8 (`w`×`h`) to `ow`×`oh`, exactly as Pillow's BICUBIC does for mode RGB,
+/// including its choice of pass order (Pillow ≥ 11 runs the vertical pass first when the
+/// height shrinks by more than twice as many pixels as the width; the order changes the
+/// rounding of the intermediate image).
+pub fn resize_rgb8(src: &[u8], w: usize, h: usize, ow: usize, oh: usize) -> Vec<u8> {
+    assert_eq!(src.len(), w * h * 3);
+    let (need_h, need_v) = (ow != w, oh != h);
+    let horizontal_first = !(h > oh && (h - oh) as i64 > (w as i64 - ow as i64) * 2);
+    let vert = precompute(h, oh);
+    let horiz = precompute(w, ow);
+    if horizontal_first {
+        if !need_h {
+            return if need_v {
+                vertical(src, w, 0, &vert, oh)
+            } else {
+                src.to_vec()
+            };
+        }
+        // Only the input rows the vertical pass reads go through the horizontal pass.
+        let y_first = vert.bounds[0].0;
+        let y_last = vert.bounds[oh - 1].0 + vert.bounds[oh - 1].1;
+        let tmp = horizontal(src, w, y_first, y_last, &horiz, ow);
+        if need_v {
+            vertical(&tmp, ow, y_first, &vert, oh)
+        } else {
+            tmp
+        }
+    } else {
+        let tmp = vertical(src, w, 0, &vert, oh);
+        if need_h {
+            horizontal(&tmp, w, 0, oh, &horiz, ow)
+        } else {
+            tmp
+        }
+    }
 }
 
 #[cfg(test)]

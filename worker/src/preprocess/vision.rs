@@ -48,23 +48,34 @@ pub struct Rgb {
 }
 
 /// Decodes any supported format, applies the EXIF orientation and converts to RGB8.
+///
+/// JPEG goes through libjpeg-turbo with the settings Pillow uses (accurate integer IDCT, fancy
+/// upsampling, Pillow's CMYK → RGB), so our pixels equal the reference processor's; other
+/// formats go through the `image` crate.
 pub fn decode(bytes: &[u8], limits: DecodeLimits) -> Result<Rgb, ImageError> {
     let mut reader = ImageReader::new(Cursor::new(bytes))
         .with_guessed_format()
         .map_err(|e| ImageError::Corrupt(e.to_string()))?;
-    if reader.format().is_none() {
-        return Err(ImageError::Unsupported);
+    match reader.format() {
+        None => return Err(ImageError::Unsupported),
+        Some(image::ImageFormat::Jpeg) => return decode_jpeg(bytes, limits),
+        Some(_) => {}
     }
     // Header parsing allocates no pixels; our own limits apply once the size is known.
     reader.no_limits();
-    if reader.format() == Some(image::ImageFormat::Jpeg) && !jpeg_has_end(bytes) {
-        // The decoder would fill the missing rows with gray; Pillow refuses such files.
-        return Err(ImageError::Corrupt(
-            "truncated JPEG: no end-of-image marker".into(),
-        ));
-    }
     let mut decoder = reader.into_decoder().map_err(classify)?;
     let (w, h) = decoder.dimensions();
+    check_limits(w, h, limits)?;
+    let mut decoder_limits = Limits::default();
+    // RGBA16 is the widest layout a decoder may allocate.
+    decoder_limits.max_alloc = Some(limits.max_pixels * 8 + (1 << 20));
+    decoder.set_limits(decoder_limits).map_err(classify)?;
+    let orientation = decoder.orientation().ok();
+    let img = DynamicImage::from_decoder(decoder).map_err(classify)?;
+    Ok(upright_rgb(img, orientation))
+}
+
+fn check_limits(w: u32, h: u32, limits: DecodeLimits) -> Result<(), ImageError> {
     if w > limits.max_side || h > limits.max_side || w as u64 * h as u64 > limits.max_pixels {
         return Err(ImageError::TooLarge {
             w,
@@ -73,12 +84,10 @@ pub fn decode(bytes: &[u8], limits: DecodeLimits) -> Result<Rgb, ImageError> {
             max_pixels: limits.max_pixels,
         });
     }
-    let mut decoder_limits = Limits::default();
-    // RGBA16 is the widest layout a decoder may allocate.
-    decoder_limits.max_alloc = Some(limits.max_pixels * 8 + (1 << 20));
-    decoder.set_limits(decoder_limits).map_err(classify)?;
-    let orientation = decoder.orientation().ok();
-    let mut img = DynamicImage::from_decoder(decoder).map_err(classify)?;
+    Ok(())
+}
+
+fn upright_rgb(mut img: DynamicImage, orientation: Option<image::metadata::Orientation>) -> Rgb {
     if let Some(o) = orientation {
         img.apply_orientation(o);
     }
@@ -86,10 +95,138 @@ pub fn decode(bytes: &[u8], limits: DecodeLimits) -> Result<Rgb, ImageError> {
         DynamicImage::ImageRgb8(i) => i,
         other => other.to_rgb8(),
     };
-    Ok(Rgb {
+    Rgb {
         width: rgb.width() as usize,
         height: rgb.height() as usize,
         data: rgb.into_raw(),
+    }
+}
+
+thread_local! {
+    static TURBO: std::cell::RefCell<Option<turbojpeg::Decompressor>> = const { std::cell::RefCell::new(None) };
+}
+
+fn decode_jpeg(bytes: &[u8], limits: DecodeLimits) -> Result<Rgb, ImageError> {
+    use turbojpeg::{Colorspace, Image, PixelFormat};
+    if !jpeg_has_end(bytes) {
+        // libjpeg would fill the missing rows with gray; Pillow refuses such files.
+        return Err(ImageError::Corrupt(
+            "truncated JPEG: no end-of-image marker".into(),
+        ));
+    }
+    let corrupt = |e: turbojpeg::Error| ImageError::Corrupt(e.to_string());
+    let (w, h, data) = TURBO.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        if slot.is_none() {
+            *slot = Some(turbojpeg::Decompressor::new().map_err(corrupt)?);
+        }
+        let d = slot.as_mut().expect("initialized above");
+        let header = d.read_header(bytes).map_err(corrupt)?;
+        let (w, h) = (header.width, header.height);
+        check_limits(w as u32, h as u32, limits)?;
+        let cmyk = matches!(header.colorspace, Colorspace::CMYK | Colorspace::YCCK);
+        let format = if cmyk {
+            PixelFormat::CMYK
+        } else {
+            PixelFormat::RGB
+        };
+        let mut pixels = vec![0u8; w * h * format.size()];
+        let out = Image {
+            pixels: pixels.as_mut_slice(),
+            width: w,
+            pitch: w * format.size(),
+            height: h,
+            format,
+        };
+        d.decompress(bytes, out).map_err(corrupt)?;
+        if cmyk {
+            pixels = cmyk_to_rgb(&pixels, has_adobe_marker(bytes));
+        }
+        Ok::<_, ImageError>((w as u32, h as u32, pixels))
+    })?;
+    let img = image::RgbImage::from_raw(w, h, data).expect("sized above");
+    Ok(upright_rgb(img.into(), jpeg_orientation(bytes)))
+}
+
+/// Pillow's CMYK → RGB (`Convert.c: cmyk2rgb`); Adobe-marked files store inverted CMYK
+/// (Pillow's "CMYK;I" raw mode).
+fn cmyk_to_rgb(cmyk: &[u8], inverted: bool) -> Vec<u8> {
+    let muldiv255 = |a: i32, b: i32| {
+        let t = a * b + 128;
+        ((t >> 8) + t) >> 8
+    };
+    let mut out = Vec::with_capacity(cmyk.len() / 4 * 3);
+    for px in cmyk.chunks_exact(4) {
+        let v = |i: usize| {
+            if inverted {
+                255 - px[i] as i32
+            } else {
+                px[i] as i32
+            }
+        };
+        let nk = 255 - v(3);
+        for c in 0..3 {
+            out.push((nk - muldiv255(v(c), nk)).clamp(0, 255) as u8);
+        }
+    }
+    out
+}
+
+/// Whether the JPEG has an Adobe APP14 segment before its image data.
+fn has_adobe_marker(bytes: &[u8]) -> bool {
+    jpeg_segments(bytes).any(|(marker, body)| marker == 0xee && body.starts_with(b"Adobe"))
+}
+
+/// The EXIF orientation of a JPEG, read from its APP1 segment.
+fn jpeg_orientation(bytes: &[u8]) -> Option<image::metadata::Orientation> {
+    let (_, body) = jpeg_segments(bytes).find(|(m, b)| *m == 0xe1 && b.starts_with(b"Exif\0\0"))?;
+    let tiff = &body[6..];
+    let le = match tiff.get(..2)? {
+        b"II" => true,
+        b"MM" => false,
+        _ => return None,
+    };
+    let u16_at = |o: usize| -> Option<u16> {
+        let b: [u8; 2] = tiff.get(o..o + 2)?.try_into().ok()?;
+        Some(if le {
+            u16::from_le_bytes(b)
+        } else {
+            u16::from_be_bytes(b)
+        })
+    };
+    let u32_at = |o: usize| -> Option<u32> {
+        let b: [u8; 4] = tiff.get(o..o + 4)?.try_into().ok()?;
+        Some(if le {
+            u32::from_le_bytes(b)
+        } else {
+            u32::from_be_bytes(b)
+        })
+    };
+    let ifd = u32_at(4)? as usize;
+    let entries = u16_at(ifd)? as usize;
+    (0..entries.min(256))
+        .find_map(|i| {
+            let e = ifd + 2 + i * 12;
+            (u16_at(e)? == 0x0112).then(|| u16_at(e + 8)).flatten()
+        })
+        .and_then(|v| image::metadata::Orientation::from_exif(v as u8))
+}
+
+/// (marker, body) of each JPEG header segment up to the start of scan.
+fn jpeg_segments(bytes: &[u8]) -> impl Iterator<Item = (u8, &[u8])> {
+    let mut pos = 2; // after SOI
+    std::iter::from_fn(move || {
+        if bytes.get(pos) != Some(&0xff) {
+            return None;
+        }
+        let marker = *bytes.get(pos + 1)?;
+        if marker == 0xda || marker == 0xd9 {
+            return None;
+        }
+        let len = u16::from_be_bytes([*bytes.get(pos + 2)?, *bytes.get(pos + 3)?]) as usize;
+        let body = bytes.get(pos + 4..pos + 2 + len)?;
+        pos += 2 + len;
+        Some((marker, body))
     })
 }
 
