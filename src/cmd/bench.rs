@@ -1,10 +1,397 @@
-//! `stoker bench …`: benchmarks printing ours-vs-baseline tables.
+//! `stoker bench …`: benchmarks that print ours-vs-baseline tables (docs/benchmarks.md).
+//!
+//! Rates are "per core": samples per CPU-second spent by the process (or thread) doing the
+//! work, so that runs on a shared, noisy 2-core machine compare like with like.
 
 use clap::Subcommand;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use stoker_worker::connection::{Answer, Connection};
+use stoker_worker::dataset::sample::Conversation;
+use stoker_worker::dataset::synth::{generate, SynthFormat, SynthOptions};
+use stoker_worker::embedded_s3::EmbeddedS3;
+use stoker_worker::pipeline::PreprocessArgs;
+use stoker_worker::preprocess::vision::{process_image, ImageTimings, PixelLut};
+use stoker_worker::source::resolve_relative;
+use tokio::io::{AsyncBufReadExt, BufReader};
 
 #[derive(Subcommand)]
-pub enum BenchCommand {}
+pub enum BenchCommand {
+    /// Full served preprocessing (embedded S3 → worker → TCP) vs transformers in Python, vs
+    /// the in-memory decode/resize/patchify ceiling.
+    Preprocess(PreprocessBench),
+}
+
+#[derive(clap::Args)]
+pub struct PreprocessBench {
+    /// Samples in the synthetic dataset (generated once, cached).
+    #[arg(long, default_value_t = 2000)]
+    samples: usize,
+    /// Samples for the Python baselines (they are ~10x slower; their rate is what counts).
+    #[arg(long, default_value_t = 300)]
+    baseline_samples: usize,
+    /// Samples for the in-memory ceiling.
+    #[arg(long, default_value_t = 500)]
+    ceiling_samples: usize,
+    #[arg(long, default_value_t = 32)]
+    global_batch_size: u32,
+    /// Requests kept in flight by the benchmark's client.
+    #[arg(long, default_value_t = 4)]
+    depth: usize,
+    /// Where the dataset is cached [default: ~/.cache/stoker/bench].
+    #[arg(long)]
+    cache: Option<PathBuf>,
+    /// Python with transformers (as installed by scripts/setup-test-deps.sh).
+    #[arg(long)]
+    python: Option<PathBuf>,
+    #[command(flatten)]
+    pre: PreprocessArgs,
+}
 
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
-    match cmd {}
+    match cmd {
+        BenchCommand::Preprocess(b) => preprocess(b).await,
+    }
+}
+
+fn cache_root() -> PathBuf {
+    let home = std::env::var("HOME").unwrap_or_else(|_| ".".into());
+    PathBuf::from(home).join(".cache/stoker")
+}
+
+/// CPU seconds (user + system) a process has used, from /proc.
+fn process_cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the parenthesized command name; utime and stime are fields 14 and 15.
+    let rest = &stat[stat
+        .rfind(')')
+        .ok_or_else(|| anyhow::anyhow!("bad /proc stat"))?
+        + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f[11].parse::<f64>()? + f[12].parse::<f64>()?;
+    Ok(ticks / 100.0) // USER_HZ is 100 on Linux
+}
+
+/// Peak resident memory of a process, in MiB.
+fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .ok_or_else(|| anyhow::anyhow!("no VmHWM"))?
+        .trim()
+        .trim_end_matches(" kB")
+        .parse()?;
+    Ok(kb / 1024.0)
+}
+
+fn thread_cpu_seconds() -> f64 {
+    let mut ts = libc_timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into the pointer we pass.
+    unsafe {
+        clock_gettime(3 /* CLOCK_THREAD_CPUTIME_ID */, &mut ts)
+    };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+#[repr(C)]
+struct libc_timespec {
+    tv_sec: i64,
+    tv_nsec: i64,
+}
+
+extern "C" {
+    fn clock_gettime(clk: i32, ts: *mut libc_timespec) -> i32;
+}
+
+struct Row {
+    name: &'static str,
+    samples: usize,
+    wall_s: f64,
+    cpu_s: f64,
+    note: String,
+}
+
+impl Row {
+    fn per_core(&self) -> f64 {
+        self.samples as f64 / self.cpu_s
+    }
+}
+
+fn ensure_dataset(dir: &Path, samples: usize) -> anyhow::Result<()> {
+    let done = dir.join(".complete");
+    if done.exists() {
+        return Ok(());
+    }
+    eprintln!("generating {samples} samples in {} (once)", dir.display());
+    let _ = std::fs::remove_dir_all(dir);
+    let o = SynthOptions {
+        samples,
+        format: SynthFormat::Llava,
+        ..SynthOptions::default()
+    };
+    let pb = indicatif::ProgressBar::new(samples as u64);
+    generate(dir, &o, &pb)?;
+    pb.finish_and_clear();
+    std::fs::write(done, b"")?;
+    Ok(())
+}
+
+async fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
+    let root = b
+        .cache
+        .clone()
+        .unwrap_or_else(|| cache_root().join("bench"));
+    let bucket = format!("preprocess-{}", b.samples);
+    let dir = root.join(&bucket);
+    ensure_dataset(&dir, b.samples)?;
+    let tokenizer = b.pre.tokenizer_path()?;
+
+    let served = served_pipeline(&b, &root, &bucket, &tokenizer).await?;
+    let ceiling = ceiling(&b, &dir)?;
+    let python = python_baselines(&b, &dir, &tokenizer).await;
+
+    let mut rows = vec![served.0, ceiling];
+    let mut missing = Vec::new();
+    match python {
+        Ok(r) => rows.extend(r),
+        Err(e) => missing.push(format!("Python baselines not run: {e}")),
+    }
+    println!();
+    println!(
+        "Preprocessing, Qwen2-VL defaults ({}), {} cores",
+        b.pre.preset().label(),
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    println!(
+        "{:<44} {:>8} {:>9} {:>10} {:>12}  note",
+        "pipeline", "samples", "wall s", "samples/s", "per core"
+    );
+    for r in &rows {
+        println!(
+            "{:<44} {:>8} {:>9.2} {:>10.1} {:>12.1}  {}",
+            r.name,
+            r.samples,
+            r.wall_s,
+            r.samples as f64 / r.wall_s,
+            r.per_core(),
+            r.note
+        );
+    }
+    println!(
+        "worker peak RSS at default queue depths: {:.0} MiB",
+        served.1
+    );
+    let ours = rows[0].per_core();
+    println!(
+        "served / ceiling (per core): {:.0} %  (target >= 70 %)",
+        100.0 * ours / rows[1].per_core()
+    );
+    if let Some(a) = rows.iter().find(|r| r.name.starts_with("(a)")) {
+        println!(
+            "served / (a) transformers loop (per core): {:.1}x  (target >= 5x)",
+            ours / a.per_core()
+        );
+    }
+    for m in missing {
+        println!("{m}");
+    }
+    Ok(())
+}
+
+/// Ours: an embedded S3 server in this process, `stoker worker` as a child process, and a
+/// client here requesting every batch of an epoch. CPU is the worker process's.
+async fn served_pipeline(
+    b: &PreprocessBench,
+    root: &Path,
+    bucket: &str,
+    tokenizer: &Path,
+) -> anyhow::Result<(Row, f64)> {
+    let s3 = EmbeddedS3::start(root, "127.0.0.1:0", Duration::ZERO).await?;
+    let exe = std::env::current_exe()?;
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.args([
+        "worker",
+        "--data",
+        &format!("s3://{bucket}"),
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--no-auth",
+        "--s3-path-style",
+    ])
+    .args(["--global-batch-size", &b.global_batch_size.to_string()])
+    .args(["--preset", b.pre.preset().label(), "--tokenizer"])
+    .arg(tokenizer)
+    .envs(s3.env())
+    .env("RUST_LOG", "warn")
+    .stdout(Stdio::piped())
+    .kill_on_drop(true);
+    let mut child = cmd.spawn()?;
+    let pid = child.id().ok_or_else(|| anyhow::anyhow!("worker exited"))?;
+    let mut out = BufReader::new(child.stdout.take().expect("piped")).lines();
+    let addr = loop {
+        let line = out
+            .next_line()
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("worker exited before listening"))?;
+        if let Some(a) = line.strip_prefix("listening ") {
+            break a.to_string();
+        }
+    };
+    let mut conn = Connection::open(&addr, "")
+        .await?
+        .map_err(|e| anyhow::anyhow!("{}", e.message))?;
+    let batches = conn.welcome.batches_per_epoch;
+    let (t0, c0) = (Instant::now(), process_cpu_seconds(pid)?);
+    let mut next = 0u64;
+    let mut samples = 0usize;
+    let mut skipped = 0usize;
+    for done in 0..batches {
+        while next < batches && next < done + b.depth as u64 {
+            let req = conn.request(next, 0, next, 0, 1);
+            conn.send(&req).await?;
+            next += 1;
+        }
+        match conn.recv().await? {
+            Answer::Batch(head, _) => {
+                samples += head.sample_ids.len();
+                skipped += head.skipped.len();
+            }
+            Answer::Error(e) => anyhow::bail!("worker error: {}", e.message),
+        }
+    }
+    let (wall, cpu) = (t0.elapsed().as_secs_f64(), process_cpu_seconds(pid)? - c0);
+    let rss = peak_rss_mib(pid)?;
+    child.start_kill()?;
+    let row = Row {
+        name: "stoker: S3 -> worker -> TCP batches",
+        samples,
+        wall_s: wall,
+        cpu_s: cpu,
+        note: format!(
+            "{batches} batches of {}, depth {}, {skipped} skipped",
+            b.global_batch_size, b.depth
+        ),
+    };
+    Ok((row, rss))
+}
+
+/// (c) The ceiling: decode + resize + normalize/patchify of each sample's images from memory,
+/// one thread, no IO, no tokenizing, no sending.
+fn ceiling(b: &PreprocessBench, dir: &Path) -> anyhow::Result<Row> {
+    let preset = b.pre.preset();
+    let lut = PixelLut::new(&preset);
+    let mut samples: Vec<Vec<Vec<u8>>> = Vec::new();
+    'shards: for shard in std::fs::read_dir(dir)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "jsonl"))
+        .collect::<std::collections::BTreeSet<_>>()
+    {
+        let name = shard
+            .file_name()
+            .expect("file")
+            .to_string_lossy()
+            .to_string();
+        for line in std::fs::read_to_string(&shard)?.lines() {
+            let conv = Conversation::parse(line.as_bytes())?;
+            let imgs = conv
+                .image_paths()
+                .map(|p| Ok(std::fs::read(dir.join(resolve_relative(&name, p)?))?))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            samples.push(imgs);
+            if samples.len() == b.ceiling_samples {
+                break 'shards;
+            }
+        }
+    }
+    let (t0, c0) = (Instant::now(), thread_cpu_seconds());
+    let mut timings = ImageTimings::default();
+    let mut sink = 0usize;
+    for imgs in &samples {
+        for bytes in imgs {
+            sink += process_image(bytes, &preset, &lut, b.pre.limits(), &mut timings)?.rows;
+        }
+    }
+    Ok(Row {
+        name: "(c) ceiling: in-memory decode+resize+patchify",
+        samples: samples.len(),
+        wall_s: t0.elapsed().as_secs_f64(),
+        cpu_s: thread_cpu_seconds() - c0,
+        note: format!("1 thread, {sink} patches"),
+    })
+}
+
+/// (a) and (b): benches/preprocess_baseline.py with the reference Python stack.
+async fn python_baselines(
+    b: &PreprocessBench,
+    dir: &Path,
+    tokenizer: &Path,
+) -> anyhow::Result<Vec<Row>> {
+    let python = b
+        .python
+        .clone()
+        .unwrap_or_else(|| cache_root().join("venv/bin/python"));
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = tokio::process::Command::new(&python)
+        .arg(repo.join("benches/preprocess_baseline.py"))
+        .arg("--data")
+        .arg(dir)
+        .args([
+            "--samples",
+            &b.baseline_samples.to_string(),
+            "--batch",
+            &b.global_batch_size.to_string(),
+        ])
+        .arg("--tokenizer")
+        .arg(tokenizer)
+        .arg("--template")
+        .arg(repo.join("worker/templates/qwen2-vl.jinja"))
+        .stderr(Stdio::inherit())
+        .output()
+        .await
+        .map_err(|e| anyhow::anyhow!("{}: {e}", python.display()))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{} exited with {}",
+        python.display(),
+        out.status
+    );
+    let mut rows = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let v: serde_json::Value = serde_json::from_str(line)?;
+        let mode = v["mode"].as_str().unwrap_or("");
+        let name = if mode == "loop" {
+            "(a) transformers + PIL, Python loop"
+        } else {
+            "(b) same in torch DataLoader workers"
+        };
+        if let Some(why) = v["skipped"].as_str() {
+            rows.push(Row {
+                name,
+                samples: 0,
+                wall_s: f64::NAN,
+                cpu_s: f64::NAN,
+                note: format!("not run: {why}"),
+            });
+            continue;
+        }
+        rows.push(Row {
+            name,
+            samples: v["samples"].as_u64().unwrap_or(0) as usize,
+            wall_s: v["wall_s"].as_f64().unwrap_or(f64::NAN),
+            cpu_s: v["cpu_s"].as_f64().unwrap_or(f64::NAN),
+            note: v
+                .get("workers")
+                .map(|w| format!("{w} workers"))
+                .unwrap_or_else(|| "1 process".into()),
+        });
+    }
+    Ok(rows)
 }

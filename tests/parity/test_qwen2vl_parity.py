@@ -19,7 +19,6 @@ transpose, convert to RGB).
   any of these, so any difference fails. Pillow is pinned by scripts/setup-test-deps.sh.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -27,8 +26,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image, ImageOps
+from PIL import Image
 from safetensors.numpy import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
+from hf_reference import Reference, hf_messages, jsonl_samples, load_rgb  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STOKER = os.environ.get("STOKER_BIN", str(ROOT / "target/release/stoker"))
@@ -37,35 +39,9 @@ TEMPLATE = ROOT / "worker/templates/qwen2-vl.jinja"
 IM_START, IM_END, NEWLINE = 151644, 151645, 198
 
 
-class Reference:
-    """transformers' Qwen2-VL image processor and the Qwen tokenizer, combined the way
-    Qwen2VLProcessor combines them (its constructor needs torchvision's video processor, so the
-    few lines of glue are repeated here: each `<|image_pad|>` becomes grid.prod() // merge² pads)."""
-
-    def __init__(self):
-        from transformers import AutoTokenizer
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-        self.tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
-        self.image_processor = Qwen2VLImageProcessorPil()
-        self.template = TEMPLATE.read_text()
-
-    def __call__(self, messages, images):
-        text = self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False)
-        out = {}
-        if images:
-            out = dict(self.image_processor(images=images, return_tensors="np"))
-            merge2 = self.image_processor.merge_size ** 2
-            for thw in out["image_grid_thw"]:
-                text = text.replace("<|image_pad|>", "<|placeholder|>" * (int(np.prod(thw)) // merge2), 1)
-            text = text.replace("<|placeholder|>", "<|image_pad|>")
-        out["input_ids"] = np.array([self.tokenizer(text)["input_ids"]])
-        return out
-
-
 @pytest.fixture(scope="module")
 def processor():
-    return Reference()
+    return Reference(TOKENIZER, TEMPLATE)
 
 
 def synth(tmp: Path, fmt: str, n: int, seed: int) -> Path:
@@ -76,44 +52,6 @@ def synth(tmp: Path, fmt: str, n: int, seed: int) -> Path:
         check=True, capture_output=True,
     )
     return out
-
-
-def lines(ds: Path):
-    for shard in sorted(ds.glob("*.jsonl")):
-        for line in shard.read_text().splitlines():
-            if line.strip():
-                yield json.loads(line)
-
-
-def hf_messages(sample: dict):
-    """The sample in transformers' chat format, and its image paths in order."""
-    if "messages" in sample:
-        msgs, paths = [], []
-        for m in sample["messages"]:
-            if isinstance(m["content"], str):
-                msgs.append({"role": m["role"], "content": [{"type": "text", "text": m["content"]}]})
-                continue
-            content = []
-            for part in m["content"]:
-                if part["type"] == "image":
-                    paths.append(part["image"])
-                    content.append({"type": "image"})
-                else:
-                    content.append({"type": "text", "text": part["text"]})
-            msgs.append({"role": m["role"], "content": content})
-        return msgs, paths
-    images = sample["image"] if isinstance(sample["image"], list) else [sample["image"]]
-    role = {"human": "user", "gpt": "assistant", "system": "system"}
-    msgs = []
-    for turn in sample["conversations"]:
-        content = []
-        for k, piece in enumerate(turn["value"].split("<image>")):
-            if k > 0:
-                content.append({"type": "image"})
-            if piece:
-                content.append({"type": "text", "text": piece})
-        msgs.append({"role": role[turn["from"]], "content": content})
-    return msgs, images
 
 
 def reference_labels(ids: np.ndarray) -> np.ndarray:
@@ -142,16 +80,12 @@ def image_kind(path: Path) -> str:
     return f"{fmt}-" + {"L": "gray", "CMYK": "cmyk"}.get(im.mode, "rgb")
 
 
-def load_rgb(path: Path) -> Image.Image:
-    return ImageOps.exif_transpose(Image.open(path)).convert("RGB")
-
-
 @pytest.mark.parametrize("fmt,n,seed", [("llava", 24, 11), ("messages", 16, 12)])
 def test_tokens_labels_and_pixels_match_transformers(processor, tmp_path, fmt, n, seed):
     ds = synth(tmp_path, fmt, n, seed)
     kinds = set()
     images_checked = 0
-    for i, sample in enumerate(lines(ds)):
+    for i, sample in enumerate(jsonl_samples(ds)):
         out = tmp_path / f"{fmt}-{i}.safetensors"
         subprocess.run(
             [STOKER, "dataset", "inspect", str(ds), "--sample", str(i), "--preset", "qwen2-vl",

@@ -155,8 +155,8 @@ async fn write_batch<W: AsyncWrite + Unpin>(
 fn token_matches(expected: &str, given: &str) -> bool {
     let (a, b) = (expected.as_bytes(), given.as_bytes());
     let mut diff = (a.len() != b.len()) as u8;
-    for i in 0..a.len() {
-        diff |= a[i] ^ b.get(i).copied().unwrap_or(0);
+    for (i, x) in a.iter().enumerate() {
+        diff |= x ^ b.get(i).copied().unwrap_or(0);
     }
     diff == 0
 }

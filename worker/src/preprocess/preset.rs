@@ -3,7 +3,8 @@
 use serde::{Deserialize, Serialize};
 
 const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
-const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
+// transformers: OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711), written at f32 precision.
+const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_6, 0.275_777_1];
 
 /// How the worker turns pixels into `pixel_values` bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]

@@ -6,13 +6,13 @@ use clap::Parser;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use stoker_wire::{BatchHead, BatchRequest, ErrorFrame, Hello, Kind, Welcome};
+use stoker_wire::{BatchHead, BatchRequest, ErrorFrame, Welcome};
+pub use stoker_worker::connection::{Answer, Connection};
 use stoker_worker::dataset::synth::{generate, SynthFormat, SynthOptions};
 use stoker_worker::embedded_s3::EmbeddedS3;
 use stoker_worker::metrics::Metrics;
 use stoker_worker::pipeline::{open_pipeline, PlanArgs, PreprocessArgs};
-use stoker_worker::server::{read_frame, write_frame, Server, ServerConfig};
-use tokio::net::TcpStream;
+use stoker_worker::server::{Server, ServerConfig};
 
 pub const TOKEN: &str = "test-token";
 
@@ -115,19 +115,20 @@ pub async fn start_worker(ds: &Dataset, args: &[&str]) -> Worker {
     }
 }
 
-pub enum Answer {
-    Batch(BatchHead, Vec<u8>),
-    Error(ErrorFrame),
+/// Test-side view of an answer, with assertions.
+pub trait AnswerExt {
+    fn batch(self) -> (BatchHead, Vec<u8>);
+    fn error(self) -> ErrorFrame;
 }
 
-impl Answer {
-    pub fn batch(self) -> (BatchHead, Vec<u8>) {
+impl AnswerExt for Answer {
+    fn batch(self) -> (BatchHead, Vec<u8>) {
         match self {
             Answer::Batch(h, p) => (h, p),
             Answer::Error(e) => panic!("expected a batch, got {e:?}"),
         }
     }
-    pub fn error(self) -> ErrorFrame {
+    fn error(self) -> ErrorFrame {
         match self {
             Answer::Error(e) => e,
             Answer::Batch(h, _) => panic!("expected an error, got batch {:?}", h.sample_ids),
@@ -135,41 +136,20 @@ impl Answer {
     }
 }
 
-pub struct Client {
-    pub stream: TcpStream,
-}
+pub struct Client(pub Connection);
 
 impl Client {
     pub async fn connect(addr: SocketAddr, token: &str) -> Result<(Client, Welcome), ErrorFrame> {
-        let mut stream = TcpStream::connect(addr).await.unwrap();
-        let hello = Hello {
-            token: token.into(),
-            client: "test".into(),
-        };
-        write_frame(&mut stream, Kind::Hello, &hello.encode())
-            .await
-            .unwrap();
-        match read_frame(&mut stream).await.unwrap().unwrap() {
-            (Kind::Welcome, p) => Ok((Client { stream }, Welcome::decode(&p).unwrap())),
-            (Kind::Error, p) => Err(ErrorFrame::decode(&p).unwrap()),
-            (k, _) => panic!("unexpected {k:?}"),
-        }
+        let c = Connection::open(&addr.to_string(), token).await.unwrap()?;
+        let w = c.welcome.clone();
+        Ok((Client(c), w))
     }
-
     pub async fn send(&mut self, req: BatchRequest) {
-        write_frame(&mut self.stream, Kind::Request, &req.encode())
-            .await
-            .unwrap();
+        self.0.send(&req).await.unwrap();
     }
-
     pub async fn recv(&mut self) -> Answer {
-        match read_frame(&mut self.stream).await.unwrap().expect("answer") {
-            (Kind::Batch, p) => Answer::Batch(BatchHead::decode(&p, p.len() as u64).unwrap(), p),
-            (Kind::Error, p) => Answer::Error(ErrorFrame::decode(&p).unwrap()),
-            (k, _) => panic!("unexpected {k:?}"),
-        }
+        self.0.recv().await.unwrap()
     }
-
     pub async fn get(&mut self, req: BatchRequest) -> Answer {
         self.send(req).await;
         self.recv().await

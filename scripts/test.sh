@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs what the tests need (idempotent, cached under ~/.cache/stoker) and runs them all:
+# formatting and lints, the Rust unit and integration tests, and the Python parity tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export STOKER_CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
+# Build outputs live in the cache, so a fresh clone reuses them.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$STOKER_CACHE/target}"
+
+./scripts/setup-build-deps.sh
+./scripts/setup-test-deps.sh
+
+echo "== cargo fmt / clippy"
+cargo fmt --all -- --check
+cargo clippy --release --workspace --all-targets -- -D warnings
+
+echo "== cargo test"
+cargo build --release --workspace
+cargo test --release --workspace
+
+echo "== pytest"
+export STOKER_BIN="$CARGO_TARGET_DIR/release/stoker"
+export STOKER_TOKENIZER="$STOKER_CACHE/qwen-tokenizer"
+"$STOKER_CACHE/venv/bin/python" -m pytest -q tests/parity

@@ -1,0 +1,73 @@
+//! One protocol connection to a worker, from the requesting side: handshake, pipelined
+//! requests, answers. The benchmarks and tests drive workers with it; the trainer client
+//! adds discovery, retries and hedging on top of the same frames.
+
+use crate::server::{read_frame, write_frame};
+use stoker_wire::{BatchHead, BatchRequest, ErrorFrame, Hello, Kind, Welcome};
+use tokio::net::TcpStream;
+
+/// An answer to a request: the batch head and its whole payload, or an error frame.
+pub enum Answer {
+    Batch(BatchHead, Vec<u8>),
+    Error(ErrorFrame),
+}
+
+pub struct Connection {
+    stream: TcpStream,
+    pub welcome: Welcome,
+}
+
+impl Connection {
+    /// Connects and authenticates; a refusal comes back as the worker's error frame.
+    pub async fn open(addr: &str, token: &str) -> anyhow::Result<Result<Connection, ErrorFrame>> {
+        let mut stream = TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        let hello = Hello {
+            token: token.into(),
+            client: format!("stoker/{}", env!("CARGO_PKG_VERSION")),
+        };
+        write_frame(&mut stream, Kind::Hello, &hello.encode()).await?;
+        match read_frame(&mut stream).await? {
+            Some((Kind::Welcome, p)) => Ok(Ok(Connection {
+                stream,
+                welcome: Welcome::decode(&p)?,
+            })),
+            Some((Kind::Error, p)) => Ok(Err(ErrorFrame::decode(&p)?)),
+            Some((k, _)) => anyhow::bail!("{addr}: unexpected {k:?} frame during handshake"),
+            None => anyhow::bail!("{addr}: connection closed during handshake"),
+        }
+    }
+
+    /// A request for this worker's plan.
+    pub fn request(
+        &self,
+        request_id: u64,
+        epoch: u64,
+        global_batch: u64,
+        rank: u32,
+        world_size: u32,
+    ) -> BatchRequest {
+        BatchRequest {
+            request_id,
+            plan_id: self.welcome.plan_id,
+            epoch,
+            global_batch,
+            rank,
+            world_size,
+        }
+    }
+
+    pub async fn send(&mut self, req: &BatchRequest) -> anyhow::Result<()> {
+        write_frame(&mut self.stream, Kind::Request, &req.encode()).await?;
+        Ok(())
+    }
+
+    pub async fn recv(&mut self) -> anyhow::Result<Answer> {
+        match read_frame(&mut self.stream).await? {
+            Some((Kind::Batch, p)) => Ok(Answer::Batch(BatchHead::decode(&p, p.len() as u64)?, p)),
+            Some((Kind::Error, p)) => Ok(Answer::Error(ErrorFrame::decode(&p)?)),
+            Some((k, _)) => anyhow::bail!("unexpected {k:?} frame"),
+            None => anyhow::bail!("worker closed the connection"),
+        }
+    }
+}
