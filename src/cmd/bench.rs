@@ -31,6 +31,9 @@ pub struct PreprocessBench {
     /// Samples for the Python baselines (they are ~10x slower; their rate is what counts).
     #[arg(long, default_value_t = 300)]
     baseline_samples: usize,
+    /// Run only the in-memory ceiling (for profiling the CPU chain).
+    #[arg(long)]
+    ceiling_only: bool,
     /// Samples for the in-memory ceiling.
     #[arg(long, default_value_t = 500)]
     ceiling_samples: usize,
@@ -151,8 +154,17 @@ async fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
     ensure_dataset(&dir, b.samples)?;
     let tokenizer = b.pre.tokenizer_path()?;
 
-    let served = served_pipeline(&b, &root, &bucket, &tokenizer).await?;
     let ceiling = ceiling(&b, &dir)?;
+    if b.ceiling_only {
+        println!(
+            "{}: {:.1} samples/s per core; {}",
+            ceiling.name,
+            ceiling.per_core(),
+            ceiling.note
+        );
+        return Ok(());
+    }
+    let served = served_pipeline(&b, &root, &bucket, &tokenizer).await?;
     let python = python_baselines(&b, &dir, &tokenizer).await;
 
     let mut rows = vec![served.0, ceiling];
@@ -313,18 +325,25 @@ fn ceiling(b: &PreprocessBench, dir: &Path) -> anyhow::Result<Row> {
     }
     let (t0, c0) = (Instant::now(), thread_cpu_seconds());
     let mut timings = ImageTimings::default();
-    let mut sink = 0usize;
+    let mut images = 0usize;
     for imgs in &samples {
         for bytes in imgs {
-            sink += process_image(bytes, &preset, &lut, b.pre.limits(), &mut timings)?.rows;
+            process_image(bytes, &preset, &lut, b.pre.limits(), &mut timings)?;
+            images += 1;
         }
     }
+    let ms = |d: Duration| d.as_secs_f64() * 1e3 / images as f64;
     Ok(Row {
         name: "(c) ceiling: in-memory decode+resize+patchify",
         samples: samples.len(),
         wall_s: t0.elapsed().as_secs_f64(),
         cpu_s: thread_cpu_seconds() - c0,
-        note: format!("1 thread, {sink} patches"),
+        note: format!(
+            "1 thread; ms/image: decode {:.2}, resize {:.2}, patchify {:.2}",
+            ms(timings.decode),
+            ms(timings.resize),
+            ms(timings.patchify)
+        ),
     })
 }
 

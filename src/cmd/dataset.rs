@@ -207,7 +207,12 @@ fn write_safetensors(
     let ids = i64_bytes(&b.input_ids);
     let labels = i64_bytes(&b.labels);
     let grid = i64_bytes(&b.image_grid_thw);
-    let pixels = b.pixel_chunks.concat();
+    let pixels: Vec<u8> = b
+        .pixel_chunks
+        .iter()
+        .flat_map(|c| c.as_bytes())
+        .copied()
+        .collect();
     let l = b.seq_len;
     let tensors = vec![
         ("input_ids", TensorView::new(Dtype::I64, vec![1, l], &ids)?),

@@ -16,6 +16,27 @@ use tokio::net::TcpListener;
 pub const ACCESS_KEY: &str = "stoker-embedded";
 pub const SECRET_KEY: &str = "stoker-embedded-secret";
 
+/// How the embedded store behaves, to stand in for a real object store.
+#[derive(Debug, Clone, Default)]
+pub struct StoreBehaviour {
+    /// Delay before every response (time to first byte).
+    pub first_byte_latency: Duration,
+    /// Extra delay for objects whose path ends with the given suffix (a straggler).
+    pub slow_objects: Vec<(String, Duration)>,
+}
+
+impl StoreBehaviour {
+    fn delay(&self, path: &str) -> Duration {
+        let extra = self
+            .slow_objects
+            .iter()
+            .filter(|(suffix, _)| path.ends_with(suffix.as_str()))
+            .map(|(_, d)| *d)
+            .sum::<Duration>();
+        self.first_byte_latency + extra
+    }
+}
+
 pub struct EmbeddedS3 {
     pub endpoint: String,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
@@ -28,6 +49,19 @@ impl EmbeddedS3 {
         addr: &str,
         first_byte_latency: Duration,
     ) -> anyhow::Result<Self> {
+        let behaviour = StoreBehaviour {
+            first_byte_latency,
+            ..StoreBehaviour::default()
+        };
+        Self::start_with(root, addr, behaviour).await
+    }
+
+    pub async fn start_with(
+        root: &Path,
+        addr: &str,
+        behaviour: StoreBehaviour,
+    ) -> anyhow::Result<Self> {
+        let behaviour = std::sync::Arc::new(behaviour);
         let fs = s3s_fs::FileSystem::new(root)
             .map_err(|e| anyhow::anyhow!("embedded S3 over {}: {e:?}", root.display()))?;
         let mut builder = S3ServiceBuilder::new(fs);
@@ -48,15 +82,19 @@ impl EmbeddedS3 {
                 };
                 let _ = socket.set_nodelay(true);
                 let svc = service.clone();
-                let delayed = hyper::service::service_fn(move |req| {
-                    let svc = svc.clone();
-                    async move {
-                        if !first_byte_latency.is_zero() {
-                            tokio::time::sleep(first_byte_latency).await;
+                let behaviour = behaviour.clone();
+                let delayed = hyper::service::service_fn(
+                    move |req: hyper::Request<hyper::body::Incoming>| {
+                        let svc = svc.clone();
+                        let delay = behaviour.delay(req.uri().path());
+                        async move {
+                            if !delay.is_zero() {
+                                tokio::time::sleep(delay).await;
+                            }
+                            hyper::service::Service::call(&svc, req).await
                         }
-                        hyper::service::Service::call(&svc, req).await
-                    }
-                });
+                    },
+                );
                 let conn = http
                     .serve_connection(TokioIo::new(socket), delayed)
                     .into_owned();

@@ -12,7 +12,7 @@ use crate::plan::Plan;
 use crate::preprocess::preset::{PixelDtype, Preset};
 use crate::preprocess::text::{TextError, TextProcessor, IGNORE_INDEX};
 use crate::preprocess::vision::{
-    process_image, DecodeLimits, ImageError, ImageOut, ImageTimings, PixelLut,
+    process_image, DecodeLimits, ImageError, ImageOut, ImageTimings, PixelBuf, PixelLut,
 };
 use crate::source::{resolve_relative, FetchError, PathError, Store};
 use futures::StreamExt;
@@ -102,7 +102,7 @@ pub struct Batch {
     pub attention_mask: Vec<i64>,
     pub seq_len: usize,
     /// One chunk per image, in sample then image order: concatenated they are `pixel_values`.
-    pub pixel_chunks: Vec<Vec<u8>>,
+    pub pixel_chunks: Vec<PixelBuf>,
     pub pixel_rows: usize,
     pub image_grid_thw: Vec<i64>,
 }
@@ -352,7 +352,7 @@ pub fn collate(samples: Vec<PreparedSample>, skipped: Vec<Skipped>, pad_id: i64)
         for img in s.images {
             pixel_rows += img.rows;
             image_grid_thw.extend_from_slice(&img.grid_thw);
-            pixel_chunks.push(img.pixel_bytes);
+            pixel_chunks.push(img.pixels);
         }
         sample_ids.push(s.sample_id);
     }

@@ -81,7 +81,11 @@ async fn write_batch<W: AsyncWrite + Unpin>(
     let labels = i64_bytes(&batch.labels);
     let mask = i64_bytes(&batch.attention_mask);
     let grid = i64_bytes(&batch.image_grid_thw);
-    let pixel_bytes: u64 = batch.pixel_chunks.iter().map(|c| c.len() as u64).sum();
+    let pixel_bytes: u64 = batch
+        .pixel_chunks
+        .iter()
+        .map(|c| c.as_bytes().len() as u64)
+        .sum();
     let row_bytes = if batch.pixel_rows == 0 {
         0
     } else {
@@ -111,7 +115,7 @@ async fn write_batch<W: AsyncWrite + Unpin>(
             name: "pixel_values",
             dtype: pixel_dtype,
             shape: vec![batch.pixel_rows as u64, pixel_dim],
-            chunks: batch.pixel_chunks.iter().map(Vec::as_slice).collect(),
+            chunks: batch.pixel_chunks.iter().map(|c| c.as_bytes()).collect(),
         },
         TensorRef {
             name: "image_grid_thw",

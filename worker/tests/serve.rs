@@ -169,3 +169,38 @@ async fn sigterm_drains_in_flight_requests_then_refuses() {
     let e = c.get(request(&welcome, 0, 0, 0, 1)).await.error();
     assert_eq!(e.code, ErrorCode::Unavailable);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_object_delays_only_its_own_batch() {
+    use std::time::Duration;
+    use stoker_worker::embedded_s3::{EmbeddedS3, StoreBehaviour};
+    let mut ds = synth_dataset(8, SynthFormat::Llava).await;
+    // Find a sample of batch 0 and make its first image a straggler.
+    let probe = start_worker(&ds, &["--global-batch-size", "4"]).await;
+    let victim = probe.server.pipeline.plan.rank_slice(0, 0, 0, 1).unwrap()[0];
+    let (shard, line) = probe.server.pipeline.index.locate(victim).unwrap();
+    let text = std::fs::read(ds.dir().join(&shard.key)).unwrap();
+    let raw = &text[line.1 as usize..(line.1 + line.2 as u64) as usize];
+    let conv = stoker_worker::dataset::sample::Conversation::parse(raw).unwrap();
+    let slow = conv.image_paths().next().unwrap().to_string();
+    let behaviour = StoreBehaviour {
+        slow_objects: vec![(slow, Duration::from_secs(3))],
+        ..Default::default()
+    };
+    ds.s3 = EmbeddedS3::start_with(ds.root.path(), "127.0.0.1:0", behaviour)
+        .await
+        .unwrap();
+
+    let w = start_worker(&ds, &["--global-batch-size", "4", "--max-fetches", "2"]).await;
+    let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+    c.send(request(&welcome, 0, 0, 0, 1)).await;
+    c.send(request(&welcome, 0, 1, 0, 1)).await;
+    // Batch 1 overtakes batch 0, which waits on its straggler, and both arrive complete.
+    let (first, _) = c.recv().await.batch();
+    let (second, _) = c.recv().await.batch();
+    assert_eq!(
+        (first.request.global_batch, second.request.global_batch),
+        (1, 0)
+    );
+    assert!(second.sample_ids.contains(&victim) && second.skipped.is_empty());
+}

@@ -118,29 +118,34 @@ fn paint(rng: &mut ChaCha8Rng, w: u32, h: u32) -> Vec<u8> {
         })
         .collect();
     let mut noise = rng.gen::<u32>() | 1;
-    let mut px = Vec::with_capacity((w * h * 3) as usize);
-    for y in 0..h {
+    let (w, h) = (w as usize, h as usize);
+    let mut px = vec![0u8; w * h * 3];
+    for (y, row) in px.chunks_exact_mut(w * 3).enumerate() {
         let fy = y as f32 / h as f32;
-        for x in 0..w {
+        for (x, p) in row.chunks_exact_mut(3).enumerate() {
             let fx = x as f32 / w as f32;
-            let mut c = [0u8; 3];
             for k in 0..3 {
-                let v = (base[k] + grad[k] * (fx - fy) * 0.5).clamp(0.0, 1.0) * 255.0;
-                c[k] = v as u8;
+                p[k] = ((base[k] + grad[k] * (fx - fy) * 0.5).clamp(0.0, 1.0) * 255.0) as u8;
             }
-            for (cx, cy, r, col) in &shapes {
-                let (dx, dy) = (x as f32 - cx, y as f32 - cy);
-                if dx * dx + dy * dy < r * r {
-                    c = *col;
-                }
+        }
+        // Shapes as horizontal spans: later shapes cover earlier ones.
+        for (cx, cy, r, col) in &shapes {
+            let dy = y as f32 - cy;
+            if dy.abs() >= *r {
+                continue;
             }
+            let half = (r * r - dy * dy).sqrt();
+            let x0 = (cx - half).max(0.0) as usize;
+            let x1 = ((cx + half).max(0.0) as usize).min(w);
+            for p in row[x0.min(x1) * 3..x1 * 3].chunks_exact_mut(3) {
+                p.copy_from_slice(col);
+            }
+        }
+        for v in row.iter_mut() {
             noise ^= noise << 13;
             noise ^= noise >> 17;
             noise ^= noise << 5;
-            let n = (noise % 9) as i16 - 4;
-            for v in c {
-                px.push((v as i16 + n).clamp(0, 255) as u8);
-            }
+            *v = (*v as i16 + (noise % 9) as i16 - 4).clamp(0, 255) as u8;
         }
     }
     px
@@ -279,45 +284,81 @@ fn sample_json(rng: &mut ChaCha8Rng, format: SynthFormat, images: &[String]) -> 
     }
 }
 
-/// Writes the dataset under `out`; `progress` is advanced once per sample.
+/// Writes one shard (samples `first..end`) and its images.
+fn write_shard(
+    out: &Path,
+    o: &SynthOptions,
+    shard: usize,
+    first: usize,
+    end: usize,
+    progress: &indicatif::ProgressBar,
+) -> anyhow::Result<()> {
+    let mut rng = ChaCha8Rng::seed_from_u64(o.seed ^ (shard as u64).wrapping_mul(0x9e37_79b9));
+    let name = format!("shard-{shard:05}.jsonl");
+    let mut jsonl = std::io::BufWriter::new(std::fs::File::create(out.join(&name))?);
+    for i in first..end {
+        let n_images = match rng.gen_range(0..100) {
+            0..=74 => 1,
+            75..=89 => 2,
+            _ => 3,
+        };
+        let mut paths = Vec::new();
+        for k in 0..n_images {
+            let kind = pick_kind(&mut rng);
+            let (w, h) = image_size(&mut rng, o);
+            let (ext, bytes) = encode(&mut rng, kind, w, h)?;
+            let rel = format!("images/{i:07}-{k}.{ext}");
+            std::fs::write(out.join(&rel), bytes)?;
+            paths.push(rel);
+        }
+        let line = sample_json(&mut rng, o.format, &paths);
+        serde_json::to_writer(&mut jsonl, &line)?;
+        jsonl.write_all(b"\n")?;
+        progress.inc(1);
+    }
+    jsonl.flush()?;
+    Ok(())
+}
+
+/// Writes the dataset under `out`, shards in parallel on all cores; `progress` is advanced
+/// once per sample. The output depends only on the options (each shard has its own RNG).
 pub fn generate(
     out: &Path,
     o: &SynthOptions,
     progress: &indicatif::ProgressBar,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(out.join("images"))?;
-    let shards = o.samples.div_ceil(o.samples_per_shard.max(1));
+    let per_shard = o.samples_per_shard.max(1);
+    let shards = o.samples.div_ceil(per_shard);
     progress.set_length(o.samples as u64);
-    let mut next = 0usize;
-    for s in 0..shards {
-        let mut rng = ChaCha8Rng::seed_from_u64(o.seed ^ (s as u64).wrapping_mul(0x9e37_79b9));
-        let name = format!("shard-{s:05}.jsonl");
-        let mut jsonl = std::io::BufWriter::new(std::fs::File::create(out.join(&name))?);
-        let end = (next + o.samples_per_shard).min(o.samples);
-        for i in next..end {
-            let n_images = match rng.gen_range(0..100) {
-                0..=74 => 1,
-                75..=89 => 2,
-                _ => 3,
-            };
-            let mut paths = Vec::new();
-            for k in 0..n_images {
-                let kind = pick_kind(&mut rng);
-                let (w, h) = image_size(&mut rng, o);
-                let (ext, bytes) = encode(&mut rng, kind, w, h)?;
-                let rel = format!("images/{i:07}-{k}.{ext}");
-                std::fs::write(out.join(&rel), bytes)?;
-                paths.push(rel);
-            }
-            let line = sample_json(&mut rng, o.format, &paths);
-            serde_json::to_writer(&mut jsonl, &line)?;
-            jsonl.write_all(b"\n")?;
-            progress.inc(1);
-        }
-        jsonl.flush()?;
-        next = end;
-    }
-    Ok(())
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(shards.max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| loop {
+                    let s = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if s >= shards {
+                        return anyhow::Ok(());
+                    }
+                    let first = s * per_shard;
+                    write_shard(
+                        out,
+                        o,
+                        s,
+                        first,
+                        (first + per_shard).min(o.samples),
+                        progress,
+                    )?;
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().expect("synth thread panicked"))
+    })
 }
 
 #[cfg(test)]

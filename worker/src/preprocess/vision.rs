@@ -284,10 +284,32 @@ pub fn smart_resize(
     Ok((h_bar as u32, w_bar as u32))
 }
 
+/// `pixel_values` rows of one image, in the preset's dtype.
+pub enum PixelBuf {
+    F32(Vec<f32>),
+    /// bfloat16 bit patterns.
+    Bf16(Vec<u16>),
+    U8(Vec<u8>),
+}
+
+#[cfg(target_endian = "big")]
+compile_error!("the wire format is little endian; PixelBuf::as_bytes assumes a little-endian host");
+
+impl PixelBuf {
+    /// The values as little-endian bytes, without copying.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            PixelBuf::F32(v) => bytemuck::cast_slice(v),
+            PixelBuf::Bf16(v) => bytemuck::cast_slice(v),
+            PixelBuf::U8(v) => v,
+        }
+    }
+}
+
 /// One image's contribution to a batch.
 pub struct ImageOut {
-    /// `[rows, patch_dim]` in the preset's pixel dtype, little endian.
-    pub pixel_bytes: Vec<u8>,
+    /// `[rows, patch_dim]`.
+    pub pixels: PixelBuf,
     pub rows: usize,
     pub grid_thw: [i64; 3],
     /// Size after smart_resize (height, width).
@@ -296,45 +318,34 @@ pub struct ImageOut {
     pub original: (u32, u32),
 }
 
-/// Per-channel lookup from an 8-bit value to its output bytes: the normalization is a pure
+/// Per-channel lookup from an 8-bit value to its output value: the normalization is a pure
 /// function of (channel, value), so computing it once per value is both exact and fast.
-pub struct PixelLut {
-    bytes_per_value: usize,
-    table: Vec<u8>,
+pub enum PixelLut {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+    U8,
 }
 
 impl PixelLut {
     pub fn new(preset: &Preset) -> Self {
-        let bytes_per_value = match preset.pixel_dtype {
-            PixelDtype::F32 => 4,
-            PixelDtype::Bf16 => 2,
-            PixelDtype::U8 => 1,
+        // transformers: float64 v * (1/255) → float32; (x - mean) / std in float32.
+        let normalized = || {
+            (0..3).flat_map(move |c| {
+                (0..=255u8).map(move |v| {
+                    let x = (v as f64 * (1.0 / 255.0)) as f32;
+                    (x - preset.image_mean[c]) / preset.image_std[c]
+                })
+            })
         };
-        let mut table = Vec::with_capacity(3 * 256 * bytes_per_value);
-        for c in 0..3 {
-            for v in 0..=255u8 {
-                // transformers: float64 v * (1/255) → float32; (x - mean) / std in float32.
-                let x = (v as f64 * (1.0 / 255.0)) as f32;
-                let n = (x - preset.image_mean[c]) / preset.image_std[c];
-                match preset.pixel_dtype {
-                    PixelDtype::F32 => table.extend_from_slice(&n.to_le_bytes()),
-                    PixelDtype::Bf16 => {
-                        table.extend_from_slice(&half::bf16::from_f32(n).to_le_bytes())
-                    }
-                    PixelDtype::U8 => table.push(v),
-                }
-            }
+        match preset.pixel_dtype {
+            PixelDtype::F32 => PixelLut::F32(normalized().collect()),
+            PixelDtype::Bf16 => PixelLut::Bf16(
+                normalized()
+                    .map(|n| half::bf16::from_f32(n).to_bits())
+                    .collect(),
+            ),
+            PixelDtype::U8 => PixelLut::U8,
         }
-        PixelLut {
-            bytes_per_value,
-            table,
-        }
-    }
-
-    #[inline(always)]
-    fn get(&self, c: usize, v: u8) -> &[u8] {
-        let i = (c * 256 + v as usize) * self.bytes_per_value;
-        &self.table[i..i + self.bytes_per_value]
     }
 }
 
@@ -342,44 +353,55 @@ impl PixelLut {
 ///
 /// Row order is (h-block, w-block, merge-row, merge-col) and within a row (c, t, py, px), the
 /// transformers layout; the temporal frames are copies of the one image.
-pub fn patchify(rgb: &Rgb, preset: &Preset, lut: &PixelLut) -> (Vec<u8>, usize, [i64; 3]) {
+pub fn patchify(rgb: &Rgb, preset: &Preset, lut: &PixelLut) -> (PixelBuf, usize, [i64; 3]) {
+    let p = preset.patch_size as usize;
+    let (gh, gw) = (rgb.height / p, rgb.width / p);
+    let rows = gh * gw;
+    let identity: Vec<u8> = (0..3).flat_map(|_| 0..=255u8).collect();
+    let pixels = match lut {
+        PixelLut::F32(t) => PixelBuf::F32(patchify_with(rgb, preset, t)),
+        PixelLut::Bf16(t) => PixelBuf::Bf16(patchify_with(rgb, preset, t)),
+        PixelLut::U8 => PixelBuf::U8(patchify_with(rgb, preset, &identity)),
+    };
+    (pixels, rows, [1, gh as i64, gw as i64])
+}
+
+/// The patchify loop for one output type; `table[c * 256 + v]` is channel c's value for v.
+fn patchify_with<T: Copy + Default>(rgb: &Rgb, preset: &Preset, table: &[T]) -> Vec<T> {
     let p = preset.patch_size as usize;
     let m = preset.merge_size as usize;
     let t = preset.temporal_patch_size as usize;
     let (gh, gw) = (rgb.height / p, rgb.width / p);
-    let rows = gh * gw;
-    let bpv = lut.bytes_per_value;
-    let row_bytes = 3 * t * p * p * bpv;
-    let frame_bytes = p * p * bpv;
-    let mut out = vec![0u8; rows * row_bytes];
-    let mut row = 0;
+    let row_len = 3 * t * p * p;
+    let frame = p * p;
+    let table: &[T; 768] = table.try_into().expect("3 x 256 entries");
+    // Written once, front to back (no zero-fill): each channel's frame is built in a small
+    // buffer and appended `t` times.
+    let mut out = Vec::with_capacity(gh * gw * row_len);
+    let mut frame_buf = vec![T::default(); frame];
     for bh in 0..gh / m {
         for bw in 0..gw / m {
             for mh in 0..m {
                 for mw in 0..m {
-                    let y0 = (bh * m + mh) * p;
-                    let x0 = (bw * m + mw) * p;
-                    let dst = &mut out[row * row_bytes..(row + 1) * row_bytes];
+                    let (y0, x0) = ((bh * m + mh) * p, (bw * m + mw) * p);
                     for c in 0..3 {
-                        let chan = &mut dst[c * t * frame_bytes..(c + 1) * t * frame_bytes];
-                        let (first, rest) = chan.split_at_mut(frame_bytes);
-                        for py in 0..p {
-                            let src = &rgb.data[((y0 + py) * rgb.width + x0) * 3..];
-                            for px in 0..p {
-                                let o = (py * p + px) * bpv;
-                                first[o..o + bpv].copy_from_slice(lut.get(c, src[px * 3 + c]));
+                        let lut = &table[c * 256..(c + 1) * 256];
+                        for (py, line) in frame_buf.chunks_exact_mut(p).enumerate() {
+                            let start = ((y0 + py) * rgb.width + x0) * 3 + c;
+                            let src = &rgb.data[start..start + 3 * (p - 1) + 1];
+                            for (o, v) in line.iter_mut().zip(src.iter().step_by(3)) {
+                                *o = lut[*v as usize];
                             }
                         }
-                        for frame in rest.chunks_exact_mut(frame_bytes) {
-                            frame.copy_from_slice(first);
+                        for _ in 0..t {
+                            out.extend_from_slice(&frame_buf);
                         }
                     }
-                    row += 1;
                 }
             }
         }
     }
-    (out, rows, [1, gh as i64, gw as i64])
+    out
 }
 
 /// Stage timings of one image, for the worker's histograms.
@@ -387,6 +409,7 @@ pub fn patchify(rgb: &Rgb, preset: &Preset, lut: &PixelLut) -> (Vec<u8>, usize, 
 pub struct ImageTimings {
     pub decode: std::time::Duration,
     pub resize: std::time::Duration,
+    pub patchify: std::time::Duration,
 }
 
 /// The whole per-image chain: decode → smart_resize → bicubic → normalize/patchify.
@@ -417,12 +440,14 @@ pub fn process_image(
         width: w as usize,
         height: h as usize,
     };
-    let (pixel_bytes, rows, grid_thw) = patchify(&resized, preset, lut);
     let t2 = std::time::Instant::now();
+    let (pixels, rows, grid_thw) = patchify(&resized, preset, lut);
+    let t3 = std::time::Instant::now();
     timings.decode += t1 - t0;
     timings.resize += t2 - t1;
+    timings.patchify += t3 - t2;
     Ok(ImageOut {
-        pixel_bytes,
+        pixels,
         rows,
         grid_thw,
         resized: (h, w),
@@ -477,10 +502,10 @@ mod tests {
             height: 476,
             data: vec![128; 644 * 476 * 3],
         };
-        let (bytes, rows, grid) = patchify(&rgb, &preset, &lut);
+        let (pixels, rows, grid) = patchify(&rgb, &preset, &lut);
         assert_eq!(grid, [1, 34, 46]);
         assert_eq!(rows, 1564);
-        assert_eq!(bytes.len(), 1564 * 1176 * 4);
+        assert_eq!(pixels.as_bytes().len(), 1564 * 1176 * 4);
     }
 
     #[test]
@@ -502,7 +527,8 @@ mod tests {
             height: h,
             data,
         };
-        let (out, rows, _) = patchify(&rgb, &preset, &lut);
+        let (pixels, rows, _) = patchify(&rgb, &preset, &lut);
+        let out = pixels.as_bytes();
         assert_eq!(rows, 8);
         let row_len = 3 * 2 * 2 * 2;
         // Row 1 is merge-col 1 of the first 2x2 block: patch (py=0, px=1) → x0 = 2.
