@@ -32,7 +32,17 @@ enum Command {
     Bench(cmd::bench::BenchCommand),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() {
+    if let Err(e) = run() {
+        // The chain of causes names the thing (shard:line, object key, flag); a backtrace
+        // would only bury it.
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    stoker_worker::alloc::keep_freed_buffers();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -12,6 +12,7 @@ pub mod preprocess {
     pub mod text;
     pub mod vision;
 }
+pub mod alloc;
 pub mod connection;
 pub mod embedded_s3;
 pub mod metrics;

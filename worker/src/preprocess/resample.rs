@@ -77,11 +77,74 @@ fn clip8(v: i32) -> u8 {
 /// Horizontal pass over rows `y0..y1` of `src` (width `w`) to width `ow`.
 fn horizontal(src: &[u8], w: usize, y0: usize, y1: usize, c: &Coeffs, ow: usize) -> Vec<u8> {
     #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above.
+        return unsafe { horizontal_avx2(src, w, y0, y1, c, ow) };
+    }
+    #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("sse4.1") {
         // SAFETY: the CPU supports SSE4.1, checked just above.
         return unsafe { horizontal_sse41(src, w, y0, y1, c, ow) };
     }
     horizontal_kernel(src, w, y0, y1, c, ow)
+}
+
+/// Two output pixels per step: lanes 0–3 accumulate pixel A's (R, G, B, spare), lanes 4–7
+/// pixel B's. Both run over the longer of their two tap lists; the shorter one's extra taps
+/// have zero weight (coefficient rows are zero-padded to `ksize`) and read into the row's
+/// zero padding, so the sums are exactly the scalar ones.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn horizontal_avx2(
+    src: &[u8],
+    w: usize,
+    y0: usize,
+    y1: usize,
+    c: &Coeffs,
+    ow: usize,
+) -> Vec<u8> {
+    use std::arch::x86_64::*;
+    let ks = c.ksize;
+    let mut out = vec![0u8; ow * (y1 - y0) * 3 + 1];
+    // `ksize` pixels of zero padding (extra taps) plus one byte (4-byte loads).
+    let mut padded = vec![0u8; (w + ks) * 3 + 1];
+    let init = _mm256_set1_epi32(1 << (PRECISION_BITS - 1));
+    let load = |row: *const u8, x: usize| (row.add(x * 3) as *const i32).read_unaligned();
+    for ty in 0..y1 - y0 {
+        padded[..w * 3].copy_from_slice(&src[(ty + y0) * w * 3..(ty + y0 + 1) * w * 3]);
+        let row = padded.as_ptr();
+        let out_row = out.as_mut_ptr().add(ty * ow * 3);
+        let mut xx = 0;
+        while xx + 1 < ow {
+            let ((xa, na), (xb, nb)) = (c.bounds[xx], c.bounds[xx + 1]);
+            let ka = &c.weights[xx * ks..(xx + 1) * ks];
+            let kb = &c.weights[(xx + 1) * ks..(xx + 2) * ks];
+            let mut acc = init;
+            for i in 0..na.max(nb) {
+                // SAFETY: xa + i, xb + i < w + ks: inside the padded row.
+                let v =
+                    _mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, load(row, xb + i), load(row, xa + i)));
+                let k = _mm256_set_m128i(_mm_set1_epi32(kb[i]), _mm_set1_epi32(ka[i]));
+                acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(v, k));
+            }
+            let v = _mm256_srai_epi32::<{ PRECISION_BITS as i32 }>(acc);
+            // Per 128-bit lane: i32 → i16 → u8 with saturation, i.e. clip8.
+            let packed = _mm256_packus_epi16(_mm256_packs_epi32(v, v), _mm256_setzero_si256());
+            let a = _mm256_castsi256_si128(packed);
+            let b = _mm256_extracti128_si256::<1>(packed);
+            // 4-byte stores; B's overwrites A's spare byte, the next step B's.
+            (out_row.add(xx * 3) as *mut i32).write_unaligned(_mm_cvtsi128_si32(a));
+            (out_row.add(xx * 3 + 3) as *mut i32).write_unaligned(_mm_cvtsi128_si32(b));
+            xx += 2;
+        }
+        if xx < ow {
+            let (xmin, n) = c.bounds[xx];
+            let px = tap_pixel(&padded, xmin, &c.weights[xx * ks..xx * ks + n]);
+            std::ptr::copy_nonoverlapping(px.as_ptr(), out_row.add(xx * 3), 3);
+        }
+    }
+    out.truncate(ow * (y1 - y0) * 3);
+    out
 }
 
 /// The horizontal pass with one 4-lane (R, G, B, spare) i32 multiply-add per tap; exact,
@@ -127,23 +190,31 @@ unsafe fn horizontal_sse41(
     out
 }
 
-/// Portable horizontal pass (the reference for the SIMD one).
+/// One output pixel of the horizontal pass: taps `k` over pixels `xmin..` of `row`.
+#[inline(always)]
+fn tap_pixel(row: &[u8], xmin: usize, k: &[i32]) -> [u8; 3] {
+    let mut acc = [1i32 << (PRECISION_BITS - 1); 3];
+    for (i, &kw) in k.iter().enumerate() {
+        let p = &row[(xmin + i) * 3..(xmin + i) * 3 + 3];
+        for (a, &v) in acc.iter_mut().zip(p) {
+            *a += v as i32 * kw;
+        }
+    }
+    acc.map(clip8)
+}
+
+/// Portable horizontal pass (the reference for the SIMD ones).
 fn horizontal_kernel(src: &[u8], w: usize, y0: usize, y1: usize, c: &Coeffs, ow: usize) -> Vec<u8> {
     let mut out = vec![0u8; ow * (y1 - y0) * 3];
     for (ty, out_row) in out.chunks_exact_mut(ow * 3).enumerate() {
         let row = &src[(ty + y0) * w * 3..(ty + y0 + 1) * w * 3];
         for (xx, px) in out_row.chunks_exact_mut(3).enumerate() {
             let (xmin, n) = c.bounds[xx];
-            let k = &c.weights[xx * c.ksize..xx * c.ksize + n];
-            let mut acc = [1i32 << (PRECISION_BITS - 1); 3];
-            for (i, &kw) in k.iter().enumerate() {
-                for ch in 0..3 {
-                    acc[ch] += row[(xmin + i) * 3 + ch] as i32 * kw;
-                }
-            }
-            for ch in 0..3 {
-                px[ch] = clip8(acc[ch]);
-            }
+            px.copy_from_slice(&tap_pixel(
+                row,
+                xmin,
+                &c.weights[xx * c.ksize..xx * c.ksize + n],
+            ));
         }
     }
     out

@@ -91,14 +91,29 @@ fn upright_rgb(mut img: DynamicImage, orientation: Option<image::metadata::Orien
     if let Some(o) = orientation {
         img.apply_orientation(o);
     }
-    let rgb = match img {
-        DynamicImage::ImageRgb8(i) => i,
-        other => other.to_rgb8(),
+    let (width, height) = (img.width() as usize, img.height() as usize);
+    // The common 8-bit layouts are converted directly (as Pillow's convert("RGB") does: gray
+    // replicated, alpha dropped); `to_rgb8` goes through a generic colour-space path that costs
+    // more than decoding.
+    let data = match img {
+        DynamicImage::ImageRgb8(i) => i.into_raw(),
+        DynamicImage::ImageLuma8(i) => i.as_raw().iter().flat_map(|&v| [v, v, v]).collect(),
+        DynamicImage::ImageLumaA8(i) => i
+            .as_raw()
+            .chunks_exact(2)
+            .flat_map(|p| [p[0], p[0], p[0]])
+            .collect(),
+        DynamicImage::ImageRgba8(i) => i
+            .as_raw()
+            .chunks_exact(4)
+            .flat_map(|p| [p[0], p[1], p[2]])
+            .collect(),
+        other => other.to_rgb8().into_raw(),
     };
     Rgb {
-        width: rgb.width() as usize,
-        height: rgb.height() as usize,
-        data: rgb.into_raw(),
+        width,
+        height,
+        data,
     }
 }
 
@@ -375,10 +390,8 @@ fn patchify_with<T: Copy + Default>(rgb: &Rgb, preset: &Preset, table: &[T]) -> 
     let row_len = 3 * t * p * p;
     let frame = p * p;
     let table: &[T; 768] = table.try_into().expect("3 x 256 entries");
-    // Written once, front to back (no zero-fill): each channel's frame is built in a small
-    // buffer and appended `t` times.
+    // Written once, front to back (no zero-fill); later temporal frames copy the first.
     let mut out = Vec::with_capacity(gh * gw * row_len);
-    let mut frame_buf = vec![T::default(); frame];
     for bh in 0..gh / m {
         for bw in 0..gw / m {
             for mh in 0..m {
@@ -386,15 +399,14 @@ fn patchify_with<T: Copy + Default>(rgb: &Rgb, preset: &Preset, table: &[T]) -> 
                     let (y0, x0) = ((bh * m + mh) * p, (bw * m + mw) * p);
                     for c in 0..3 {
                         let lut = &table[c * 256..(c + 1) * 256];
-                        for (py, line) in frame_buf.chunks_exact_mut(p).enumerate() {
+                        let first = out.len();
+                        for py in 0..p {
                             let start = ((y0 + py) * rgb.width + x0) * 3 + c;
                             let src = &rgb.data[start..start + 3 * (p - 1) + 1];
-                            for (o, v) in line.iter_mut().zip(src.iter().step_by(3)) {
-                                *o = lut[*v as usize];
-                            }
+                            out.extend(src.iter().step_by(3).map(|v| lut[*v as usize]));
                         }
-                        for _ in 0..t {
-                            out.extend_from_slice(&frame_buf);
+                        for _ in 1..t {
+                            out.extend_from_within(first..first + frame);
                         }
                     }
                 }
