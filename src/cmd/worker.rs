@@ -27,6 +27,10 @@ pub struct WorkerArgs {
     /// Batch requests prepared at once per connection.
     #[arg(long, default_value_t = 8)]
     pub max_inflight_per_conn: usize,
+    /// Samples prepared or waiting to be sent at once, across connections: bounds the memory
+    /// batches take [default: 8 per preprocessing thread, at least 32].
+    #[arg(long)]
+    pub max_inflight_samples: Option<usize>,
     /// On SIGTERM, how long to wait for in-flight requests.
     #[arg(long, default_value_t = 30)]
     pub drain_timeout_s: u64,
@@ -65,11 +69,13 @@ pub async fn run(a: WorkerArgs) -> anyhow::Result<()> {
     tokio::spawn(serve_http(http, metrics.clone()));
 
     let pipeline = open_pipeline(&a.data, &a.s3, &a.pre, &a.plan, metrics).await?;
+    let cpu_threads = pipeline.config.cpu_threads;
     let server = Server::new(
         pipeline,
         ServerConfig {
             token,
             max_inflight_per_conn: a.max_inflight_per_conn,
+            max_inflight_samples: a.max_inflight_samples.unwrap_or(8 * cpu_threads).max(32),
             drain_timeout: Duration::from_secs(a.drain_timeout_s),
         },
     );

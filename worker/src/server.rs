@@ -16,7 +16,7 @@ use stoker_wire::{
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, Notify, Semaphore};
+use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Answers waiting for the socket, per connection.
@@ -26,6 +26,9 @@ pub struct ServerConfig {
     /// The pipeline token clients must present; `None` disables the check (local use only).
     pub token: Option<String>,
     pub max_inflight_per_conn: usize,
+    /// Samples prepared or waiting to be sent, across all connections: the bound on the
+    /// memory batches take (a float32 Qwen2-VL sample is ~20 MB of pixels).
+    pub max_inflight_samples: usize,
     /// How long a drain waits for in-flight requests before giving up.
     pub drain_timeout: Duration,
 }
@@ -37,6 +40,7 @@ pub struct Server {
     draining: AtomicBool,
     inflight: AtomicUsize,
     idle: Notify,
+    sample_budget: Arc<Semaphore>,
 }
 
 /// Reads one frame; `Ok(None)` on a clean end of stream before a header.
@@ -167,7 +171,8 @@ fn token_matches(expected: &str, given: &str) -> bool {
 
 enum Outgoing {
     Error(ErrorFrame),
-    Batch(BatchRequest, Batch, Instant),
+    /// The permit holds the batch's share of the sample budget until it is sent.
+    Batch(BatchRequest, Batch, Instant, OwnedSemaphorePermit),
 }
 
 struct InflightGuard<'a>(&'a Server);
@@ -198,6 +203,7 @@ impl Server {
             ),
         };
         Arc::new(Server {
+            sample_budget: Arc::new(Semaphore::new(config.max_inflight_samples.max(1))),
             pipeline,
             welcome,
             config,
@@ -310,7 +316,7 @@ impl Server {
             while let Some(out) = rx.recv().await {
                 match out {
                     Outgoing::Error(e) => write_frame(&mut wr, Kind::Error, &e.encode()).await?,
-                    Outgoing::Batch(req, batch, started) => {
+                    Outgoing::Batch(req, batch, started, _budget) => {
                         let t = Instant::now();
                         let n = write_batch(&mut wr, req, &batch, pixel_dtype).await?;
                         wr.flush().await?;
@@ -409,8 +415,23 @@ impl Server {
                 return err(ErrorCode::BadRequest, e.to_string());
             }
         };
+        // A slice larger than the whole budget takes all of it (and waits for it to be free).
+        let want = ids.len().clamp(1, self.config.max_inflight_samples.max(1)) as u32;
+        let queue = self
+            .pipeline
+            .metrics
+            .queue_depth
+            .with_label_values(&["requests"]);
+        queue.inc();
+        let budget = self
+            .sample_budget
+            .clone()
+            .acquire_many_owned(want)
+            .await
+            .expect("never closed");
+        queue.dec();
         match self.pipeline.build_batch(&ids).await {
-            Ok(batch) => Outgoing::Batch(req, batch, started),
+            Ok(batch) => Outgoing::Batch(req, batch, started, budget),
             Err(f) => err(ErrorCode::Failed, f.to_string()),
         }
     }

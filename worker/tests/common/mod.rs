@@ -97,6 +97,7 @@ pub async fn start_worker(ds: &Dataset, args: &[&str]) -> Worker {
         ServerConfig {
             token: Some(TOKEN.into()),
             max_inflight_per_conn: 4,
+            max_inflight_samples: 64,
             drain_timeout: Duration::from_secs(30),
         },
     );
