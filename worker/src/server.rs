@@ -169,10 +169,18 @@ fn token_matches(expected: &str, given: &str) -> bool {
     diff == 0
 }
 
+/// A prepared batch on its way to the socket.
+struct Ready {
+    request: BatchRequest,
+    batch: Batch,
+    started: Instant,
+    /// The batch's share of the sample budget, released once it is sent.
+    _budget: OwnedSemaphorePermit,
+}
+
 enum Outgoing {
     Error(ErrorFrame),
-    /// The permit holds the batch's share of the sample budget until it is sent.
-    Batch(BatchRequest, Batch, Instant, OwnedSemaphorePermit),
+    Batch(Box<Ready>),
 }
 
 struct InflightGuard<'a>(&'a Server);
@@ -316,9 +324,16 @@ impl Server {
             while let Some(out) = rx.recv().await {
                 match out {
                     Outgoing::Error(e) => write_frame(&mut wr, Kind::Error, &e.encode()).await?,
-                    Outgoing::Batch(req, batch, started, _budget) => {
+                    Outgoing::Batch(ready) => {
+                        // `_budget` stays bound (held) until the batch is written.
+                        let Ready {
+                            request,
+                            batch,
+                            started,
+                            _budget,
+                        } = *ready;
                         let t = Instant::now();
-                        let n = write_batch(&mut wr, req, &batch, pixel_dtype).await?;
+                        let n = write_batch(&mut wr, request, &batch, pixel_dtype).await?;
                         wr.flush().await?;
                         metrics.observe_stage("send", t.elapsed());
                         metrics
@@ -431,7 +446,12 @@ impl Server {
             .expect("never closed");
         queue.dec();
         match self.pipeline.build_batch(&ids).await {
-            Ok(batch) => Outgoing::Batch(req, batch, started, budget),
+            Ok(batch) => Outgoing::Batch(Box::new(Ready {
+                request: req,
+                batch,
+                started,
+                _budget: budget,
+            })),
             Err(f) => err(ErrorCode::Failed, f.to_string()),
         }
     }
