@@ -204,3 +204,20 @@ async fn a_slow_object_delays_only_its_own_batch() {
     );
     assert!(second.sample_ids.contains(&victim) && second.skipped.is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sample_budget_smaller_than_a_batch_still_serves_everything() {
+    let ds = synth_dataset(12, SynthFormat::Llava).await;
+    // Slices of 4 samples against a budget of 3: each takes the whole budget, one at a time.
+    let w = start_worker_with_budget(&ds, &["--global-batch-size", "4"], 3).await;
+    let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+    for g in 0..3 {
+        c.send(request(&welcome, 0, g, 0, 1)).await;
+    }
+    let mut served = Vec::new();
+    for _ in 0..3 {
+        served.extend(c.recv().await.batch().0.sample_ids);
+    }
+    served.sort();
+    assert_eq!(served, (0..12).collect::<Vec<u64>>());
+}

@@ -81,6 +81,11 @@ impl Worker {
 }
 
 pub async fn start_worker(ds: &Dataset, args: &[&str]) -> Worker {
+    start_worker_with_budget(ds, args, 64).await
+}
+
+/// A worker whose sample budget (`max_inflight_samples`) is `budget`.
+pub async fn start_worker_with_budget(ds: &Dataset, args: &[&str], budget: usize) -> Worker {
     let k = knobs(args);
     let metrics = Metrics::new();
     let pipeline = open_pipeline(
@@ -97,7 +102,7 @@ pub async fn start_worker(ds: &Dataset, args: &[&str]) -> Worker {
         ServerConfig {
             token: Some(TOKEN.into()),
             max_inflight_per_conn: 4,
-            max_inflight_samples: 64,
+            max_inflight_samples: budget,
             drain_timeout: Duration::from_secs(30),
         },
     );
