@@ -403,7 +403,8 @@ fn patchify_with<T: Copy + Default>(rgb: &Rgb, preset: &Preset, table: &[T]) -> 
                         for py in 0..p {
                             let start = ((y0 + py) * rgb.width + x0) * 3 + c;
                             let src = &rgb.data[start..start + 3 * (p - 1) + 1];
-                            out.extend(src.iter().step_by(3).map(|v| lut[*v as usize]));
+                            // A Range map is TrustedLen: extend writes without per-item checks.
+                            out.extend((0..p).map(|i| lut[src[i * 3] as usize]));
                         }
                         for _ in 1..t {
                             out.extend_from_within(first..first + frame);
