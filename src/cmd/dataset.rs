@@ -3,7 +3,7 @@
 use clap::Subcommand;
 use std::path::PathBuf;
 use stoker_worker::dataset::index::{DatasetIndex, INDEX_KEY};
-use stoker_worker::dataset::synth::{generate, SynthFormat, SynthOptions};
+use stoker_worker::dataset::synth::{generate, SynthOptions};
 use stoker_worker::metrics::Metrics;
 use stoker_worker::pipeline::{collate, open_pipeline, PlanArgs, PreprocessArgs};
 use stoker_worker::source::{S3Options, Store};
@@ -12,21 +12,11 @@ use stoker_worker::source::{S3Options, Store};
 pub enum DatasetCommand {
     /// Write a synthetic VLM SFT dataset (JSONL shards + JPEG/PNG images).
     Synth {
+        /// Folder to write (created; shards at its root, images under images/).
         #[arg(long)]
         out: PathBuf,
-        #[arg(long, default_value_t = 1000)]
-        samples: usize,
-        #[arg(long, value_enum, default_value = "llava")]
-        format: SynthFormat,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        #[arg(long, default_value_t = 500)]
-        samples_per_shard: usize,
-        /// Longest image side is drawn from [min-side, max-side].
-        #[arg(long, default_value_t = 200)]
-        min_side: u32,
-        #[arg(long, default_value_t = 1600)]
-        max_side: u32,
+        #[command(flatten)]
+        options: SynthOptions,
     },
     /// Build the index (shards, line offsets, counts), validating every line; writes
     /// stoker-index.json at the dataset root. Exits 1 if any line is bad (use --allow-bad).
@@ -70,28 +60,15 @@ fn bar(msg: &str) -> indicatif::ProgressBar {
 
 pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
     match cmd {
-        DatasetCommand::Synth {
-            out,
-            samples,
-            format,
-            seed,
-            samples_per_shard,
-            min_side,
-            max_side,
-        } => {
-            let o = SynthOptions {
-                samples,
-                format,
-                seed,
-                samples_per_shard,
-                min_side,
-                max_side,
-            };
+        DatasetCommand::Synth { out, options: o } => {
+            let samples = o.samples;
             let pb = bar("synth");
-            tokio::task::spawn_blocking(move || generate(&out, &o, &pb).map(|_| (out, pb)))
-                .await??
-                .1
-                .finish();
+            tokio::task::spawn_blocking(move || {
+                generate(&out, &o, &pb)?;
+                pb.finish();
+                anyhow::Ok(())
+            })
+            .await??;
             println!("wrote {samples} samples");
             Ok(())
         }

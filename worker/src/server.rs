@@ -96,37 +96,27 @@ async fn write_batch<W: AsyncWrite + Unpin>(
         pixel_bytes / batch.pixel_rows as u64
     };
     let pixel_dim = row_bytes / pixel_dtype.size() as u64;
+    let i64_tensor = |name, shape: Vec<u64>, bytes| TensorRef {
+        name,
+        dtype: stoker_wire::DType::I64,
+        shape,
+        chunks: vec![bytes],
+    };
     let tensors = [
-        TensorRef {
-            name: "input_ids",
-            dtype: stoker_wire::DType::I64,
-            shape: vec![b, l],
-            chunks: vec![&ids],
-        },
-        TensorRef {
-            name: "labels",
-            dtype: stoker_wire::DType::I64,
-            shape: vec![b, l],
-            chunks: vec![&labels],
-        },
-        TensorRef {
-            name: "attention_mask",
-            dtype: stoker_wire::DType::I64,
-            shape: vec![b, l],
-            chunks: vec![&mask],
-        },
+        i64_tensor("input_ids", vec![b, l], &ids),
+        i64_tensor("labels", vec![b, l], &labels),
+        i64_tensor("attention_mask", vec![b, l], &mask),
         TensorRef {
             name: "pixel_values",
             dtype: pixel_dtype,
             shape: vec![batch.pixel_rows as u64, pixel_dim],
             chunks: batch.pixel_chunks.iter().map(|c| c.as_bytes()).collect(),
         },
-        TensorRef {
-            name: "image_grid_thw",
-            dtype: stoker_wire::DType::I64,
-            shape: vec![batch.image_grid_thw.len() as u64 / 3, 3],
-            chunks: vec![&grid],
-        },
+        i64_tensor(
+            "image_grid_thw",
+            vec![batch.image_grid_thw.len() as u64 / 3, 3],
+            &grid,
+        ),
     ];
     let (head, pads) = BatchHead::layout(
         req,

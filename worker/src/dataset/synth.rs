@@ -16,26 +16,33 @@ pub enum SynthFormat {
     Messages,
 }
 
+#[derive(Debug, Clone, clap::Args)]
 pub struct SynthOptions {
+    /// Samples to write.
+    #[arg(long, default_value_t = 1000)]
     pub samples: usize,
+    #[arg(long, value_enum, default_value = "llava")]
     pub format: SynthFormat,
+    #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    #[arg(long, default_value_t = 500)]
     pub samples_per_shard: usize,
-    /// Longest image side range, in pixels.
+    /// Longest image side is drawn from [min-side, max-side] pixels.
+    #[arg(long, default_value_t = 200)]
     pub min_side: u32,
+    #[arg(long, default_value_t = 1600)]
     pub max_side: u32,
 }
 
 impl Default for SynthOptions {
+    /// The command line's defaults.
     fn default() -> Self {
-        SynthOptions {
-            samples: 1000,
-            format: SynthFormat::Llava,
-            seed: 0,
-            samples_per_shard: 500,
-            min_side: 200,
-            max_side: 1600,
+        #[derive(clap::Parser)]
+        struct Defaults {
+            #[command(flatten)]
+            o: SynthOptions,
         }
+        <Defaults as clap::Parser>::parse_from(["synth"]).o
     }
 }
 

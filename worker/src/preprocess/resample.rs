@@ -81,11 +81,6 @@ fn horizontal(src: &[u8], w: usize, y0: usize, y1: usize, c: &Coeffs, ow: usize)
         // SAFETY: the CPU supports AVX2, checked just above.
         return unsafe { horizontal_avx2(src, w, y0, y1, c, ow) };
     }
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("sse4.1") {
-        // SAFETY: the CPU supports SSE4.1, checked just above.
-        return unsafe { horizontal_sse41(src, w, y0, y1, c, ow) };
-    }
     horizontal_kernel(src, w, y0, y1, c, ow)
 }
 
@@ -141,49 +136,6 @@ unsafe fn horizontal_avx2(
             let (xmin, n) = c.bounds[xx];
             let px = tap_pixel(&padded, xmin, &c.weights[xx * ks..xx * ks + n]);
             std::ptr::copy_nonoverlapping(px.as_ptr(), out_row.add(xx * 3), 3);
-        }
-    }
-    out.truncate(ow * (y1 - y0) * 3);
-    out
-}
-
-/// The horizontal pass with one 4-lane (R, G, B, spare) i32 multiply-add per tap; exact,
-/// since integer sums do not depend on their order.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "sse4.1")]
-unsafe fn horizontal_sse41(
-    src: &[u8],
-    w: usize,
-    y0: usize,
-    y1: usize,
-    c: &Coeffs,
-    ow: usize,
-) -> Vec<u8> {
-    use std::arch::x86_64::*;
-    let mut out = vec![0u8; ow * (y1 - y0) * 3 + 1];
-    // One byte of padding so every pixel can be loaded as 4 bytes.
-    let mut padded = vec![0u8; w * 3 + 1];
-    let init = _mm_set1_epi32(1 << (PRECISION_BITS - 1));
-    for ty in 0..y1 - y0 {
-        padded[..w * 3].copy_from_slice(&src[(ty + y0) * w * 3..(ty + y0 + 1) * w * 3]);
-        let row = padded.as_ptr();
-        let out_row = out.as_mut_ptr().add(ty * ow * 3);
-        for xx in 0..ow {
-            let (xmin, n) = c.bounds[xx];
-            let k = &c.weights[xx * c.ksize..xx * c.ksize + n];
-            debug_assert!(xmin + n <= w);
-            let mut acc = init;
-            for (i, &kw) in k.iter().enumerate() {
-                // SAFETY: (xmin + i) < w, and the row has one spare byte after its last pixel.
-                let px = (row.add((xmin + i) * 3) as *const i32).read_unaligned();
-                let v = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(px));
-                acc = _mm_add_epi32(acc, _mm_mullo_epi32(v, _mm_set1_epi32(kw)));
-            }
-            // clip8: arithmetic shift, then saturate to 0..=255 through i16 and u8 packing.
-            let v = _mm_srai_epi32::<{ PRECISION_BITS as i32 }>(acc);
-            let packed = _mm_packus_epi16(_mm_packs_epi32(v, v), _mm_setzero_si128());
-            // Writes 4 bytes; the 4th is overwritten by the next pixel (or is the spare byte).
-            (out_row.add(xx * 3) as *mut i32).write_unaligned(_mm_cvtsi128_si32(packed));
         }
     }
     out.truncate(ow * (y1 - y0) * 3);
