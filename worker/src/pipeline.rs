@@ -444,6 +444,31 @@ impl PreprocessArgs {
         Ok(p)
     }
 
+    /// The same settings as command-line flags, for a child `stoker worker`.
+    pub fn to_args(&self) -> anyhow::Result<Vec<std::ffi::OsString>> {
+        let p = self.preset();
+        let mut args: Vec<std::ffi::OsString> = Vec::new();
+        let mut flag = |name: &str, value: String| {
+            args.push(format!("--{name}").into());
+            args.push(value.into());
+        };
+        flag("preset", p.label().into());
+        let dtype = clap::ValueEnum::to_possible_value(&p.pixel_dtype).expect("not skipped");
+        flag("pixel-dtype", dtype.get_name().into());
+        flag("min-pixels", p.min_pixels.to_string());
+        flag("max-pixels", p.max_pixels.to_string());
+        flag("max-length", p.max_length.to_string());
+        flag("max-image-side", self.max_image_side.to_string());
+        flag("max-image-pixels", self.max_image_pixels.to_string());
+        if let Some(t) = &self.template {
+            args.push("--template".into());
+            args.push(t.into());
+        }
+        args.push("--tokenizer".into());
+        args.push(self.tokenizer_path()?.into());
+        Ok(args)
+    }
+
     pub fn text_processor(&self) -> anyhow::Result<TextProcessor> {
         TextProcessor::load(
             &self.tokenizer_path()?,
