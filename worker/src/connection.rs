@@ -2,7 +2,7 @@
 //! requests, answers. The benchmarks and tests drive workers with it; the trainer client
 //! adds discovery, retries and hedging on top of the same frames.
 
-use crate::server::{read_frame, write_frame};
+use crate::server::{read_frame, read_frame_into, write_frame};
 use stoker_wire::{BatchHead, BatchRequest, ErrorFrame, Hello, Kind, Welcome};
 use tokio::net::TcpStream;
 
@@ -60,6 +60,20 @@ impl Connection {
     pub async fn send(&mut self, req: &BatchRequest) -> anyhow::Result<()> {
         write_frame(&mut self.stream, Kind::Request, &req.encode()).await?;
         Ok(())
+    }
+
+    /// Like [`Connection::recv`], but reads a batch into `payload`, reusing its memory (a
+    /// consumer that is done with each batch before the next avoids re-faulting fresh pages).
+    pub async fn recv_into(
+        &mut self,
+        payload: &mut Vec<u8>,
+    ) -> anyhow::Result<Result<BatchHead, ErrorFrame>> {
+        match read_frame_into(&mut self.stream, payload).await? {
+            Some(Kind::Batch) => Ok(Ok(BatchHead::decode(payload, payload.len() as u64)?)),
+            Some(Kind::Error) => Ok(Err(ErrorFrame::decode(payload)?)),
+            Some(k) => anyhow::bail!("unexpected {k:?} frame"),
+            None => anyhow::bail!("worker closed the connection"),
+        }
     }
 
     pub async fn recv(&mut self) -> anyhow::Result<Answer> {

@@ -47,6 +47,18 @@ pub struct Server {
 pub async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
 ) -> anyhow::Result<Option<(Kind, Vec<u8>)>> {
+    let mut payload = Vec::new();
+    Ok(read_frame_into(r, &mut payload)
+        .await?
+        .map(|kind| (kind, payload)))
+}
+
+/// Reads one frame's payload into `payload` (reusing its memory); `Ok(None)` on a clean end
+/// of stream before a header.
+pub async fn read_frame_into<R: AsyncRead + Unpin>(
+    r: &mut R,
+    payload: &mut Vec<u8>,
+) -> anyhow::Result<Option<Kind>> {
     let mut h = [0u8; HEADER_LEN];
     match r.read_exact(&mut h).await {
         Ok(_) => {}
@@ -54,9 +66,9 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
         Err(e) => return Err(e.into()),
     }
     let header = FrameHeader::decode(&h)?;
-    let mut payload = vec![0u8; header.len as usize];
-    r.read_exact(&mut payload).await?;
-    Ok(Some((header.kind, payload)))
+    payload.resize(header.len as usize, 0);
+    r.read_exact(payload).await?;
+    Ok(Some(header.kind))
 }
 
 pub async fn write_frame<W: AsyncWrite + Unpin>(
