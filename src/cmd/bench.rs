@@ -42,6 +42,9 @@ pub struct PreprocessBench {
     /// Requests kept in flight by the benchmark's client.
     #[arg(long, default_value_t = 4)]
     depth: usize,
+    /// Preprocessing threads of the worker [default: the number of cores].
+    #[arg(long)]
+    cpu_threads: Option<usize>,
     /// Where the dataset is cached [default: ~/.cache/stoker/bench].
     #[arg(long)]
     cache: Option<PathBuf>,
@@ -246,6 +249,7 @@ async fn served_pipeline(
     ])
     .args(["--global-batch-size", &b.global_batch_size.to_string()])
     .args(b.pre.to_args()?)
+    .args(b.cpu_threads.iter().flat_map(|n| ["--cpu-threads".to_string(), n.to_string()]))
     .envs(s3.env())
     .env("RUST_LOG", "warn")
     .stdout(Stdio::piped())
