@@ -249,7 +249,11 @@ async fn served_pipeline(
     ])
     .args(["--global-batch-size", &b.global_batch_size.to_string()])
     .args(b.pre.to_args()?)
-    .args(b.cpu_threads.iter().flat_map(|n| ["--cpu-threads".to_string(), n.to_string()]))
+    .args(
+        b.cpu_threads
+            .iter()
+            .flat_map(|n| ["--cpu-threads".to_string(), n.to_string()]),
+    )
     .envs(s3.env())
     .env("RUST_LOG", "warn")
     .stdout(Stdio::piped())

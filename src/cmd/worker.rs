@@ -66,6 +66,8 @@ pub async fn run(a: WorkerArgs) -> anyhow::Result<()> {
     // Health first: liveness holds while the index loads; readiness waits for the server.
     let http = tokio::net::TcpListener::bind(&a.metrics_listen).await?;
     tracing::info!("metrics on http://{}/metrics", http.local_addr()?);
+    // Machine-readable lines for process supervisors (the demo, tests) that bind port 0.
+    println!("metrics {}", http.local_addr()?);
     tokio::spawn(serve_http(http, metrics.clone()));
 
     let pipeline = open_pipeline(&a.data, &a.s3, &a.pre, &a.plan, metrics).await?;
@@ -87,7 +89,6 @@ pub async fn run(a: WorkerArgs) -> anyhow::Result<()> {
         server.welcome.batches_per_epoch,
         listener.local_addr()?
     );
-    // Machine-readable line for process supervisors (the demo, tests) that bind port 0.
     println!("listening {}", listener.local_addr()?);
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

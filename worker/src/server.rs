@@ -185,9 +185,19 @@ enum Outgoing {
     Batch(Box<Ready>),
 }
 
-struct InflightGuard<'a>(&'a Server);
+/// Counts a request from the moment it is read until its answer is written, so a drain waits
+/// for answers to reach the socket, not just to be computed.
+struct InflightGuard(Arc<Server>);
 
-impl Drop for InflightGuard<'_> {
+impl InflightGuard {
+    fn new(server: Arc<Server>) -> Self {
+        server.inflight.fetch_add(1, Ordering::SeqCst);
+        server.pipeline.metrics.requests_in_flight.inc();
+        InflightGuard(server)
+    }
+}
+
+impl Drop for InflightGuard {
     fn drop(&mut self) {
         if self.0.inflight.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.0.idle.notify_waiters();
@@ -319,11 +329,12 @@ impl Server {
         write_frame(&mut wr, Kind::Welcome, &self.welcome.encode()).await?;
         wr.flush().await?;
 
-        let (tx, mut rx) = mpsc::channel::<Outgoing>(OUTBOX_CAPACITY);
+        let (tx, mut rx) = mpsc::channel::<(Outgoing, Option<InflightGuard>)>(OUTBOX_CAPACITY);
         let pixel_dtype = self.pipeline.pixel_dtype();
         let metrics = self.pipeline.metrics.clone();
         let writer = tokio::spawn(async move {
-            while let Some(out) = rx.recv().await {
+            // The guard is dropped once its answer has been written.
+            while let Some((out, _guard)) = rx.recv().await {
                 match out {
                     Outgoing::Error(e) => write_frame(&mut wr, Kind::Error, &e.encode()).await?,
                     Outgoing::Batch(ready) => {
@@ -361,7 +372,7 @@ impl Server {
                     code: ErrorCode::BadRequest,
                     message: format!("unexpected {kind:?} frame"),
                 };
-                let _ = tx.send(Outgoing::Error(e)).await;
+                let _ = tx.send((Outgoing::Error(e), None)).await;
                 break;
             }
             let req = match BatchRequest::decode(&payload) {
@@ -373,16 +384,17 @@ impl Server {
                         code: ErrorCode::BadRequest,
                         message: e.to_string(),
                     };
-                    let _ = tx.send(Outgoing::Error(e)).await;
+                    let _ = tx.send((Outgoing::Error(e), None)).await;
                     break;
                 }
             };
             let permit = slots.clone().acquire_owned().await.expect("never closed");
+            let guard = InflightGuard::new(self.clone());
             let this = self.clone();
             let tx = tx.clone();
             tokio::spawn(async move {
                 let out = this.answer(req).await;
-                let _ = tx.send(out).await;
+                let _ = tx.send((out, Some(guard))).await;
                 drop(permit);
             });
         }
@@ -417,9 +429,6 @@ impl Server {
                 ),
             );
         }
-        self.inflight.fetch_add(1, Ordering::SeqCst);
-        self.pipeline.metrics.requests_in_flight.inc();
-        let _guard = InflightGuard(self);
         let ids = match self.pipeline.plan.rank_slice(
             req.epoch,
             req.global_batch,
