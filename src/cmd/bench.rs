@@ -261,15 +261,18 @@ async fn served_pipeline(
     let mut child = cmd.spawn()?;
     let pid = child.id().ok_or_else(|| anyhow::anyhow!("worker exited"))?;
     let mut out = BufReader::new(child.stdout.take().expect("piped")).lines();
-    let addr = loop {
+    let (mut metrics_addr, mut addr) = (String::new(), String::new());
+    while addr.is_empty() {
         let line = out
             .next_line()
             .await?
             .ok_or_else(|| anyhow::anyhow!("worker exited before listening"))?;
-        if let Some(a) = line.strip_prefix("listening ") {
-            break a.to_string();
+        if let Some(a) = line.strip_prefix("metrics ") {
+            metrics_addr = a.to_string();
+        } else if let Some(a) = line.strip_prefix("listening ") {
+            addr = a.to_string();
         }
-    };
+    }
     let mut conn = Connection::open(&addr, "")
         .await?
         .map_err(|e| anyhow::anyhow!("{}", e.message))?;
@@ -297,6 +300,9 @@ async fn served_pipeline(
     }
     let (wall, cpu) = (t0.elapsed().as_secs_f64(), process_cpu_seconds(pid)? - c0);
     let rss = peak_rss_mib(pid)?;
+    let stages = stage_means(&metrics_addr)
+        .await
+        .unwrap_or_else(|e| format!("stage times unavailable: {e}"));
     child.start_kill()?;
     let row = Row {
         name: "stoker: S3 -> worker -> TCP batches",
@@ -304,11 +310,37 @@ async fn served_pipeline(
         wall_s: wall,
         cpu_s: cpu,
         note: format!(
-            "{batches} batches of {}, depth {}, {skipped} skipped",
+            "{batches} batches of {}, depth {}, {skipped} skipped; worker stage means: {stages}",
             b.global_batch_size, b.depth
         ),
     };
     Ok((row, rss))
+}
+
+/// Mean time per observation of each stage, from the worker's own histograms (wall time
+/// inside the worker, so it shows where a sample's latency goes).
+async fn stage_means(metrics_addr: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(metrics_addr).await?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).await?;
+    let value = |series: &str| -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    let mut parts = Vec::new();
+    for stage in ["fetch", "decode", "resize", "tokenize", "collate", "send"] {
+        let label = format!("{{stage=\"{stage}\"}}");
+        let sum = value(&format!("stoker_worker_stage_seconds_sum{label}"));
+        let count = value(&format!("stoker_worker_stage_seconds_count{label}"));
+        if let (Some(sum), Some(count)) = (sum, count) {
+            parts.push(format!("{stage} {:.2} ms", 1e3 * sum / count.max(1.0)));
+        }
+    }
+    Ok(parts.join(", "))
 }
 
 /// (c) The ceiling: decode + resize + normalize/patchify of each sample's images from memory,
