@@ -93,7 +93,7 @@ fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
 }
 
 fn thread_cpu_seconds() -> f64 {
-    let mut ts = libc_timespec {
+    let mut ts = Timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
@@ -105,13 +105,13 @@ fn thread_cpu_seconds() -> f64 {
 }
 
 #[repr(C)]
-struct libc_timespec {
+struct Timespec {
     tv_sec: i64,
     tv_nsec: i64,
 }
 
 extern "C" {
-    fn clock_gettime(clk: i32, ts: *mut libc_timespec) -> i32;
+    fn clock_gettime(clk: i32, ts: *mut Timespec) -> i32;
 }
 
 struct Row {

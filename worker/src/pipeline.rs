@@ -284,16 +284,12 @@ impl Pipeline {
         let tok = self.text.tokenize(&conv, &tokens)?;
         self.metrics.observe_stage("tokenize", t.elapsed());
         outs.truncate(tok.kept_images);
-        let text = self
-            .text
-            .render(&conv, conv.messages.len(), false)
-            .unwrap_or_default();
         Ok(PreparedSample {
             sample_id,
             input_ids: tok.input_ids,
             labels: tok.labels,
             images: outs,
-            text,
+            text: tok.text,
             truncated: tok.truncated,
         })
     }

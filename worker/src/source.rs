@@ -124,9 +124,9 @@ impl Store {
             let conf = loader.load().await;
             let s3conf = aws_sdk_s3::config::Builder::from(&conf)
                 .force_path_style(s3.s3_path_style)
-                // TLS and TCP already protect the bytes in transit; a CRC over every image
-                // body would cost CPU the preprocessing needs. Checksums are still validated
-                // when an object requires it.
+                // A CRC over every image body costs CPU the preprocessing needs, and a
+                // corrupt body fails decoding anyway (reported, never served). Checksums are
+                // still validated when an object requires it.
                 .response_checksum_validation(
                     aws_sdk_s3::config::ResponseChecksumValidation::WhenRequired,
                 )

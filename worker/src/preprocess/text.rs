@@ -33,6 +33,8 @@ pub struct Tokenized {
     pub labels: Vec<i64>,
     pub kept_images: usize,
     pub truncated: bool,
+    /// The rendered chat text (one placeholder per image), for `dataset inspect`.
+    pub text: String,
 }
 
 pub struct TextProcessor {
@@ -215,7 +217,9 @@ impl TextProcessor {
             let trained = spans.iter().any(|&(a, b)| s >= a && s < b);
             labels.push(if trained { id as i64 } else { IGNORE_INDEX });
         }
-        self.truncate(input_ids, labels, image_tokens.len())
+        let mut tok = self.truncate(input_ids, labels, image_tokens.len())?;
+        tok.text = text;
+        Ok(tok)
     }
 
     /// Truncation policy: keep the first `max_length` tokens, but never cut inside an image's
@@ -234,6 +238,7 @@ impl TextProcessor {
                 labels,
                 kept_images: images,
                 truncated: false,
+                text: String::new(),
             });
         }
         let mut cut = self.max_length;
@@ -258,6 +263,7 @@ impl TextProcessor {
             labels,
             kept_images,
             truncated: true,
+            text: String::new(),
         })
     }
 }
