@@ -15,7 +15,7 @@ pub struct S3Options {
     /// S3 endpoint URL (for MinIO, Ceph, an embedded server, …); default: AWS.
     #[arg(long, env = "AWS_ENDPOINT_URL")]
     pub s3_endpoint: Option<String>,
-    /// Region (default: from the environment or profile, else us-east-1).
+    /// Region [default: us-east-1].
     #[arg(long, env = "AWS_REGION")]
     pub s3_region: Option<String>,
     /// Use path-style addressing (http://host/bucket/key), needed by most non-AWS stores.
