@@ -383,7 +383,16 @@ pub fn patchify(rgb: &Rgb, preset: &Preset, lut: &PixelLut) -> (PixelBuf, usize,
 
 /// The patchify loop for one output type; `table[c * 256 + v]` is channel c's value for v.
 fn patchify_with<T: Copy + Default>(rgb: &Rgb, preset: &Preset, table: &[T]) -> Vec<T> {
-    let p = preset.patch_size as usize;
+    // The model families' patch sizes as constants, so the per-row loop unrolls.
+    match preset.patch_size {
+        14 => patchify_inline(rgb, preset, table, 14),
+        16 => patchify_inline(rgb, preset, table, 16),
+        p => patchify_inline(rgb, preset, table, p as usize),
+    }
+}
+
+#[inline(always)]
+fn patchify_inline<T: Copy + Default>(rgb: &Rgb, preset: &Preset, table: &[T], p: usize) -> Vec<T> {
     let m = preset.merge_size as usize;
     let t = preset.temporal_patch_size as usize;
     let (gh, gw) = (rgb.height / p, rgb.width / p);
