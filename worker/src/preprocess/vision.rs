@@ -528,6 +528,20 @@ mod tests {
         assert_eq!(grid, [1, 34, 46]);
         assert_eq!(rows, 1564);
         assert_eq!(pixels.as_bytes().len(), 1564 * 1176 * 4);
+        // qwen3-vl: 640x480 (WxH) keeps its size: grid [1, 30, 40], [1200, 1536].
+        let preset = Preset::new(PresetName::Qwen3Vl);
+        let rgb = Rgb {
+            width: 640,
+            height: 480,
+            data: vec![255; 640 * 480 * 3],
+        };
+        let (pixels, rows, grid) = patchify(&rgb, &preset, &PixelLut::new(&preset));
+        assert_eq!((rows, grid), (1200, [1, 30, 40]));
+        let PixelBuf::F32(v) = pixels else {
+            panic!("f32 by default")
+        };
+        assert_eq!(v.len(), 1200 * 1536);
+        assert!(v.iter().all(|&x| x == 1.0), "(1 - 0.5) / 0.5");
     }
 
     #[test]
