@@ -195,36 +195,7 @@ fn has_adobe_marker(bytes: &[u8]) -> bool {
 /// The EXIF orientation of a JPEG, read from its APP1 segment.
 fn jpeg_orientation(bytes: &[u8]) -> Option<image::metadata::Orientation> {
     let (_, body) = jpeg_segments(bytes).find(|(m, b)| *m == 0xe1 && b.starts_with(b"Exif\0\0"))?;
-    let tiff = &body[6..];
-    let le = match tiff.get(..2)? {
-        b"II" => true,
-        b"MM" => false,
-        _ => return None,
-    };
-    let u16_at = |o: usize| -> Option<u16> {
-        let b: [u8; 2] = tiff.get(o..o + 2)?.try_into().ok()?;
-        Some(if le {
-            u16::from_le_bytes(b)
-        } else {
-            u16::from_be_bytes(b)
-        })
-    };
-    let u32_at = |o: usize| -> Option<u32> {
-        let b: [u8; 4] = tiff.get(o..o + 4)?.try_into().ok()?;
-        Some(if le {
-            u32::from_le_bytes(b)
-        } else {
-            u32::from_be_bytes(b)
-        })
-    };
-    let ifd = u32_at(4)? as usize;
-    let entries = u16_at(ifd)? as usize;
-    (0..entries.min(256))
-        .find_map(|i| {
-            let e = ifd + 2 + i * 12;
-            (u16_at(e)? == 0x0112).then(|| u16_at(e + 8)).flatten()
-        })
-        .and_then(|v| image::metadata::Orientation::from_exif(v as u8))
+    image::metadata::Orientation::from_exif_chunk(&body[6..])
 }
 
 /// (marker, body) of each JPEG header segment up to the start of scan.
