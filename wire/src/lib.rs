@@ -16,6 +16,8 @@
 
 mod codec;
 mod frame;
+#[cfg(feature = "tokio")]
+pub mod io;
 
 pub use codec::{Reader, Writer};
 pub use frame::*;

@@ -2,7 +2,7 @@
 //! requests, answers. The benchmarks and tests drive workers with it; the trainer client
 //! adds discovery, retries and hedging on top of the same frames.
 
-use crate::server::{read_frame, read_frame_into, write_frame};
+use stoker_wire::io::{read_frame, read_frame_into, write_frame};
 use stoker_wire::{BatchHead, BatchRequest, ErrorFrame, Hello, Kind, Welcome};
 use tokio::net::TcpStream;
 

@@ -10,11 +10,12 @@ use crate::pipeline::{i64_bytes, Batch, Pipeline};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use stoker_wire::io::{read_frame, write_frame};
 use stoker_wire::{
     BatchHead, BatchRequest, ErrorCode, ErrorFrame, FrameHeader, Hello, Kind, TensorRef, Welcome,
     HEADER_LEN,
 };
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 
@@ -41,47 +42,6 @@ pub struct Server {
     inflight: AtomicUsize,
     idle: Notify,
     sample_budget: Arc<Semaphore>,
-}
-
-/// Reads one frame; `Ok(None)` on a clean end of stream before a header.
-pub async fn read_frame<R: AsyncRead + Unpin>(
-    r: &mut R,
-) -> anyhow::Result<Option<(Kind, Vec<u8>)>> {
-    let mut payload = Vec::new();
-    Ok(read_frame_into(r, &mut payload)
-        .await?
-        .map(|kind| (kind, payload)))
-}
-
-/// Reads one frame's payload into `payload` (reusing its memory); `Ok(None)` on a clean end
-/// of stream before a header.
-pub async fn read_frame_into<R: AsyncRead + Unpin>(
-    r: &mut R,
-    payload: &mut Vec<u8>,
-) -> anyhow::Result<Option<Kind>> {
-    let mut h = [0u8; HEADER_LEN];
-    match r.read_exact(&mut h).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e.into()),
-    }
-    let header = FrameHeader::decode(&h)?;
-    payload.resize(header.len as usize, 0);
-    r.read_exact(payload).await?;
-    Ok(Some(header.kind))
-}
-
-pub async fn write_frame<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    kind: Kind,
-    payload: &[u8],
-) -> std::io::Result<()> {
-    let h = FrameHeader {
-        kind,
-        len: payload.len() as u64,
-    };
-    w.write_all(&h.encode()).await?;
-    w.write_all(payload).await
 }
 
 /// Writes a batch frame: head, then each tensor's padding and chunks, with no staging copy.

@@ -1,0 +1,374 @@
+//! Stoker's trainer client: keeps batches prefetched from many workers, hands them over as
+//! views of the buffers the socket filled, and measures how long the trainer waits.
+//!
+//! ```no_run
+//! use stoker_client::{Loader, LoaderConfig, Discovery};
+//! let mut loader = Loader::new(LoaderConfig::new(Discovery::parse("127.0.0.1:7700")?, 0, 1))?;
+//! while let Some(batch) = loader.next_batch()? {
+//!     let ids = batch.tensor("input_ids").unwrap();
+//!     // ... train on it ...
+//! }
+//! let state = loader.state(); // resume exactly from here with Loader::load_state
+//! # anyhow::Ok(())
+//! ```
+//!
+//! [`Loader::next_batch`] is blocking (a trainer loop is synchronous); the network side runs
+//! on the loader's own small tokio runtime.
+
+mod batch;
+mod buffer;
+mod discovery;
+mod link;
+mod metrics;
+pub mod policy;
+mod scheduler;
+
+pub use batch::{Batch, TensorView};
+pub use buffer::AlignedBuf;
+pub use discovery::{Discovery, WorkerSet};
+pub use metrics::ClientMetrics;
+pub use policy::{Depth, HedgePolicy};
+pub use scheduler::PlanIdentity;
+
+use scheduler::{Control, Delivery, Scheduler, SchedulerConfig, Shared};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub struct LoaderConfig {
+    pub workers: Discovery,
+    /// The pipeline token (the operator's Secret); empty for workers run with --no-auth.
+    pub token: String,
+    pub rank: u32,
+    pub world_size: u32,
+    pub depth: Depth,
+    /// `None` disables hedging.
+    pub hedge: Option<HedgePolicy>,
+    /// Failed answers per batch before the trainer gets an error (lost connections are
+    /// always retried while any worker is left).
+    pub max_attempts: u32,
+    /// With no usable worker for this long, construction (or the next batch) fails with
+    /// the reason per worker.
+    pub no_worker_timeout: Duration,
+    /// Serve Prometheus /metrics on this address (e.g. "0.0.0.0:9400").
+    pub metrics_listen: Option<String>,
+    /// Value of the `pipeline` label on every series.
+    pub pipeline: String,
+    /// Start here instead of epoch 0, batch 0.
+    pub state: Option<LoaderState>,
+}
+
+impl LoaderConfig {
+    pub fn new(workers: Discovery, rank: u32, world_size: u32) -> Self {
+        LoaderConfig {
+            workers,
+            token: String::new(),
+            rank,
+            world_size,
+            depth: Depth::Auto { max: 16 },
+            hedge: Some(HedgePolicy::default()),
+            max_attempts: 5,
+            no_worker_timeout: Duration::from_secs(60),
+            metrics_listen: None,
+            pipeline: "default".into(),
+            state: None,
+        }
+    }
+}
+
+/// Where a loader is in the plan: enough to resume exactly, on any world size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoaderState {
+    pub plan_id: u64,
+    pub epoch: u64,
+    /// The next global batch this loader will hand out.
+    pub next_batch: u64,
+}
+
+/// Accumulated blocked vs. stepping time, for the wait ratio.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WaitStats {
+    pub wait_s: f64,
+    pub step_s: f64,
+    pub batches: u64,
+    pub samples: u64,
+}
+
+impl WaitStats {
+    /// Blocked time over wall time (0 when nothing was measured).
+    pub fn wait_ratio(&self) -> f64 {
+        let total = self.wait_s + self.step_s;
+        if total > 0.0 {
+            self.wait_s / total
+        } else {
+            0.0
+        }
+    }
+}
+
+pub struct Loader {
+    runtime: tokio::runtime::Runtime,
+    shared: Arc<Shared>,
+    deliveries: tokio::sync::mpsc::Receiver<Delivery>,
+    control: tokio::sync::mpsc::Sender<Control>,
+    identity: PlanIdentity,
+    metrics: Arc<ClientMetrics>,
+    metrics_addr: Option<std::net::SocketAddr>,
+    rank: u32,
+    world_size: u32,
+    /// The next position (epoch × batches per epoch + batch) to hand out.
+    position: u64,
+    generation: u64,
+    /// The last batch of an epoch was handed out; the next call ends the epoch.
+    epoch_end_pending: bool,
+    last_return: Option<Instant>,
+    stats: WaitStats,
+    recent: std::collections::VecDeque<(Instant, f64, f64)>,
+}
+
+/// The window of `stoker_trainer_wait_ratio`.
+const RECENT_WINDOW: Duration = Duration::from_secs(30);
+
+impl Loader {
+    /// Connects to the workers and learns their plan; fails with the reason per worker if
+    /// none serves (wrong token, unreachable, another plan than `cfg.state`'s).
+    pub fn new(cfg: LoaderConfig) -> anyhow::Result<Loader> {
+        anyhow::ensure!(
+            cfg.world_size > 0 && cfg.rank < cfg.world_size,
+            "rank {} is not in a world of size {}",
+            cfg.rank,
+            cfg.world_size
+        );
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("stoker-client")
+            .enable_all()
+            .build()?;
+        let metrics = ClientMetrics::new(&cfg.pipeline, cfg.rank);
+        let metrics_addr = match &cfg.metrics_listen {
+            Some(addr) => {
+                let listener = runtime
+                    .block_on(tokio::net::TcpListener::bind(addr))
+                    .map_err(|e| anyhow::anyhow!("metrics endpoint on {addr}: {e}"))?;
+                let local = listener.local_addr()?;
+                runtime.spawn(metrics::serve(listener, metrics.clone()));
+                Some(local)
+            }
+            None => None,
+        };
+        let shared = Arc::new(Shared {
+            consumed: Default::default(),
+            interval_ns: Default::default(),
+            wake: Default::default(),
+        });
+        let no_worker_timeout = cfg.no_worker_timeout;
+        let sched_cfg = SchedulerConfig {
+            token: cfg.token,
+            rank: cfg.rank,
+            world_size: cfg.world_size,
+            depth: cfg.depth,
+            hedge: cfg.hedge,
+            max_attempts: cfg.max_attempts.max(1),
+            no_worker_timeout,
+            expect_plan: cfg.state.map(|s| s.plan_id),
+            start: cfg.state.map_or((0, 0), |s| (s.epoch, s.next_batch)),
+        };
+        let handles = {
+            let _guard = runtime.enter();
+            let workers = cfg.workers.start();
+            Scheduler::spawn(sched_cfg, workers, shared.clone(), metrics.clone())
+        };
+        let identity = runtime
+            .block_on(async {
+                tokio::time::timeout(no_worker_timeout + Duration::from_secs(1), handles.identity)
+                    .await
+            })
+            .map_err(|_| anyhow::anyhow!("no worker answered within {no_worker_timeout:?}"))?
+            .map_err(|_| anyhow::anyhow!("the scheduler stopped"))?
+            .map_err(anyhow::Error::msg)?;
+        let mut loader = Loader {
+            runtime,
+            shared,
+            deliveries: handles.deliveries,
+            control: handles.control,
+            identity,
+            metrics,
+            metrics_addr,
+            rank: cfg.rank,
+            world_size: cfg.world_size,
+            position: 0,
+            generation: 0,
+            epoch_end_pending: false,
+            last_return: None,
+            stats: WaitStats::default(),
+            recent: Default::default(),
+        };
+        if let Some(s) = cfg.state {
+            // The scheduler already starts there; this validates and sets our side.
+            loader.check_state(&s)?;
+            loader.position = s.epoch * loader.identity.batches_per_epoch + s.next_batch;
+            loader
+                .shared
+                .consumed
+                .store(loader.position, Ordering::Release);
+        }
+        Ok(loader)
+    }
+
+    /// The plan the workers serve.
+    pub fn plan(&self) -> &PlanIdentity {
+        &self.identity
+    }
+
+    pub fn rank(&self) -> (u32, u32) {
+        (self.rank, self.world_size)
+    }
+
+    /// The next batch in plan order, blocking until it is here; `Ok(None)` once at the end
+    /// of each epoch (the call after that starts the next epoch).
+    pub fn next_batch(&mut self) -> anyhow::Result<Option<Batch>> {
+        let entered = Instant::now();
+        if let Some(prev) = self.last_return {
+            let step = entered.duration_since(prev);
+            self.stats.step_s += step.as_secs_f64();
+            self.metrics.step_seconds.inc_by(step.as_secs_f64());
+        }
+        if self.epoch_end_pending {
+            self.epoch_end_pending = false;
+            self.last_return = Some(Instant::now());
+            return Ok(None);
+        }
+        let batch = loop {
+            let d = self
+                .deliveries
+                .blocking_recv()
+                .ok_or_else(|| anyhow::anyhow!("the loader's scheduler stopped"))?;
+            if d.generation != self.generation {
+                continue; // from before a load_state
+            }
+            match d.result {
+                Ok(b) => break b,
+                Err(msg) => {
+                    self.record_wait(entered, 0);
+                    anyhow::bail!(msg)
+                }
+            }
+        };
+        self.position += 1;
+        self.shared.consumed.store(self.position, Ordering::Release);
+        self.shared.wake.notify_one();
+        if self
+            .position
+            .is_multiple_of(self.identity.batches_per_epoch)
+        {
+            self.epoch_end_pending = true;
+        }
+        self.record_wait(entered, batch.sample_ids.len() as u64);
+        Ok(Some(batch))
+    }
+
+    fn record_wait(&mut self, entered: Instant, samples: u64) {
+        let now = Instant::now();
+        let wait = now.duration_since(entered).as_secs_f64();
+        let step = self
+            .last_return
+            .map_or(0.0, |p| entered.duration_since(p).as_secs_f64());
+        if let Some(prev) = self.last_return {
+            // The trainer's pace, for the adaptive prefetch depth.
+            let interval = now.duration_since(prev).as_nanos() as u64;
+            let old = self.shared.interval_ns.load(Ordering::Relaxed);
+            let ewma = if old == 0 {
+                interval
+            } else {
+                (old * 7 + interval) / 8
+            };
+            self.shared.interval_ns.store(ewma, Ordering::Relaxed);
+        }
+        self.last_return = Some(now);
+        self.stats.wait_s += wait;
+        if samples > 0 {
+            self.stats.batches += 1;
+            self.stats.samples += samples;
+            self.metrics.batches.inc();
+            self.metrics.samples.inc_by(samples);
+        }
+        self.metrics.wait_seconds.inc_by(wait);
+        self.metrics.next_wait.observe(wait);
+        self.recent.push_back((now, wait, step));
+        while self
+            .recent
+            .front()
+            .is_some_and(|(t, _, _)| now.duration_since(*t) > RECENT_WINDOW)
+        {
+            self.recent.pop_front();
+        }
+        let (w, s) = self
+            .recent
+            .iter()
+            .fold((0.0, 0.0), |(w, s), (_, a, b)| (w + a, s + b));
+        if w + s > 0.0 {
+            self.metrics.wait_ratio.set(w / (w + s));
+        }
+    }
+
+    /// Where the loader is: after `load_state` of this, a loader hands out exactly the
+    /// batches this one would have handed out next.
+    pub fn state(&self) -> LoaderState {
+        let bpe = self.identity.batches_per_epoch;
+        LoaderState {
+            plan_id: self.identity.plan_id,
+            epoch: self.position / bpe,
+            next_batch: self.position % bpe,
+        }
+    }
+
+    /// Continues from `state` (of this or any other world size: positions are global).
+    pub fn load_state(&mut self, state: LoaderState) -> anyhow::Result<()> {
+        self.check_state(&state)?;
+        let bpe = self.identity.batches_per_epoch;
+        self.position = state.epoch * bpe + state.next_batch;
+        self.generation += 1;
+        self.epoch_end_pending = false;
+        self.shared.consumed.store(self.position, Ordering::Release);
+        self.control.blocking_send(Control::Seek {
+            position: self.position,
+            generation: self.generation,
+        })?;
+        Ok(())
+    }
+
+    fn check_state(&self, state: &LoaderState) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            state.plan_id == self.identity.plan_id,
+            "the state is for plan {:016x}, the workers serve plan {:016x} ({}): same dataset, seed, batch size and preprocessing are needed to resume",
+            state.plan_id,
+            self.identity.plan_id,
+            self.identity.description
+        );
+        let bpe = self.identity.batches_per_epoch;
+        anyhow::ensure!(
+            state.next_batch < bpe,
+            "the state names batch {} but an epoch has {bpe}",
+            state.next_batch
+        );
+        Ok(())
+    }
+
+    pub fn stats(&self) -> WaitStats {
+        self.stats
+    }
+
+    pub fn metrics(&self) -> &ClientMetrics {
+        &self.metrics
+    }
+
+    /// Where /metrics is served, when enabled.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// The loader's runtime, for callers that feed it (e.g. a pushed worker list).
+    pub fn runtime(&self) -> &tokio::runtime::Handle {
+        self.runtime.handle()
+    }
+}

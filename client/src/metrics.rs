@@ -1,0 +1,203 @@
+//! The trainer side's Prometheus series (docs/metrics.md) and a minimal /metrics endpoint.
+//!
+//! The operator's autoscaler reads `stoker_trainer_wait_seconds_total` and
+//! `stoker_trainer_step_seconds_total`: the rate of the first over the rate of both is the
+//! wait ratio of this rank.
+
+use prometheus::{
+    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    Opts, Registry, TextEncoder,
+};
+use std::sync::Arc;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+pub struct ClientMetrics {
+    pub registry: Registry,
+    pub wait_seconds: prometheus::Counter,
+    pub step_seconds: prometheus::Counter,
+    pub samples: IntCounter,
+    pub batches: IntCounter,
+    pub payload_bytes: IntCounter,
+    pub skipped_samples: IntCounter,
+    pub in_flight: IntGauge,
+    pub depth: IntGauge,
+    pub workers: IntGauge,
+    pub retries: IntCounterVec,
+    pub hedges: IntCounterVec,
+    pub errors: IntCounterVec,
+    pub worker_latency: HistogramVec,
+    pub wait_ratio: Gauge,
+    pub next_wait: Histogram,
+}
+
+impl ClientMetrics {
+    pub fn new(pipeline: &str, rank: u32) -> Arc<Self> {
+        let labels = [
+            ("pipeline".to_string(), pipeline.to_string()),
+            ("rank".to_string(), rank.to_string()),
+        ];
+        let registry = Registry::new_custom(None, Some(labels.into_iter().collect()))
+            .expect("static registry config");
+        let counter = |name: &str, help: &str| {
+            let c = prometheus::Counter::new(name, help).expect("valid metric");
+            registry.register(Box::new(c.clone())).expect("unique");
+            c
+        };
+        let int_counter = |name: &str, help: &str| {
+            let c = IntCounter::new(name, help).expect("valid metric");
+            registry.register(Box::new(c.clone())).expect("unique");
+            c
+        };
+        let int_gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("valid metric");
+            registry.register(Box::new(g.clone())).expect("unique");
+            g
+        };
+        let counter_vec = |name: &str, help: &str, label: &str| {
+            let c = IntCounterVec::new(Opts::new(name, help), &[label]).expect("valid metric");
+            registry.register(Box::new(c.clone())).expect("unique");
+            c
+        };
+        let latency_buckets = prometheus::exponential_buckets(0.005, 2.0, 14).expect("buckets");
+        let worker_latency = HistogramVec::new(
+            HistogramOpts::new(
+                "stoker_trainer_request_seconds",
+                "Time from sending a batch request to having its whole answer, by worker.",
+            )
+            .buckets(latency_buckets.clone()),
+            &["worker"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(worker_latency.clone()))
+            .expect("unique");
+        let next_wait = Histogram::with_opts(
+            HistogramOpts::new(
+                "stoker_trainer_next_wait_seconds",
+                "Time one call for the next batch blocked.",
+            )
+            .buckets(
+                std::iter::once(0.0001)
+                    .chain(latency_buckets.iter().copied())
+                    .collect(),
+            ),
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(next_wait.clone()))
+            .expect("unique");
+        let wait_ratio = Gauge::new(
+            "stoker_trainer_wait_ratio",
+            "Wait ratio over the last steps (about 30 s): blocked time / wall time.",
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(wait_ratio.clone()))
+            .expect("unique");
+        Arc::new(ClientMetrics {
+            wait_seconds: counter(
+                "stoker_trainer_wait_seconds_total",
+                "Time the trainer spent blocked waiting for its next batch.",
+            ),
+            step_seconds: counter(
+                "stoker_trainer_step_seconds_total",
+                "Time the trainer spent between asking for batches (its own step time).",
+            ),
+            samples: int_counter(
+                "stoker_trainer_samples_total",
+                "Samples handed to the trainer.",
+            ),
+            batches: int_counter(
+                "stoker_trainer_batches_total",
+                "Batches handed to the trainer.",
+            ),
+            payload_bytes: int_counter(
+                "stoker_trainer_received_bytes_total",
+                "Batch payload bytes received from workers (hedged duplicates included).",
+            ),
+            skipped_samples: int_counter(
+                "stoker_trainer_skipped_samples_total",
+                "Samples that workers reported as unservable (named in each batch).",
+            ),
+            in_flight: int_gauge(
+                "stoker_trainer_requests_in_flight",
+                "Batch requests sent and not yet answered.",
+            ),
+            depth: int_gauge(
+                "stoker_trainer_prefetch_depth",
+                "Batches the client keeps requested ahead of the trainer.",
+            ),
+            workers: int_gauge(
+                "stoker_trainer_workers",
+                "Workers connected and serving this plan.",
+            ),
+            retries: counter_vec(
+                "stoker_trainer_retries_total",
+                "Batch requests sent again to another worker, by reason.",
+                "reason",
+            ),
+            hedges: counter_vec(
+                "stoker_trainer_hedges_total",
+                "Duplicate requests sent for stragglers, by outcome (sent, won).",
+                "outcome",
+            ),
+            errors: counter_vec(
+                "stoker_trainer_worker_errors_total",
+                "Problems with workers, by kind (connect, refused, plan_mismatch, lost, answer).",
+                "kind",
+            ),
+            worker_latency,
+            wait_ratio,
+            next_wait,
+            registry,
+        })
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .expect("text encoding never fails");
+        String::from_utf8(out).expect("utf-8")
+    }
+}
+
+/// Serves GET /metrics on `listener` until the runtime stops. Deliberately tiny (HTTP/1.0,
+/// one request per connection) so that the Python extension carries no HTTP stack.
+pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<ClientMetrics>) {
+    loop {
+        let Ok((mut sock, _)) = listener.accept().await else {
+            continue;
+        };
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let mut req = Vec::with_capacity(1024);
+            let mut chunk = [0u8; 1024];
+            // Read the request head (bounded: 8 KiB, 5 s).
+            let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") && req.len() < 8192 {
+                    match sock.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return false,
+                        Ok(n) => req.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                true
+            })
+            .await;
+            if read != Ok(true) {
+                return;
+            }
+            let (status, ctype, body) = if req.starts_with(b"GET /metrics") {
+                ("200 OK", "text/plain; version=0.0.4", metrics.render())
+            } else {
+                ("404 Not Found", "text/plain", "try /metrics\n".to_string())
+            };
+            let head = format!(
+                "HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = sock.write_all(head.as_bytes()).await;
+            let _ = sock.write_all(body.as_bytes()).await;
+        });
+    }
+}
