@@ -1,0 +1,358 @@
+//! The wait-ratio autoscaler (DESIGN.md §5).
+//!
+//! Signal: the trainer ranks' wait ratio (time blocked on data / wall time). The slowest rank
+//! sets the step time, so the policy acts on the worst rank. Each evaluation makes a
+//! recommendation in two parts:
+//!
+//! * feed-forward: the trainer's demand with no waiting is `consumed / (1 - wait)` samples/s
+//!   (it spends `1 - wait` of its time computing); divided by the measured per-worker rate
+//!   (with headroom) it says how many workers are needed;
+//! * feedback: while the wait ratio stays above target, at least one more worker than now;
+//!   when the feed-forward says fewer are needed and the wait is well below target, fewer.
+//!
+//! Then HPA-style `behavior`: recommendations are stabilized (scale up to the lowest
+//! recommendation of the up window, down to the highest of the down window), changes are
+//! limited per period, and the result is clamped to [min, max].
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+/// What the user asks of the autoscaler (the DataPipeline's `spec.autoscaling`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Spec {
+    pub min_replicas: u32,
+    pub max_replicas: u32,
+    /// Wait ratio to stay under, in (0, 1).
+    pub target_wait_ratio: f64,
+    /// Extra capacity over the feed-forward estimate (0.1 = 10 %).
+    pub headroom: f64,
+    pub scale_up: Rules,
+    pub scale_down: Rules,
+}
+
+/// HPA-style limits for one direction.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rules {
+    /// Recommendations are stabilized over this window.
+    pub stabilization: Duration,
+    /// At most this many replicas per `period` ...
+    pub max_pods: u32,
+    /// ... or this percentage of the current replicas, whichever allows more.
+    pub max_percent: u32,
+    pub period: Duration,
+}
+
+impl Default for Spec {
+    fn default() -> Self {
+        Spec {
+            min_replicas: 1,
+            max_replicas: 16,
+            target_wait_ratio: 0.05,
+            headroom: 0.1,
+            scale_up: Rules {
+                stabilization: Duration::ZERO,
+                max_pods: 4,
+                max_percent: 100,
+                period: Duration::from_secs(15),
+            },
+            scale_down: Rules {
+                stabilization: Duration::from_secs(300),
+                max_pods: 1,
+                max_percent: 10,
+                period: Duration::from_secs(60),
+            },
+        }
+    }
+}
+
+/// One evaluation's inputs, from the trainers' metrics over the last interval.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Observation {
+    /// Worst rank's wait ratio.
+    pub worst_wait_ratio: f64,
+    /// Samples per second the trainer consumed (all ranks).
+    pub consumed_per_s: f64,
+    /// Workers ready during the interval.
+    pub ready_workers: u32,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub replicas: u32,
+    /// Why, with the numbers (for Events, status and logs).
+    pub reason: String,
+    /// The measured per-worker rate the decision used, if any.
+    pub per_worker_per_s: Option<f64>,
+}
+
+/// The autoscaler's memory between evaluations (the operator keeps it per DataPipeline).
+#[derive(Debug, Default, Clone)]
+pub struct Autoscaler {
+    /// (time, recommendation) within the longer stabilization window.
+    recommendations: VecDeque<(Duration, u32)>,
+    /// (time, replicas before, replicas after) of recent changes, for the rate limits.
+    changes: VecDeque<(Duration, u32, u32)>,
+    /// Samples/s one worker delivers when the workers are the bottleneck.
+    per_worker_per_s: Option<f64>,
+}
+
+impl Autoscaler {
+    /// Evaluates at time `now` (any monotonic clock) with `current` replicas desired so far.
+    /// `None` observation = metrics unavailable: hold.
+    pub fn evaluate(
+        &mut self,
+        spec: &Spec,
+        now: Duration,
+        current: u32,
+        obs: Option<Observation>,
+    ) -> Decision {
+        let Some(obs) = obs else {
+            return Decision {
+                replicas: current.clamp(spec.min_replicas, spec.max_replicas),
+                reason: "metrics unavailable: holding".into(),
+                per_worker_per_s: self.per_worker_per_s,
+            };
+        };
+        let wait = obs.worst_wait_ratio.clamp(0.0, 0.999);
+        let saturated = wait > spec.target_wait_ratio;
+        if saturated && obs.ready_workers > 0 && obs.consumed_per_s > 0.0 {
+            // Workers are the bottleneck: what they deliver is their capacity.
+            let rate = obs.consumed_per_s / obs.ready_workers as f64;
+            self.per_worker_per_s = Some(match self.per_worker_per_s {
+                Some(old) => 0.5 * old + 0.5 * rate,
+                None => rate,
+            });
+        }
+        let demand = obs.consumed_per_s / (1.0 - wait);
+        let feed_forward = self
+            .per_worker_per_s
+            .map(|r| (demand * (1.0 + spec.headroom) / r).ceil() as u32);
+        let (raw, why) = match (saturated, feed_forward) {
+            (true, Some(ff)) => (
+                ff.max(current + 1),
+                format!(
+                    "wait ratio {wait:.3} > target {:.3}: demand {demand:.1} samples/s at {:.1} per worker",
+                    spec.target_wait_ratio,
+                    self.per_worker_per_s.unwrap_or(0.0)
+                ),
+            ),
+            (true, None) => (
+                current + 1,
+                format!(
+                    "wait ratio {wait:.3} > target {:.3}: one more worker (no rate measured yet)",
+                    spec.target_wait_ratio
+                ),
+            ),
+            (false, Some(ff)) if ff < current && wait < spec.target_wait_ratio / 2.0 => (
+                ff,
+                format!(
+                    "wait ratio {wait:.3} well under target {:.3}: demand {demand:.1} samples/s needs {ff} at {:.1} per worker",
+                    spec.target_wait_ratio,
+                    self.per_worker_per_s.unwrap_or(0.0)
+                ),
+            ),
+            _ => (
+                current,
+                format!(
+                    "wait ratio {wait:.3} within target {:.3}",
+                    spec.target_wait_ratio
+                ),
+            ),
+        };
+        let raw = raw.clamp(spec.min_replicas, spec.max_replicas);
+        self.remember(spec, now, raw);
+        let stabilized = if raw > current {
+            self.lowest_since(now, spec.scale_up.stabilization).max(current)
+        } else if raw < current {
+            self.highest_since(now, spec.scale_down.stabilization).min(current)
+        } else {
+            current
+        };
+        let limited = self.rate_limited(spec, now, current, stabilized);
+        let replicas = limited.clamp(spec.min_replicas, spec.max_replicas);
+        let mut reason = why;
+        if replicas != raw {
+            reason.push_str(&format!(
+                "; recommended {raw}, {replicas} after stabilization and rate limits"
+            ));
+        }
+        if replicas != current {
+            self.changes.push_back((now, current, replicas));
+        }
+        Decision {
+            replicas,
+            reason,
+            per_worker_per_s: self.per_worker_per_s,
+        }
+    }
+
+    fn remember(&mut self, spec: &Spec, now: Duration, raw: u32) {
+        self.recommendations.push_back((now, raw));
+        let keep = spec
+            .scale_up
+            .stabilization
+            .max(spec.scale_down.stabilization);
+        while self
+            .recommendations
+            .front()
+            .is_some_and(|(t, _)| now.saturating_sub(*t) > keep)
+        {
+            self.recommendations.pop_front();
+        }
+        let keep = spec.scale_up.period.max(spec.scale_down.period);
+        while self
+            .changes
+            .front()
+            .is_some_and(|(t, _, _)| now.saturating_sub(*t) >= keep)
+        {
+            self.changes.pop_front();
+        }
+    }
+
+    fn window(&self, now: Duration, w: Duration) -> impl Iterator<Item = u32> + '_ {
+        self.recommendations
+            .iter()
+            .filter(move |(t, _)| now.saturating_sub(*t) <= w)
+            .map(|(_, r)| *r)
+    }
+
+    fn lowest_since(&self, now: Duration, w: Duration) -> u32 {
+        self.window(now, w).min().unwrap_or(0)
+    }
+
+    fn highest_since(&self, now: Duration, w: Duration) -> u32 {
+        self.window(now, w).max().unwrap_or(u32::MAX)
+    }
+
+    /// Applies the per-period limits: the change allowed from the replica count at the start
+    /// of the period (changes within it count against the budget).
+    fn rate_limited(&self, spec: &Spec, now: Duration, current: u32, want: u32) -> u32 {
+        let base = |rules: &Rules| {
+            self.changes
+                .iter()
+                .find(|(t, _, _)| now.saturating_sub(*t) < rules.period)
+                .map_or(current, |(_, before, _)| *before)
+        };
+        let allowance = |rules: &Rules, from: u32| {
+            let pct = (from as u64 * rules.max_percent as u64).div_ceil(100) as u32;
+            rules.max_pods.max(pct).max(1)
+        };
+        if want > current {
+            let from = base(&spec.scale_up);
+            want.min(from + allowance(&spec.scale_up, from)).max(current)
+        } else if want < current {
+            let from = base(&spec.scale_down);
+            want.max(from.saturating_sub(allowance(&spec.scale_down, from)))
+                .min(current)
+        } else {
+            current
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A simulated plant: `n` workers of `rate` samples/s each feed a trainer that wants
+    /// `demand` samples/s; what it gets and how long it waits follow.
+    fn plant(n: u32, rate: f64, demand: f64) -> Observation {
+        let supply = n as f64 * rate;
+        let consumed = supply.min(demand);
+        Observation {
+            worst_wait_ratio: 1.0 - consumed / demand,
+            consumed_per_s: consumed,
+            ready_workers: n,
+        }
+    }
+
+    fn s(v: u64) -> Duration {
+        Duration::from_secs(v)
+    }
+
+    /// Runs the loop every `every` for `steps`, demand given per step; returns replicas per step.
+    fn run(
+        spec: &Spec,
+        start: u32,
+        rate: f64,
+        demand: impl Fn(usize) -> f64,
+        steps: usize,
+    ) -> Vec<u32> {
+        let mut a = Autoscaler::default();
+        let mut n = start;
+        (0..steps)
+            .map(|i| {
+                let obs = plant(n, rate, demand(i));
+                n = a.evaluate(spec, s(10 * i as u64), n, Some(obs)).replicas;
+                n
+            })
+            .collect()
+    }
+
+    #[test]
+    fn scales_up_to_the_feed_forward_estimate_in_one_step() {
+        let spec = Spec::default();
+        // 1 worker of 50/s, demand 230/s: the estimate is ceil(230 * 1.1 / 50) = 6, one step
+        // may add 4 (max_pods): 1 -> 5. 5 x 50 covers 230: the wait is gone, so it holds.
+        let n = run(&spec, 1, 50.0, |_| 230.0, 4);
+        assert_eq!(n, vec![5, 5, 5, 5]);
+        // Slower workers: 1 -> 5, then nothing more within the 15 s period that made that
+        // change, then -> 10 (the estimate 11 is not needed: 10 x 25 covers 230).
+        let n = run(&spec, 1, 25.0, |_| 230.0, 4);
+        assert_eq!(n, vec![5, 5, 10, 10]);
+    }
+
+    #[test]
+    fn holds_inside_the_target_and_never_oscillates() {
+        let spec = Spec::default();
+        let n = run(&spec, 1, 50.0, |_| 230.0, 60);
+        let changes = n.windows(2).filter(|w| w[0] != w[1]).count();
+        assert_eq!(*n.last().unwrap(), 5);
+        assert!(changes <= 1, "{n:?}");
+    }
+
+    #[test]
+    fn scales_down_slowly_after_demand_drops() {
+        let spec = Spec::default();
+        // Demand drops from 230/s to 60/s at step 10 (t = 100 s).
+        let n = run(&spec, 1, 50.0, |i| if i < 10 { 230.0 } else { 60.0 }, 80);
+        // Not before the 300 s stabilization window has passed...
+        assert!(n[..40].iter().all(|&r| r == 5), "{n:?}");
+        // ... then one at a time, once a minute, down to ceil(60 * 1.1 / 50) = 2.
+        let down: Vec<u32> = n[40..].to_vec();
+        for w in down.windows(2) {
+            assert!(w[0] - w[1] <= 1, "{n:?}");
+        }
+        assert_eq!(*n.last().unwrap(), 2, "{n:?}");
+    }
+
+    #[test]
+    fn respects_bounds_and_holds_without_metrics() {
+        let spec = Spec {
+            max_replicas: 3,
+            ..Spec::default()
+        };
+        let n = run(&spec, 1, 10.0, |_| 1000.0, 5);
+        assert_eq!(*n.last().unwrap(), 3);
+        let mut a = Autoscaler::default();
+        let d = a.evaluate(&spec, s(0), 2, None);
+        assert_eq!(d.replicas, 2);
+        assert!(d.reason.contains("unavailable"));
+        // Below min is raised to min even without metrics.
+        let spec = Spec {
+            min_replicas: 2,
+            ..Spec::default()
+        };
+        assert_eq!(a.evaluate(&spec, s(1), 1, None).replicas, 2);
+    }
+
+    #[test]
+    fn reasons_carry_the_numbers() {
+        let mut a = Autoscaler::default();
+        let d = a.evaluate(&Spec::default(), s(0), 1, Some(plant(1, 50.0, 100.0)));
+        assert_eq!(d.replicas, 3);
+        assert!(d.reason.contains("wait ratio 0.500"), "{}", d.reason);
+        assert!(d.reason.contains("demand 100.0"), "{}", d.reason);
+        assert_eq!(d.per_worker_per_s, Some(50.0));
+    }
+}

@@ -1,0 +1,4 @@
+//! Stoker's control policies as pure functions, shared by the operator (Kubernetes backend)
+//! and `stoker demo` (local process backend), and unit-tested against a simulated plant.
+
+pub mod autoscale;
