@@ -1,11 +1,13 @@
-//! `stoker`: the command line — dataset tools, the worker, benchmarks (and, with later
-//! issues, the demo and the operator).
+//! `stoker`: the command line — dataset tools, the worker, the demo, benchmarks (and, with a
+//! later issue, the operator).
 
 use clap::{Parser, Subcommand};
 
 mod cmd {
     pub mod bench;
     pub mod dataset;
+    pub mod demo;
+    pub mod local;
     pub mod worker;
 }
 
@@ -27,6 +29,9 @@ enum Command {
     Dataset(cmd::dataset::DatasetCommand),
     /// Serve preprocessed batches to trainer ranks over TCP.
     Worker(cmd::worker::WorkerArgs),
+    /// The whole pipeline on this machine: embedded object store, worker processes, simulated
+    /// trainer ranks through the real client; prints the ablation table.
+    Demo(cmd::demo::DemoArgs),
     /// Benchmarks that print ours-vs-baseline tables (docs/benchmarks.md).
     #[command(subcommand)]
     Bench(cmd::bench::BenchCommand),
@@ -57,6 +62,7 @@ fn run() -> anyhow::Result<()> {
             Command::Dataset(c) => cmd::dataset::run(c).await,
             Command::Worker(a) => cmd::worker::run(a).await,
             Command::Bench(c) => cmd::bench::run(c).await,
+            Command::Demo(a) => cmd::demo::run(a).await,
         }
     })
 }

@@ -1,11 +1,13 @@
 //! The `stoker` binary end to end: dataset commands against the embedded S3 server, and a
 //! worker process that serves, reports health, and drains on SIGTERM.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Child, Command, Stdio};
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::process::Command;
 use std::time::Duration;
 use stoker_worker::connection::{Answer, Connection};
 use stoker_worker::embedded_s3::EmbeddedS3;
+use stoker_worker::process::LocalWorker;
 
 const STOKER: &str = env!("CARGO_BIN_EXE_stoker");
 
@@ -29,48 +31,18 @@ fn http_get(addr: &str, path: &str) -> (u16, String) {
     )
 }
 
-struct WorkerProcess {
-    child: Child,
-    listen: String,
-    metrics: String,
-}
-
-fn spawn_worker(s3: &EmbeddedS3, token_file: &std::path::Path) -> WorkerProcess {
-    let mut child = Command::new(STOKER)
-        .args([
-            "worker",
-            "--data",
-            "s3://bucket/data",
-            "--s3-path-style",
-            "--listen",
-            "127.0.0.1:0",
-        ])
-        .args([
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--global-batch-size",
-            "6",
-            "--token-file",
-        ])
-        .arg(token_file)
-        .envs(s3.env())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut next = |prefix: &str| loop {
-        let line = lines.next().expect("worker exited early").unwrap();
-        if let Some(v) = line.strip_prefix(prefix) {
-            return v.to_string();
-        }
-    };
-    let metrics = next("metrics ");
-    let listen = next("listening ");
-    WorkerProcess {
-        child,
-        listen,
-        metrics,
-    }
+fn spawn_worker(s3: &EmbeddedS3, token_file: &std::path::Path) -> LocalWorker {
+    let args = [
+        "--s3-path-style",
+        "--global-batch-size",
+        "6",
+        "--token-file",
+    ]
+    .map(OsString::from)
+    .into_iter()
+    .chain([token_file.as_os_str().to_owned()])
+    .collect::<Vec<_>>();
+    LocalWorker::spawn(STOKER.as_ref(), "s3://bucket/data", &args, &s3.env()).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -152,34 +124,27 @@ async fn dataset_commands_and_worker_lifecycle_over_s3() {
     let token_file = root.path().join("token");
     std::fs::write(&token_file, "s3cret\n").unwrap();
     let mut w = spawn_worker(&s3, &token_file);
-    assert_eq!(http_get(&w.metrics, "/healthz").0, 200);
-    assert_eq!(http_get(&w.metrics, "/readyz").0, 200);
+    assert_eq!(http_get(&w.metrics_addr, "/healthz").0, 200);
+    assert_eq!(http_get(&w.metrics_addr, "/readyz").0, 200);
 
-    let mut conn = Connection::open(&w.listen, "s3cret")
-        .await
-        .unwrap()
-        .unwrap();
+    let mut conn = Connection::open(&w.addr, "s3cret").await.unwrap().unwrap();
     assert_eq!(conn.welcome.num_samples, 12);
     let req = conn.request(1, 0, 0, 0, 1);
     conn.send(&req).await.unwrap();
     // SIGTERM once the worker has the request in flight: it still completes, then the process
     // exits 0. (A request still unread in the socket gets end-of-stream, and the client
     // retries it elsewhere.)
-    while !http_get(&w.metrics, "/metrics")
+    while !http_get(&w.metrics_addr, "/metrics")
         .1
         .contains("stoker_worker_requests_in_flight 1")
     {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    let killed = Command::new("kill")
-        .args(["-TERM", &w.child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    w.terminate().unwrap();
     match conn.recv().await.unwrap() {
         Answer::Batch(head, _) => assert_eq!(head.sample_ids.len(), 6),
         Answer::Error(e) => panic!("in-flight request failed: {e:?}"),
     }
-    let status = w.child.wait().unwrap();
+    let status = w.wait().unwrap();
     assert!(status.success(), "worker exit {status}");
 }

@@ -159,6 +159,7 @@ impl Loader {
         let shared = Arc::new(Shared {
             consumed: Default::default(),
             interval_ns: Default::default(),
+            asking: Default::default(),
             wake: Default::default(),
         });
         let no_worker_timeout = cfg.no_worker_timeout;
@@ -239,10 +240,11 @@ impl Loader {
             return Ok(None);
         }
         let batch = loop {
-            let d = self
-                .deliveries
-                .blocking_recv()
-                .ok_or_else(|| anyhow::anyhow!("the loader's scheduler stopped"))?;
+            self.shared.asking.store(true, Ordering::Release);
+            self.shared.wake.notify_one();
+            let d = self.deliveries.blocking_recv();
+            self.shared.asking.store(false, Ordering::Release);
+            let d = d.ok_or_else(|| anyhow::anyhow!("the loader's scheduler stopped"))?;
             if d.generation != self.generation {
                 continue; // from before a load_state
             }

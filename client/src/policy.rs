@@ -7,7 +7,9 @@ use std::time::Duration;
 /// How many batches to keep requested ahead of the trainer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Depth {
-    /// Exactly this many (1 = no prefetch: the next batch is requested when the trainer asks).
+    /// No prefetch: a batch is requested only when the trainer asks for it.
+    OnDemand,
+    /// Exactly this many requested ahead of the trainer.
     Fixed(usize),
     /// Follow Little's law on observed latency and the trainer's pace, up to `max`.
     Auto { max: usize },
@@ -16,6 +18,7 @@ pub enum Depth {
 impl Depth {
     pub fn max(self) -> usize {
         match self {
+            Depth::OnDemand => 1,
             Depth::Fixed(n) => n.max(1),
             Depth::Auto { max } => max.max(2),
         }

@@ -50,7 +50,9 @@ pub struct Shared {
     pub consumed: AtomicU64,
     /// Mean time between the trainer's requests, in ns (0 = unknown).
     pub interval_ns: AtomicU64,
-    /// Woken when the trainer takes a batch (the window moved).
+    /// The trainer is blocked waiting for a batch (what `Depth::OnDemand` requests on).
+    pub asking: std::sync::atomic::AtomicBool,
+    /// Woken when the trainer takes a batch or starts waiting for one.
     pub wake: Notify,
 }
 
@@ -241,6 +243,7 @@ impl Scheduler {
 
     fn depth(&self) -> usize {
         match self.cfg.depth {
+            Depth::OnDemand => usize::from(self.shared.asking.load(Ordering::Acquire)),
             Depth::Fixed(n) => n.max(1),
             Depth::Auto { max } => {
                 let interval = match self.shared.interval_ns.load(Ordering::Relaxed) {

@@ -11,8 +11,9 @@
 //!   when the feed-forward says fewer are needed and the wait is well below target, fewer.
 //!
 //! Then HPA-style `behavior`: recommendations are stabilized (scale up to the lowest
-//! recommendation of the up window, down to the highest of the down window), changes are
-//! limited per period, and the result is clamped to [min, max].
+//! recommendation of the up window, down to the highest of the down window), a change waits
+//! a full `period` after the previous one (so that its effect is measured before the next)
+//! and is limited in size, and the result is clamped to [min, max].
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -35,10 +36,11 @@ pub struct Spec {
 pub struct Rules {
     /// Recommendations are stabilized over this window.
     pub stabilization: Duration,
-    /// At most this many replicas per `period` ...
+    /// One change adds (removes) at most this many replicas ...
     pub max_pods: u32,
     /// ... or this percentage of the current replicas, whichever allows more.
     pub max_percent: u32,
+    /// Time after any change before a change in this direction.
     pub period: Duration,
 }
 
@@ -90,8 +92,8 @@ pub struct Decision {
 pub struct Autoscaler {
     /// (time, recommendation) within the longer stabilization window.
     recommendations: VecDeque<(Duration, u32)>,
-    /// (time, replicas before, replicas after) of recent changes, for the rate limits.
-    changes: VecDeque<(Duration, u32, u32)>,
+    /// When the replica count last changed.
+    last_change: Option<Duration>,
     /// Samples/s one worker delivers when the workers are the bottleneck.
     per_worker_per_s: Option<f64>,
 }
@@ -115,7 +117,11 @@ impl Autoscaler {
         };
         let wait = obs.worst_wait_ratio.clamp(0.0, 0.999);
         let saturated = wait > spec.target_wait_ratio;
-        if saturated && obs.ready_workers > 0 && obs.consumed_per_s > 0.0 {
+        // An observation that spans a change mixes two worker counts: no rate from it.
+        let settled = self
+            .last_change
+            .is_none_or(|t| now.saturating_sub(t) >= spec.scale_up.period);
+        if saturated && settled && obs.ready_workers > 0 && obs.consumed_per_s > 0.0 {
             // Workers are the bottleneck: what they deliver is their capacity.
             let rate = obs.consumed_per_s / obs.ready_workers as f64;
             self.per_worker_per_s = Some(match self.per_worker_per_s {
@@ -162,22 +168,24 @@ impl Autoscaler {
         let raw = raw.clamp(spec.min_replicas, spec.max_replicas);
         self.remember(spec, now, raw);
         let stabilized = if raw > current {
-            self.lowest_since(now, spec.scale_up.stabilization).max(current)
+            self.lowest_since(now, spec.scale_up.stabilization)
+                .max(current)
         } else if raw < current {
-            self.highest_since(now, spec.scale_down.stabilization).min(current)
+            self.highest_since(now, spec.scale_down.stabilization)
+                .min(current)
         } else {
             current
         };
         let limited = self.rate_limited(spec, now, current, stabilized);
         let replicas = limited.clamp(spec.min_replicas, spec.max_replicas);
+        if replicas != current {
+            self.last_change = Some(now);
+        }
         let mut reason = why;
         if replicas != raw {
             reason.push_str(&format!(
                 "; recommended {raw}, {replicas} after stabilization and rate limits"
             ));
-        }
-        if replicas != current {
-            self.changes.push_back((now, current, replicas));
         }
         Decision {
             replicas,
@@ -199,14 +207,6 @@ impl Autoscaler {
         {
             self.recommendations.pop_front();
         }
-        let keep = spec.scale_up.period.max(spec.scale_down.period);
-        while self
-            .changes
-            .front()
-            .is_some_and(|(t, _, _)| now.saturating_sub(*t) >= keep)
-        {
-            self.changes.pop_front();
-        }
     }
 
     fn window(&self, now: Duration, w: Duration) -> impl Iterator<Item = u32> + '_ {
@@ -224,28 +224,25 @@ impl Autoscaler {
         self.window(now, w).max().unwrap_or(u32::MAX)
     }
 
-    /// Applies the per-period limits: the change allowed from the replica count at the start
-    /// of the period (changes within it count against the budget).
+    /// Applies the behavior's limits: a full period since the last change, and a bounded step.
     fn rate_limited(&self, spec: &Spec, now: Duration, current: u32, want: u32) -> u32 {
-        let base = |rules: &Rules| {
-            self.changes
-                .iter()
-                .find(|(t, _, _)| now.saturating_sub(*t) < rules.period)
-                .map_or(current, |(_, before, _)| *before)
+        let rules = match want.cmp(&current) {
+            std::cmp::Ordering::Greater => &spec.scale_up,
+            std::cmp::Ordering::Less => &spec.scale_down,
+            std::cmp::Ordering::Equal => return current,
         };
-        let allowance = |rules: &Rules, from: u32| {
-            let pct = (from as u64 * rules.max_percent as u64).div_ceil(100) as u32;
-            rules.max_pods.max(pct).max(1)
-        };
+        if self
+            .last_change
+            .is_some_and(|t| now.saturating_sub(t) < rules.period)
+        {
+            return current;
+        }
+        let pct = (current as u64 * rules.max_percent as u64).div_ceil(100) as u32;
+        let step = rules.max_pods.max(pct).max(1);
         if want > current {
-            let from = base(&spec.scale_up);
-            want.min(from + allowance(&spec.scale_up, from)).max(current)
-        } else if want < current {
-            let from = base(&spec.scale_down);
-            want.max(from.saturating_sub(allowance(&spec.scale_down, from)))
-                .min(current)
+            want.min(current + step)
         } else {
-            current
+            want.max(current.saturating_sub(step))
         }
     }
 }

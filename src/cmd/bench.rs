@@ -3,18 +3,19 @@
 //! Rates are "per core": samples per CPU-second spent by the process (or thread) doing the
 //! work, so that runs on a shared, noisy 2-core machine compare like with like.
 
+use super::local::{cache_root, ensure_dataset, http_get, spawn_worker};
 use clap::Subcommand;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 use stoker_worker::connection::Connection;
 use stoker_worker::dataset::sample::Conversation;
-use stoker_worker::dataset::synth::{generate, SynthFormat, SynthOptions};
+use stoker_worker::dataset::synth::{SynthFormat, SynthOptions};
 use stoker_worker::embedded_s3::EmbeddedS3;
 use stoker_worker::pipeline::PreprocessArgs;
 use stoker_worker::preprocess::vision::{process_image, ImageTimings, PixelLut};
 use stoker_worker::source::resolve_relative;
-use tokio::io::{AsyncBufReadExt, BufReader};
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
@@ -59,11 +60,6 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Preprocess(b) => preprocess(b).await,
     }
-}
-
-fn cache_root() -> PathBuf {
-    let home = std::env::var("HOME").unwrap_or_else(|_| ".".into());
-    PathBuf::from(home).join(".cache/stoker")
 }
 
 /// CPU seconds (user + system) a process has used, from /proc.
@@ -128,25 +124,6 @@ impl Row {
     }
 }
 
-fn ensure_dataset(dir: &Path, samples: usize) -> anyhow::Result<()> {
-    let done = dir.join(".complete");
-    if done.exists() {
-        return Ok(());
-    }
-    eprintln!("generating {samples} samples in {} (once)", dir.display());
-    let _ = std::fs::remove_dir_all(dir);
-    let o = SynthOptions {
-        samples,
-        format: SynthFormat::Llava,
-        ..SynthOptions::default()
-    };
-    let pb = indicatif::ProgressBar::new(samples as u64);
-    generate(dir, &o, &pb)?;
-    pb.finish_and_clear();
-    std::fs::write(done, b"")?;
-    Ok(())
-}
-
 async fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
     let root = b
         .cache
@@ -154,7 +131,12 @@ async fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
         .unwrap_or_else(|| cache_root().join("bench"));
     let bucket = format!("preprocess-{}", b.samples);
     let dir = root.join(&bucket);
-    ensure_dataset(&dir, b.samples)?;
+    let synth = SynthOptions {
+        samples: b.samples,
+        format: SynthFormat::Llava,
+        ..SynthOptions::default()
+    };
+    ensure_dataset(&dir, &synth)?;
     let tokenizer = b.pre.tokenizer_path()?;
 
     let in_memory = ceiling_samples(&b, &dir)?;
@@ -234,45 +216,21 @@ async fn served_pipeline(
     bucket: &str,
 ) -> anyhow::Result<(Row, f64)> {
     let s3 = EmbeddedS3::start(root, "127.0.0.1:0", Duration::ZERO).await?;
-    let exe = std::env::current_exe()?;
-    let mut cmd = tokio::process::Command::new(exe);
-    cmd.args([
-        "worker",
-        "--data",
-        &format!("s3://{bucket}"),
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--no-auth",
-        "--s3-path-style",
-    ])
-    .args(["--global-batch-size", &b.global_batch_size.to_string()])
-    .args(b.pre.to_args()?)
-    .args(
-        b.cpu_threads
-            .iter()
-            .flat_map(|n| ["--cpu-threads".to_string(), n.to_string()]),
-    )
-    .envs(s3.env())
-    .env("RUST_LOG", "warn")
-    .stdout(Stdio::piped())
-    .kill_on_drop(true);
-    let mut child = cmd.spawn()?;
-    let pid = child.id().ok_or_else(|| anyhow::anyhow!("worker exited"))?;
-    let mut out = BufReader::new(child.stdout.take().expect("piped")).lines();
-    let (mut metrics_addr, mut addr) = (String::new(), String::new());
-    while addr.is_empty() {
-        let line = out
-            .next_line()
-            .await?
-            .ok_or_else(|| anyhow::anyhow!("worker exited before listening"))?;
-        if let Some(a) = line.strip_prefix("metrics ") {
-            metrics_addr = a.to_string();
-        } else if let Some(a) = line.strip_prefix("listening ") {
-            addr = a.to_string();
-        }
+    let mut args: Vec<OsString> = ["--no-auth", "--s3-path-style", "--global-batch-size"]
+        .map(OsString::from)
+        .into();
+    args.push(b.global_batch_size.to_string().into());
+    args.extend(b.pre.to_args()?);
+    if let Some(n) = b.cpu_threads {
+        args.extend(["--cpu-threads".into(), n.to_string().into()]);
     }
+    let (data, env) = (format!("s3://{bucket}"), s3.env());
+    let worker = tokio::task::spawn_blocking(move || spawn_worker(&data, &args, &env)).await??;
+    let (addr, metrics_addr, pid) = (
+        worker.addr.clone(),
+        worker.metrics_addr.clone(),
+        worker.pid(),
+    );
     let mut conn = Connection::open(&addr, "")
         .await?
         .map_err(|e| anyhow::anyhow!("{}", e.message))?;
@@ -303,7 +261,7 @@ async fn served_pipeline(
     let stages = stage_means(&metrics_addr)
         .await
         .unwrap_or_else(|e| format!("stage times unavailable: {e}"));
-    child.start_kill()?;
+    drop(worker);
     let row = Row {
         name: "stoker: S3 -> worker -> TCP batches",
         samples,
@@ -320,12 +278,8 @@ async fn served_pipeline(
 /// Mean time per observation of each stage, from the worker's own histograms (wall time
 /// inside the worker, so it shows where a sample's latency goes).
 async fn stage_means(metrics_addr: &str) -> anyhow::Result<String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(metrics_addr).await?;
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .await?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).await?;
+    let addr = metrics_addr.to_string();
+    let text = tokio::task::spawn_blocking(move || http_get(&addr, "/metrics")).await??;
     let value = |series: &str| -> Option<f64> {
         text.lines()
             .find_map(|l| l.strip_prefix(series))

@@ -128,6 +128,7 @@ async fn inspect(
         on_error: stoker_worker::pipeline::OnError::Fail,
         max_fetches: 8,
         cpu_threads: Some(1),
+        sample_parallelism: None,
     };
     let p = open_pipeline(uri, s3, pre, &plan, Metrics::new()).await?;
     let (shard, line) = p.index.locate(sample).ok_or_else(|| {

@@ -2,7 +2,9 @@
 //! demo, the benchmarks and the tests, reached through the real aws-sdk-s3 over HTTP.
 //!
 //! Each top-level folder of the root is a bucket. A configurable delay before every response
-//! stands in for an object store's time to first byte.
+//! stands in for an object store's time to first byte, and a per-connection bandwidth for its
+//! transfer time (a response of n bytes is held n / bandwidth longer; one HTTP/1.1 connection
+//! carries one response at a time, so this caps each connection's throughput).
 
 use crate::source::S3Options;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -23,6 +25,8 @@ pub struct StoreBehaviour {
     pub first_byte_latency: Duration,
     /// Extra delay for objects whose path ends with the given suffix (a straggler).
     pub slow_objects: Vec<(String, Duration)>,
+    /// Bytes per second one connection delivers; `None` = as fast as loopback.
+    pub bandwidth_bytes_per_s: Option<u64>,
 }
 
 impl StoreBehaviour {
@@ -87,11 +91,18 @@ impl EmbeddedS3 {
                     move |req: hyper::Request<hyper::body::Incoming>| {
                         let svc = svc.clone();
                         let delay = behaviour.delay(req.uri().path());
+                        let bandwidth = behaviour.bandwidth_bytes_per_s;
                         async move {
                             if !delay.is_zero() {
                                 tokio::time::sleep(delay).await;
                             }
-                            hyper::service::Service::call(&svc, req).await
+                            let resp = hyper::service::Service::call(&svc, req).await?;
+                            let size = hyper::body::Body::size_hint(resp.body()).exact();
+                            if let (Some(bw), Some(n)) = (bandwidth, size) {
+                                let secs = n as f64 / bw.max(1) as f64;
+                                tokio::time::sleep(Duration::from_secs_f64(secs)).await;
+                            }
+                            Ok::<_, s3s::S3Error>(resp)
                         }
                     },
                 );

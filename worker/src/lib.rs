@@ -18,5 +18,6 @@ pub mod embedded_s3;
 pub mod metrics;
 pub mod pipeline;
 pub mod plan;
+pub mod process;
 pub mod server;
 pub mod source;

@@ -116,6 +116,8 @@ pub struct PipelineConfig {
     pub max_fetches: usize,
     /// CPU-bound preprocessing tasks at once; default: the number of cores.
     pub cpu_threads: usize,
+    /// Samples of one request loaded at once (1 = one after another, the serial baseline).
+    pub sample_parallelism: usize,
 }
 
 pub struct Pipeline {
@@ -303,7 +305,7 @@ impl Pipeline {
                     let this = self.clone();
                     async move { this.load_sample(id).await }
                 })
-                .buffered(ids.len().max(1))
+                .buffered(self.config.sample_parallelism.clamp(1, ids.len().max(1)))
                 .collect()
                 .await;
         let mut samples = Vec::with_capacity(results.len());
@@ -492,6 +494,10 @@ pub struct PlanArgs {
     /// Preprocessing threads [default: the number of cores].
     #[arg(long)]
     pub cpu_threads: Option<usize>,
+    /// Samples of one request loaded at once [default: all of them]; 1 loads them one after
+    /// another (the demo's serial baseline).
+    #[arg(long)]
+    pub sample_parallelism: Option<usize>,
 }
 
 /// Opens the store, loads (or builds) the index and assembles the pipeline.
@@ -521,6 +527,7 @@ pub async fn open_pipeline(
         cpu_threads: plan
             .cpu_threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
+        sample_parallelism: plan.sample_parallelism.unwrap_or(usize::MAX),
     };
     let plan = Plan::new(index.num_samples(), plan.global_batch_size, plan.seed);
     Ok(Arc::new(Pipeline::new(
