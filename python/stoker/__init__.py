@@ -1,0 +1,194 @@
+"""Stoker's trainer client: prefetched, zero-copy batches from Stoker workers.
+
+    import stoker
+    loader = stoker.Loader("dns:my-pipeline-workers.ns.svc:7700", rank=rank, world_size=world)
+    for batch in loader:                      # one epoch; iterate again for the next
+        loss = model(**batch.tensors)         # numpy arrays viewing the received bytes
+    torch.save({"data": loader.state_dict()}, path)   # exact resume, any world size
+
+Each batch's tensors are numpy views of the one buffer its frame was read into: nothing is
+copied between the socket and your arrays (``stoker.torch`` wraps them as torch tensors,
+again without copying). The time ``next()`` blocks is the trainer's wait; ``stats()`` and the
+Prometheus endpoint (``metrics_port=``) report it as the wait ratio the operator scales on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _native
+
+__all__ = ["Loader", "Batch", "bfloat16_dtype"]
+
+_STATE_VERSION = 1
+
+
+def bfloat16_dtype() -> Optional[np.dtype]:
+    """numpy's bfloat16 if ``ml_dtypes`` is installed, else None (then bfloat16 tensors are
+    returned as uint16 views holding the same bits; ``stoker.torch`` reinterprets them)."""
+    try:
+        import ml_dtypes  # type: ignore
+
+        return np.dtype(ml_dtypes.bfloat16)
+    except ImportError:
+        return None
+
+
+_BF16 = bfloat16_dtype()
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        return _BF16 if _BF16 is not None else np.dtype(np.uint16)
+    return np.dtype(name)
+
+
+@dataclass
+class Batch:
+    """One rank's slice of one global batch.
+
+    ``tensors`` maps names (input_ids, labels, attention_mask, pixel_values, image_grid_thw)
+    to numpy arrays that view ``payload``; ``dtypes`` gives each tensor's wire dtype (it
+    differs from the array's for bfloat16 without ml_dtypes).
+    """
+
+    epoch: int
+    global_batch: int
+    sample_ids: List[int]
+    skipped: List[Tuple[int, str]]
+    tensors: Dict[str, np.ndarray]
+    dtypes: Dict[str, str]
+    worker: str
+    payload: Any = field(repr=False)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.tensors[name]
+
+    def keys(self):
+        return self.tensors.keys()
+
+
+def _batch(raw: Dict[str, Any]) -> Batch:
+    payload = raw["payload"]
+    tensors: Dict[str, np.ndarray] = {}
+    dtypes: Dict[str, str] = {}
+    for name, dtype, shape, offset, nbytes in raw["tensors"]:
+        dt = _numpy_dtype(dtype)
+        count = nbytes // dt.itemsize
+        # A view of the payload: frombuffer keeps the payload alive and copies nothing.
+        arr = np.frombuffer(payload, dtype=dt, count=count, offset=offset)
+        tensors[name] = arr.reshape(shape)
+        dtypes[name] = dtype
+    return Batch(
+        epoch=raw["epoch"],
+        global_batch=raw["global_batch"],
+        sample_ids=raw["sample_ids"],
+        skipped=raw["skipped"],
+        tensors=tensors,
+        dtypes=dtypes,
+        worker=raw["worker"],
+        payload=payload,
+    )
+
+
+class Loader:
+    """Batches of one rank, in plan order, prefetched from Stoker workers.
+
+    Args:
+        workers: ``"dns:HOST:PORT"`` (re-resolved every 5 s: a Kubernetes headless Service
+            lists every ready worker pod), or ``"HOST:PORT,HOST:PORT"``, or a list of those.
+        rank, world_size: this process's data-parallel rank; default from ``RANK`` /
+            ``WORLD_SIZE`` (torchrun sets them), else 0 / 1.
+        token: the pipeline token; default ``$STOKER_TOKEN``, else none (workers run with
+            ``--no-auth``).
+        prefetch: batches kept requested ahead; ``None`` adapts to latency and your step
+            time (up to ``max_prefetch``); ``0`` disables prefetching.
+        hedge: re-request a straggler from another worker past the p95 latency.
+        metrics_port: serve Prometheus ``/metrics`` on this port (0 picks one, see
+            ``metrics_addr``); labels ``pipeline`` and ``rank``.
+        state: a ``state_dict()`` to resume from.
+    """
+
+    def __init__(
+        self,
+        workers: Union[str, Sequence[str]],
+        *,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        token: Optional[str] = None,
+        prefetch: Optional[int] = None,
+        max_prefetch: int = 16,
+        hedge: bool = True,
+        metrics_port: Optional[int] = None,
+        metrics_host: str = "0.0.0.0",
+        pipeline: str = "default",
+        no_worker_timeout_s: float = 60.0,
+        state: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        if not isinstance(workers, str):
+            workers = ",".join(workers)
+        rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        token = os.environ.get("STOKER_TOKEN", "") if token is None else token
+        metrics_addr = None if metrics_port is None else f"{metrics_host}:{metrics_port}"
+        self._native = _native.NativeLoader(
+            workers,
+            rank,
+            world_size,
+            token,
+            prefetch,
+            max_prefetch,
+            hedge,
+            metrics_addr,
+            pipeline,
+            no_worker_timeout_s,
+            None if state is None else _state_tuple(state),
+        )
+        self.rank = rank
+        self.world_size = world_size
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        return _batch(self._native.next_batch())
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Where this loader is: (plan, epoch, next global batch). Small and JSON-safe."""
+        plan_id, epoch, next_batch = self._native.state()
+        return {
+            "version": _STATE_VERSION,
+            "plan_id": plan_id,
+            "epoch": epoch,
+            "next_batch": next_batch,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue exactly where ``state`` was taken (with any world size)."""
+        self._native.load_state(*_state_tuple(state))
+
+    @property
+    def plan(self) -> Dict[str, Any]:
+        return self._native.plan()
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return self._native.plan()["batches_per_epoch"]
+
+    def stats(self) -> Dict[str, float]:
+        """wait_s, step_s, wait_ratio, batches, samples since the start."""
+        return self._native.stats()
+
+    @property
+    def metrics_addr(self) -> Optional[str]:
+        return self._native.metrics_addr()
+
+
+def _state_tuple(state: Dict[str, Any]) -> Tuple[int, int, int]:
+    if state.get("version") != _STATE_VERSION:
+        raise ValueError(f"unsupported stoker state version {state.get('version')!r}")
+    return int(state["plan_id"]), int(state["epoch"]), int(state["next_batch"])

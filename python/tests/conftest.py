@@ -1,0 +1,66 @@
+"""Fixtures: a synthetic dataset in a folder and real `stoker worker` processes serving it."""
+
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def stoker_bin() -> str:
+    path = os.environ.get("STOKER_BIN", str(REPO / "target" / "release" / "stoker"))
+    if not os.path.exists(path):
+        pytest.skip(f"no stoker binary at {path} (cargo build --release, or set STOKER_BIN)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("data") / "ds"
+    subprocess.run(
+        [stoker_bin(), "dataset", "synth", "--out", str(out), "--samples", "40",
+         "--samples-per-shard", "10", "--min-side", "64", "--max-side", "240"],
+        check=True, capture_output=True,
+    )
+    return out
+
+
+class Worker:
+    def __init__(self, data: pathlib.Path, *args: str, token: str = "") -> None:
+        auth = ["--no-auth"]
+        if token:
+            tok = data.parent / "token"
+            tok.write_text(token)
+            auth = ["--token-file", str(tok)]
+        self.proc = subprocess.Popen(
+            [stoker_bin(), "worker", "--data", str(data), "--listen", "127.0.0.1:0",
+             "--metrics-listen", "127.0.0.1:0", "--global-batch-size", "8",
+             "--cpu-threads", "1", *auth, *args],
+            stdout=subprocess.PIPE, text=True,
+        )
+        self.addr = ""
+        for line in self.proc.stdout:
+            if line.startswith("listening "):
+                self.addr = line.split()[1]
+                break
+        assert self.addr, "worker exited before listening"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def worker(dataset):
+    started = []
+
+    def start(*args: str, token: str = "") -> Worker:
+        w = Worker(dataset, *args, token=token)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()

@@ -1,0 +1,154 @@
+"""The Python package against real workers: zero-copy views, order, resume, wait accounting."""
+
+import hashlib
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+import stoker
+
+
+def digest(batch: stoker.Batch) -> str:
+    h = hashlib.sha256()
+    for name in sorted(batch.tensors):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(batch.tensors[name]).tobytes())
+    return h.hexdigest()
+
+
+def test_tensors_are_views_of_the_buffer_the_socket_filled(worker):
+    w = worker()
+    loader = stoker.Loader(w.addr)
+    batch = next(loader)
+    payload = batch.payload
+    # The payload is where the client's socket read wrote the frame.
+    assert payload.address == payload.filled_at
+    lo, hi = payload.address, payload.address + len(payload)
+    copies = 0
+    for name, arr in batch.tensors.items():
+        start = arr.__array_interface__["data"][0]
+        inside = lo <= start and start + arr.nbytes <= hi
+        copies += 0 if inside else 1
+        assert arr.base is not None
+        assert start % 64 == 0, f"{name} is not 64-byte aligned"
+    assert copies == 0
+    # The check can fail: a copy lives elsewhere.
+    copied = np.array(batch["pixel_values"])
+    assert not (lo <= copied.__array_interface__["data"][0] < hi)
+    # Views are writable (each batch owns its buffer) and keep the payload alive.
+    ids = batch["input_ids"]
+    assert ids.flags.writeable
+    del batch, payload
+    assert ids.shape[0] == 8 and ids.sum() > 0
+
+
+def test_shapes_dtypes_and_bfloat16(worker):
+    w = worker("--pixel-dtype", "bf16")
+    batch = next(stoker.Loader(w.addr))
+    b, l = batch["input_ids"].shape
+    assert batch["labels"].shape == (b, l) and batch["attention_mask"].shape == (b, l)
+    assert batch["input_ids"].dtype == np.int64
+    assert batch.dtypes["pixel_values"] == "bfloat16"
+    grid = batch["image_grid_thw"]
+    assert batch["pixel_values"].shape[0] == int(np.prod(grid, axis=1).sum())
+    assert batch["pixel_values"].shape[1] == 3 * 2 * 14 * 14
+    assert len(batch.sample_ids) == b
+
+
+def test_an_epoch_holds_every_sample_once_then_the_next_begins(worker):
+    w = worker()
+    loader = stoker.Loader(w.addr)
+    assert len(loader) == 5
+    first = list(loader)
+    assert [b.global_batch for b in first] == list(range(5))
+    ids = [i for b in first for i in b.sample_ids]
+    assert sorted(ids) == list(range(40))
+    second = list(loader)
+    assert [b.epoch for b in second] == [1] * 5
+    assert [i for b in second for i in b.sample_ids] != ids  # reshuffled
+    assert loader.state_dict()["epoch"] == 2
+
+
+def test_resume_is_exact_and_keeps_global_order_on_another_world_size(worker):
+    w = worker()
+    reference = [digest(b) for b in stoker.Loader(w.addr)]
+    reference_ids = [b.sample_ids for b in stoker.Loader(w.addr)]
+
+    loader = stoker.Loader(w.addr)
+    got = [digest(next(loader)) for _ in range(2)]
+    state = loader.state_dict()
+    assert state["next_batch"] == 2 and state["epoch"] == 0
+    resumed = stoker.Loader(w.addr, state=state)
+    got += [digest(b) for b in resumed]
+    assert got == reference
+
+    # load_state_dict rewinds a running loader too.
+    resumed.load_state_dict(state)
+    assert digest(next(resumed)) == reference[2]
+
+    # Two ranks resuming the one-rank state split the same global batches.
+    ranks = [stoker.Loader(w.addr, rank=r, world_size=2, state=state) for r in range(2)]
+    for g, (a, b) in enumerate(zip(*ranks)):
+        assert a.sample_ids + b.sample_ids == reference_ids[2 + g]
+
+    with pytest.raises(ValueError, match="plan"):
+        loader.load_state_dict({**state, "plan_id": state["plan_id"] ^ 1})
+
+
+def test_wait_accounting_stats_and_metrics_endpoint(worker):
+    w = worker()
+    loader = stoker.Loader(w.addr, metrics_port=0, metrics_host="127.0.0.1", pipeline="py")
+    for _ in range(4):
+        next(loader)
+        time.sleep(0.05)  # the trainer's step
+    next(loader)
+    s = loader.stats()
+    assert s["batches"] == 5 and s["samples"] == 40
+    assert s["step_s"] >= 0.2
+    assert 0.0 < s["wait_ratio"] < 1.0
+    text = urllib.request.urlopen(f"http://{loader.metrics_addr}/metrics").read().decode()
+    lines = [l for l in text.splitlines() if l.startswith("stoker_trainer_batches_total{")]
+    assert lines and 'pipeline="py"' in lines[0] and lines[0].endswith(" 5")
+    assert "stoker_trainer_wait_seconds_total{" in text
+
+
+def test_the_gil_is_released_while_waiting(worker):
+    ticks = 0
+    stop = threading.Event()
+
+    def count():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+
+    # Nobody listens: construction waits for a worker (GIL released), then fails clearly.
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        with pytest.raises(RuntimeError, match="127.0.0.1:9"):
+            stoker.Loader("127.0.0.1:9", no_worker_timeout_s=1.0)
+    finally:
+        stop.set()
+        t.join()
+    assert ticks > 1000
+
+
+def test_wrong_token_is_refused_with_the_reason(worker):
+    w = worker(token="right")
+    with pytest.raises(RuntimeError, match="refused"):
+        stoker.Loader(w.addr, token="wrong", no_worker_timeout_s=5.0)
+    assert next(stoker.Loader(w.addr, token="right")).sample_ids
+
+
+def test_torch_adapter_shares_memory(worker):
+    torch = pytest.importorskip("torch")
+    from stoker.torch import StokerIterableDataset
+
+    w = worker("--pixel-dtype", "bf16")
+    ds = StokerIterableDataset(w.addr)
+    batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)))
+    assert batch["pixel_values"].dtype == torch.bfloat16
+    assert batch["input_ids"].dtype == torch.int64
