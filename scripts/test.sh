@@ -22,7 +22,8 @@ cargo build --release --workspace
 cargo test --release --workspace
 
 echo "== Python package (pip install ./python) and pytest"
-"$STOKER_CACHE/venv/bin/pip" install -q --no-build-isolation ./python
+# (maturin, the build backend, is in the venv; --no-build-isolation reuses it and the cache.)
+PATH="$STOKER_CACHE/venv/bin:$PATH" "$STOKER_CACHE/venv/bin/pip" install -q --no-build-isolation ./python
 export STOKER_BIN="$CARGO_TARGET_DIR/release/stoker"
 export STOKER_TOKENIZER="$STOKER_CACHE/qwen-tokenizer"
 "$STOKER_CACHE/venv/bin/python" -m pytest -q tests/parity python/tests

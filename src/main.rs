@@ -8,6 +8,7 @@ mod cmd {
     pub mod dataset;
     pub mod demo;
     pub mod local;
+    pub mod transport;
     pub mod worker;
 }
 

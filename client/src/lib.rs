@@ -24,7 +24,7 @@ pub mod policy;
 mod scheduler;
 
 pub use batch::{Batch, TensorView};
-pub use buffer::AlignedBuf;
+pub use buffer::{AlignedBuf, BufferPool};
 pub use discovery::{Discovery, WorkerSet};
 pub use metrics::ClientMetrics;
 pub use policy::{Depth, HedgePolicy};

@@ -1,9 +1,9 @@
 //! One connection to one worker: handshake, then a writer that sends the scheduler's
 //! requests and a reader that turns every answer into an event. Batch payloads are read
-//! straight into the aligned buffer that becomes the tensors' memory (the only copy is the
-//! kernel's, from the socket).
+//! straight into the aligned (pooled) buffer that becomes the tensors' memory (the only copy
+//! is the kernel's, from the socket).
 
-use crate::buffer::AlignedBuf;
+use crate::buffer::{AlignedBuf, BufferPool};
 use std::time::Duration;
 use stoker_wire::io::{read_frame, read_header, write_frame};
 use stoker_wire::{BatchHead, BatchRequest, ErrorFrame, Hello, Kind, Welcome};
@@ -37,8 +37,14 @@ pub enum Event {
 }
 
 /// Runs one connection until it fails or the scheduler drops its request sender.
-pub async fn run(link: LinkId, addr: String, token: String, events: mpsc::Sender<Event>) {
-    let error = match session(link, &addr, &token, &events).await {
+pub async fn run(
+    link: LinkId,
+    addr: String,
+    token: String,
+    events: mpsc::Sender<Event>,
+    pool: BufferPool,
+) {
+    let error = match session(link, &addr, &token, &events, &pool).await {
         Ok(()) => "closed by the worker".to_string(),
         Err(e) => format!("{e:#}"),
     };
@@ -50,6 +56,7 @@ async fn session(
     addr: &str,
     token: &str,
     events: &mpsc::Sender<Event>,
+    pool: &BufferPool,
 ) -> anyhow::Result<()> {
     let mut stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
         .await
@@ -100,7 +107,7 @@ async fn session(
             };
             let answer = match header.kind {
                 Kind::Batch => {
-                    let mut buf = AlignedBuf::zeroed(header.len as usize);
+                    let mut buf = pool.take(header.len as usize);
                     rd.read_exact(buf.as_mut_slice()).await?;
                     let head = BatchHead::decode(buf.as_slice(), header.len)?;
                     (head.request.request_id, Ok((head, buf)))

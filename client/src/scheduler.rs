@@ -134,6 +134,7 @@ pub struct Scheduler {
     out: mpsc::Sender<Delivery>,
     latencies: LatencyWindow,
     no_worker_since: Option<Instant>,
+    pool: crate::buffer::BufferPool,
 }
 
 /// Events from all links at once.
@@ -182,6 +183,8 @@ impl Scheduler {
             out,
             latencies: LatencyWindow::default(),
             no_worker_since: Some(Instant::now()),
+            // Enough to recycle what the trainer releases while the window refills.
+            pool: crate::buffer::BufferPool::new(4),
         };
         tokio::spawn(s.run(workers, events_rx, control_rx));
         Handles {
@@ -647,6 +650,7 @@ impl Scheduler {
             addr.clone(),
             self.cfg.token.clone(),
             self.events_tx.clone(),
+            self.pool.clone(),
         ));
         self.links.insert(
             id,

@@ -22,6 +22,9 @@ pub enum BenchCommand {
     /// Full served preprocessing (embedded S3 → worker → TCP) vs transformers in Python, vs
     /// the in-memory decode/resize/patchify ceiling.
     Preprocess(PreprocessBench),
+    /// A protocol peer answering every request with one prebuilt batch, for
+    /// benches/transport.py (client transport vs plain TCP vs pickling).
+    TransportServer(super::transport::TransportServerArgs),
 }
 
 #[derive(clap::Args)]
@@ -59,6 +62,7 @@ pub struct PreprocessBench {
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Preprocess(b) => preprocess(b).await,
+        BenchCommand::TransportServer(a) => super::transport::run(a).await,
     }
 }
 
