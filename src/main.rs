@@ -3,6 +3,8 @@
 
 use clap::{Parser, Subcommand};
 
+mod operator;
+
 mod cmd {
     pub mod bench;
     pub mod dataset;
@@ -33,6 +35,8 @@ enum Command {
     /// The whole pipeline on this machine: embedded object store, worker processes, simulated
     /// trainer ranks through the real client; prints the ablation table.
     Demo(cmd::demo::DemoArgs),
+    /// Print the DataPipeline CustomResourceDefinition (YAML), as `crds/` holds it.
+    Crd,
     /// Benchmarks that print ours-vs-baseline tables (docs/benchmarks.md).
     #[command(subcommand)]
     Bench(cmd::bench::BenchCommand),
@@ -64,6 +68,10 @@ fn run() -> anyhow::Result<()> {
             Command::Worker(a) => cmd::worker::run(a).await,
             Command::Bench(c) => cmd::bench::run(c).await,
             Command::Demo(a) => cmd::demo::run(a).await,
+            Command::Crd => {
+                print!("{}", operator::crd_yaml()?);
+                Ok(())
+            }
         }
     })
 }

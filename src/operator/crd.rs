@@ -1,0 +1,555 @@
+//! The `DataPipeline` custom resource (stoker.dev/v1alpha1): the types, their schema with CEL
+//! validation rules, and the status. Reconcile logic lives elsewhere; these are plain data.
+
+use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// A pool of Stoker workers that preprocesses one dataset for one training job and streams
+/// batches to its data-parallel ranks, scaled on the trainers' wait ratio.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "stoker.dev",
+    version = "v1alpha1",
+    kind = "DataPipeline",
+    plural = "datapipelines",
+    shortname = "dp",
+    namespaced,
+    doc = "A pool of Stoker workers feeding one training job: see spec for the dataset, preprocessing, plan, placement and autoscaling.",
+    status = "DataPipelineStatus",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
+    printcolumn = r#"{"name":"Ready","type":"integer","jsonPath":".status.readyReplicas"}"#,
+    printcolumn = r#"{"name":"Desired","type":"integer","jsonPath":".status.desiredReplicas"}"#,
+    printcolumn = r#"{"name":"Wait","type":"number","jsonPath":".status.waitRatio.worst","description":"worst trainer rank's wait ratio"}"#,
+    printcolumn = r#"{"name":"Rate","type":"number","jsonPath":".status.samplesPerSecond","description":"samples/s the trainers consume"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.autoscaling) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas) || self.replicas == 0").message("spec.replicas must lie within [autoscaling.minReplicas, autoscaling.maxReplicas]"))]
+pub struct DataPipelineSpec {
+    /// Where the dataset is: an S3 (or S3-compatible) prefix, or a volume.
+    pub source: Source,
+    /// How samples are preprocessed (the model family's processor, with overrides).
+    #[serde(default)]
+    pub preprocessing: Preprocessing,
+    /// The deterministic sample order and batch geometry.
+    pub plan: PlanSpec,
+    /// Worker pods: image, resources, scheduling.
+    #[serde(default)]
+    pub worker: WorkerTemplate,
+    /// Where worker pods go: spread across nodes (default) or packed.
+    #[serde(default)]
+    pub placement: Placement,
+    /// Worker count when autoscaling is absent, and the starting count when it is present
+    /// (the scale subresource: `kubectl scale dp/NAME --replicas=N`).
+    #[serde(default = "one")]
+    #[schemars(range(min = 0, max = 1000))]
+    pub replicas: i32,
+    /// Scale workers on the trainers' wait ratio. Absent: `replicas` holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<Autoscaling>,
+    /// The trainer pods: the only pods admitted to the workers (NetworkPolicy).
+    #[serde(default)]
+    pub trainer_selector: BTreeMap<String, String>,
+    /// Secret with the pipeline token under key `token`. Absent: the operator generates
+    /// `<name>-token`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_secret: Option<String>,
+}
+
+fn one() -> i32 {
+    1
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.s3) != has(self.volume)").message("set exactly one of source.s3 and source.volume"))]
+pub struct Source {
+    /// An S3 or S3-compatible prefix.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub s3: Option<S3Source>,
+    /// A PersistentVolumeClaim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<VolumeSource>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct S3Source {
+    /// s3://bucket/prefix of the JSONL shards (images are found relative to them).
+    #[x_kube(validation = Rule::new("self.startsWith('s3://') && size(self) > 5").message("source.s3.uri must look like s3://bucket/prefix"))]
+    pub uri: String,
+    /// Endpoint of an S3-compatible store (MinIO, Ceph, R2); absent: AWS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    /// Region; absent: from the environment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<String>,
+    /// Path-style addressing (most S3-compatible stores need it).
+    #[serde(default)]
+    pub path_style: bool,
+    /// Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; absent: the pod's identity
+    /// (IRSA, instance profile).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_secret: Option<String>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeSource {
+    /// PersistentVolumeClaim holding the dataset (mounted read-only).
+    pub claim_name: String,
+    /// Folder inside the volume.
+    #[serde(default)]
+    pub path: String,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum Preset {
+    #[default]
+    #[serde(rename = "qwen2-vl")]
+    Qwen2Vl,
+    #[serde(rename = "qwen2.5-vl")]
+    Qwen25Vl,
+    #[serde(rename = "qwen3-vl")]
+    Qwen3Vl,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum PixelDtype {
+    F32,
+    Bf16,
+    U8,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.minPixels) || !has(self.maxPixels) || self.minPixels <= self.maxPixels").message("preprocessing.minPixels must not exceed maxPixels"))]
+pub struct Preprocessing {
+    /// Model family: patch size, normalization, resize bounds and chat format.
+    #[serde(default)]
+    pub preset: Preset,
+    /// Lower bound on resized pixels per image; absent: the preset's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub min_pixels: Option<i64>,
+    /// Upper bound on resized pixels per image; absent: the preset's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_pixels: Option<i64>,
+    /// pixel_values dtype; u8 leaves normalization to the GPU (4x fewer bytes than f32).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pixel_dtype: Option<PixelDtype>,
+    /// Longest token sequence per sample (docs/preprocessing.md describes truncation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 16))]
+    pub max_length: Option<i32>,
+    /// tokenizer.json, or a folder with it, inside the worker image; absent: the image's
+    /// default for the preset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.globalBatchSize >= self.worldSize").message("plan.globalBatchSize must be at least plan.worldSize (every rank gets a sample)"))]
+pub struct PlanSpec {
+    /// Seed of the sample order (with the epoch, it fixes every batch).
+    #[serde(default)]
+    #[schemars(range(min = 0))]
+    pub seed: i64,
+    /// Samples per global batch, all ranks together.
+    #[schemars(range(min = 1))]
+    pub global_batch_size: i32,
+    /// Data-parallel ranks of the trainer.
+    #[schemars(range(min = 1))]
+    pub world_size: i32,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerTemplate {
+    /// Container image with the `stoker` binary.
+    #[serde(default = "default_image")]
+    pub image: String,
+    /// CPU and memory of each worker; the CPU limit sets its preprocessing threads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// Extra environment variables.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<EnvVar>,
+    /// Nodes the workers may run on.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    /// Taints the workers tolerate.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+}
+
+pub fn default_image() -> String {
+    format!("ghcr.io/stoker-dev/stoker:{}", env!("CARGO_PKG_VERSION"))
+}
+
+impl Default for WorkerTemplate {
+    fn default() -> Self {
+        WorkerTemplate {
+            image: default_image(),
+            resources: None,
+            env: Vec::new(),
+            node_selector: BTreeMap::new(),
+            tolerations: Vec::new(),
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum PlacementMode {
+    /// One worker per topology domain where possible (no NIC carries them all).
+    #[default]
+    Spread,
+    /// As few domains as possible (small jobs: less cross-node traffic).
+    Pack,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.nodeBandwidthGbps) || has(self.workerEgressGbps)").message("placement.nodeBandwidthGbps needs placement.workerEgressGbps (what one worker sends)"))]
+pub struct Placement {
+    /// Spread (one worker per domain where possible) or Pack (as few domains as possible).
+    #[serde(default)]
+    pub mode: PlacementMode,
+    /// Node label that defines a domain.
+    #[serde(default = "hostname_key")]
+    pub topology_key: String,
+    /// At most this many workers per domain (a hard limit; the scheduler leaves the rest
+    /// Pending). Absent: derived from the bandwidth budget, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_workers_per_node: Option<i32>,
+    /// NIC bandwidth one node may spend on batches, in Gb/s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.001))]
+    pub node_bandwidth_gbps: Option<f64>,
+    /// Batch egress of one busy worker, in Gb/s (measure it: `stoker_worker_bytes_sent_total`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.001))]
+    pub worker_egress_gbps: Option<f64>,
+}
+
+fn hostname_key() -> String {
+    "kubernetes.io/hostname".into()
+}
+
+impl Default for Placement {
+    fn default() -> Self {
+        Placement {
+            mode: PlacementMode::Spread,
+            topology_key: hostname_key(),
+            max_workers_per_node: None,
+            node_bandwidth_gbps: None,
+            worker_egress_gbps: None,
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.minReplicas <= self.maxReplicas").message("autoscaling.minReplicas must not exceed maxReplicas"))]
+pub struct Autoscaling {
+    /// Fewest workers (never scaled below, also without metrics).
+    #[serde(default = "one")]
+    #[schemars(range(min = 1))]
+    pub min_replicas: i32,
+    /// Most workers.
+    #[schemars(range(min = 1, max = 1000))]
+    pub max_replicas: i32,
+    /// Keep the worst trainer rank's wait ratio (blocked time / wall time) under this.
+    #[serde(default = "default_target")]
+    #[x_kube(validation = Rule::new("self > 0.0 && self < 1.0").message("autoscaling.targetWaitRatio must lie in (0, 1)"))]
+    pub target_wait_ratio: f64,
+    /// Seconds between evaluations.
+    #[serde(default = "default_interval")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub interval_seconds: i32,
+    /// Where the trainers' wait metrics come from.
+    pub metrics: MetricSource,
+    /// HPA-style limits on how fast the worker count moves.
+    #[serde(default)]
+    pub behavior: Behavior,
+}
+
+fn default_target() -> f64 {
+    0.05
+}
+
+fn default_interval() -> i32 {
+    15
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("(has(self.trainerPods) ? 1 : 0) + (has(self.urls) ? 1 : 0) + (has(self.prometheus) ? 1 : 0) == 1").message("set exactly one of autoscaling.metrics.trainerPods, urls and prometheus"))]
+pub struct MetricSource {
+    /// Scrape every trainer pod matching a label selector.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trainer_pods: Option<TrainerPods>,
+    /// Scrape these /metrics URLs (one per rank, or any subset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub urls: Option<Vec<String>>,
+    /// Ask a Prometheus server.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prometheus: Option<PrometheusSource>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TrainerPods {
+    /// Labels of the trainer pods (every rank runs a client with a metrics port).
+    #[schemars(length(min = 1))]
+    pub selector: BTreeMap<String, String>,
+    /// The port of the client's /metrics (`stoker.Loader(metrics_port=...)`).
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: i32,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PrometheusSource {
+    /// Base URL of the Prometheus HTTP API, e.g. http://prometheus.monitoring:9090.
+    pub url: String,
+    /// PromQL returning one wait ratio per rank; absent: computed from
+    /// stoker_trainer_wait_seconds_total and stoker_trainer_step_seconds_total of this
+    /// pipeline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_ratio_query: Option<String>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Behavior {
+    /// Adding workers (default: no stabilization, up to 4 pods or 100 % per 15 s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_up: Option<ScalingRules>,
+    /// Removing workers (default: 300 s stabilization, 1 pod or 10 % per 60 s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_down: Option<ScalingRules>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ScalingRules {
+    /// Recommendations are stabilized over this many seconds (up: the lowest of the window;
+    /// down: the highest).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub stabilization_window_seconds: Option<i32>,
+    /// One change moves at most this many pods ...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_pods: Option<i32>,
+    /// ... or this percentage of the current count, whichever allows more.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_percent: Option<i32>,
+    /// Seconds after any change before a change in this direction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub period_seconds: Option<i32>,
+}
+
+/// Observed state, written by the operator.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DataPipelineStatus {
+    /// Worker pods that exist.
+    #[serde(default)]
+    pub replicas: i32,
+    /// Worker pods the operator wants.
+    #[serde(default)]
+    pub desired_replicas: i32,
+    /// Worker pods ready to serve.
+    #[serde(default)]
+    pub ready_replicas: i32,
+    /// Label selector of the worker pods (for the scale subresource and HPAs).
+    #[serde(default)]
+    pub selector: String,
+    /// The trainers' wait ratio at the last evaluation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_ratio: Option<WaitRatio>,
+    /// Samples per second the trainers consumed at the last evaluation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples_per_second: Option<f64>,
+    /// Samples per second one worker delivered when the workers were the bottleneck.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_worker_samples_per_second: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_scale_time: Option<Time>,
+    /// Why the worker count last changed, with the numbers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_scale_reason: Option<String>,
+    /// The spec generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Ready, Scaling, MetricsAvailable, NICSaturationRisk.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WaitRatio {
+    /// The slowest rank's (it sets the step time).
+    pub worst: f64,
+    pub mean: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::CustomResourceExt;
+
+    const EXAMPLE: &str = include_str!("../../examples/datapipeline.yaml");
+
+    fn example() -> DataPipeline {
+        serde_yaml::from_str(EXAMPLE).expect("the example parses")
+    }
+
+    /// The CEL rules as the API server would run them at admission (kube's client-side
+    /// evaluator); `Err` holds the messages.
+    fn admit(dp: &DataPipeline) -> Result<(), String> {
+        kube::core::cel::validate_cel(dp).map_err(|e| format!("{e:?}"))
+    }
+
+    #[test]
+    fn crds_folder_is_up_to_date() {
+        let generated = super::super::crd_yaml().unwrap();
+        let committed = include_str!("../../crds/datapipeline.yaml");
+        assert!(
+            generated == committed,
+            "crds/datapipeline.yaml is stale: run `cargo run --release -- crd > crds/datapipeline.yaml`"
+        );
+    }
+
+    #[test]
+    fn schema_has_descriptions_rules_columns_and_scale() {
+        let crd = DataPipeline::crd();
+        let v = &crd.spec.versions[0];
+        let json = serde_json::to_string(v).unwrap();
+        for rule in [
+            "has(self.s3) != has(self.volume)",
+            "self.minReplicas <= self.maxReplicas",
+            "self.globalBatchSize >= self.worldSize",
+        ] {
+            assert!(json.contains(rule), "missing rule {rule}");
+        }
+        let columns: Vec<&str> = v
+            .additional_printer_columns
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect();
+        assert_eq!(columns, ["Ready", "Desired", "Wait", "Rate", "Age"]);
+        let scale = v.subresources.as_ref().unwrap().scale.as_ref().unwrap();
+        assert_eq!(scale.spec_replicas_path, ".spec.replicas");
+        assert_eq!(
+            scale.label_selector_path.as_deref(),
+            Some(".status.selector")
+        );
+        // Every spec property says what it is (kubectl explain).
+        let schema = serde_json::to_value(v.schema.as_ref().unwrap()).unwrap();
+        let mut undocumented = Vec::new();
+        walk(
+            &schema["openAPIV3Schema"]["properties"]["spec"],
+            "spec",
+            &mut undocumented,
+        );
+        assert!(
+            undocumented.is_empty(),
+            "fields without a description: {undocumented:?}"
+        );
+    }
+
+    fn walk(s: &serde_json::Value, path: &str, missing: &mut Vec<String>) {
+        let Some(props) = s.get("properties").and_then(|p| p.as_object()) else {
+            return;
+        };
+        for (name, p) in props {
+            let here = format!("{path}.{name}");
+            // k8s-openapi's own types (resources, env, tolerations) carry their upstream docs.
+            if p.get("description").is_none() {
+                missing.push(here.clone());
+            }
+            walk(p, &here, missing);
+            if let Some(items) = p.get("items") {
+                walk(items, &here, missing);
+            }
+        }
+    }
+
+    #[test]
+    fn the_example_is_admitted() {
+        admit(&example()).unwrap();
+    }
+
+    #[test]
+    fn nonsense_is_rejected_with_a_clear_message() {
+        let cases: Vec<(fn(&mut DataPipelineSpec), &str)> = vec![
+            (
+                |s| s.autoscaling.as_mut().unwrap().min_replicas = 20,
+                "minReplicas must not exceed maxReplicas",
+            ),
+            (
+                |s| s.autoscaling.as_mut().unwrap().target_wait_ratio = 1.5,
+                "targetWaitRatio must lie in (0, 1)",
+            ),
+            (
+                |s| {
+                    s.source.volume = Some(VolumeSource {
+                        claim_name: "data".into(),
+                        path: String::new(),
+                    })
+                },
+                "exactly one of source.s3 and source.volume",
+            ),
+            (
+                |s| s.source.s3.as_mut().unwrap().uri = "https://bucket/x".into(),
+                "must look like s3://bucket/prefix",
+            ),
+            (
+                |s| s.plan.world_size = 1000,
+                "globalBatchSize must be at least plan.worldSize",
+            ),
+            (
+                |s| {
+                    s.preprocessing.min_pixels = Some(10_000_000);
+                },
+                "minPixels must not exceed maxPixels",
+            ),
+            (
+                |s| s.autoscaling.as_mut().unwrap().metrics.urls = Some(vec!["http://x".into()]),
+                "exactly one of autoscaling.metrics",
+            ),
+            (
+                |s| s.placement.worker_egress_gbps = None,
+                "needs placement.workerEgressGbps",
+            ),
+            (|s| s.replicas = 40, "spec.replicas must lie within"),
+        ];
+        for (mutate, message) in cases {
+            let mut dp = example();
+            mutate(&mut dp.spec);
+            let err = admit(&dp).expect_err(message);
+            assert!(err.contains(message), "expected {message:?} in {err}");
+        }
+    }
+}
