@@ -115,11 +115,11 @@ pub struct VolumeSource {
 pub enum Preset {
     #[default]
     #[serde(rename = "qwen2-vl")]
-    Qwen2Vl,
+    Qwen2,
     #[serde(rename = "qwen2.5-vl")]
-    Qwen25Vl,
+    Qwen25,
     #[serde(rename = "qwen3-vl")]
-    Qwen3Vl,
+    Qwen3,
 }
 
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
@@ -503,7 +503,8 @@ mod tests {
 
     #[test]
     fn nonsense_is_rejected_with_a_clear_message() {
-        let cases: Vec<(fn(&mut DataPipelineSpec), &str)> = vec![
+        type Case = (fn(&mut DataPipelineSpec), &'static str);
+        let cases: Vec<Case> = vec![
             (
                 |s| s.autoscaling.as_mut().unwrap().min_replicas = 20,
                 "minReplicas must not exceed maxReplicas",
