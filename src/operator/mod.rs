@@ -1,6 +1,7 @@
 //! `stoker operator` and `stoker crd`: the Kubernetes side. CRD types (`crd`) are apart from
 //! the pure resource builders and the reconcile loop.
 
+pub mod build;
 pub mod crd;
 
 use kube::CustomResourceExt;

@@ -1,0 +1,749 @@
+//! Pure resource builders: a DataPipeline (and a few decided numbers) in, the objects the
+//! operator applies out. No I/O here, so every builder is unit-tested on its own.
+
+use super::crd::{DataPipeline, PixelDtype, PlacementMode, Preset};
+use k8s_openapi::api::apps::v1::{
+    Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment,
+};
+use k8s_openapi::api::core::v1::{
+    Affinity, Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction,
+    Lifecycle, LifecycleHandler, PersistentVolumeClaimVolumeSource, PodAffinity, PodAffinityTerm,
+    PodAntiAffinity, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, SeccompProfile,
+    SecretKeySelector, SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec,
+    SleepAction, TopologySpreadConstraint, Volume, VolumeMount, WeightedPodAffinityTerm,
+};
+use k8s_openapi::api::core::v1::{EmptyDirVolumeSource, Secret};
+use k8s_openapi::api::networking::v1::{
+    NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort,
+    NetworkPolicySpec,
+};
+use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::{Resource, ResourceExt};
+use std::collections::BTreeMap;
+
+pub const BATCH_PORT: i32 = 7700;
+pub const METRICS_PORT: i32 = 9090;
+const TOKEN_DIR: &str = "/var/run/stoker";
+const DATA_DIR: &str = "/data";
+/// The worker's --drain-timeout-s; the grace period adds the preStop pause and a margin.
+const DRAIN_SECONDS: i64 = 30;
+const PRESTOP_SECONDS: i64 = 5;
+/// UID of the image's non-root user (distroless "nonroot").
+const RUN_AS_USER: i64 = 65532;
+pub const FIELD_MANAGER: &str = "stoker-operator";
+
+/// Names of everything a pipeline owns.
+pub struct Names {
+    pub workers: String,
+    pub service: String,
+    pub token_secret: String,
+}
+
+pub fn names(dp: &DataPipeline) -> Names {
+    let name = dp.name_any();
+    Names {
+        workers: format!("{name}-workers"),
+        service: format!("{name}-workers"),
+        token_secret: dp
+            .spec
+            .token_secret
+            .clone()
+            .unwrap_or_else(|| format!("{name}-token")),
+    }
+}
+
+/// Labels that select this pipeline's worker pods.
+pub fn selector_labels(dp: &DataPipeline) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("app.kubernetes.io/name".into(), "stoker-worker".into()),
+        ("app.kubernetes.io/instance".into(), dp.name_any()),
+    ])
+}
+
+/// The selector as a string (status.selector, for the scale subresource).
+pub fn selector_string(dp: &DataPipeline) -> String {
+    selector_labels(dp)
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn labels(dp: &DataPipeline) -> BTreeMap<String, String> {
+    let mut l = selector_labels(dp);
+    l.insert("app.kubernetes.io/managed-by".into(), FIELD_MANAGER.into());
+    l.insert("app.kubernetes.io/component".into(), "worker".into());
+    l
+}
+
+fn meta(dp: &DataPipeline, name: &str) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.into()),
+        namespace: dp.namespace(),
+        labels: Some(labels(dp)),
+        owner_references: Some(vec![owner(dp)]),
+        ..ObjectMeta::default()
+    }
+}
+
+fn owner(dp: &DataPipeline) -> OwnerReference {
+    dp.controller_owner_ref(&())
+        .expect("a DataPipeline from the API server has a name and uid")
+}
+
+/// Workers per topology domain the placement allows: explicit, else what the per-node
+/// bandwidth budget fits, else unlimited.
+pub fn max_workers_per_node(dp: &DataPipeline) -> Option<u32> {
+    let p = &dp.spec.placement;
+    if let Some(n) = p.max_workers_per_node {
+        return Some(n.max(1) as u32);
+    }
+    match (p.node_bandwidth_gbps, p.worker_egress_gbps) {
+        (Some(node), Some(worker)) if worker > 0.0 => Some(((node / worker).floor() as u32).max(1)),
+        _ => None,
+    }
+}
+
+/// CPU threads from the CPU limit (else request), rounded up; `None` = the worker's default.
+pub fn cpu_threads(dp: &DataPipeline) -> Option<u32> {
+    let r = dp.spec.worker.resources.as_ref()?;
+    let q = r
+        .limits
+        .as_ref()
+        .and_then(|l| l.get("cpu"))
+        .or_else(|| r.requests.as_ref().and_then(|l| l.get("cpu")))?;
+    let s = q.0.trim();
+    let cores = match s.strip_suffix('m') {
+        Some(milli) => milli.parse::<f64>().ok()? / 1000.0,
+        None => s.parse::<f64>().ok()?,
+    };
+    Some((cores.ceil() as u32).max(1))
+}
+
+/// The worker's command line: everything that defines the plan and the preprocessing.
+pub fn worker_args(dp: &DataPipeline) -> Vec<String> {
+    let s = &dp.spec;
+    let data = match (&s.source.s3, &s.source.volume) {
+        (Some(s3), _) => s3.uri.clone(),
+        (None, Some(v)) => format!("{DATA_DIR}/{}", v.path.trim_start_matches('/')),
+        (None, None) => String::new(), // rejected at admission
+    };
+    let mut a: Vec<String> = vec![
+        "worker".into(),
+        "--data".into(),
+        data.trim_end_matches('/').into(),
+        "--listen".into(),
+        format!("0.0.0.0:{BATCH_PORT}"),
+        "--metrics-listen".into(),
+        format!("0.0.0.0:{METRICS_PORT}"),
+        "--token-file".into(),
+        format!("{TOKEN_DIR}/token"),
+        "--drain-timeout-s".into(),
+        DRAIN_SECONDS.to_string(),
+        "--seed".into(),
+        s.plan.seed.to_string(),
+        "--global-batch-size".into(),
+        s.plan.global_batch_size.to_string(),
+        "--preset".into(),
+        match s.preprocessing.preset {
+            Preset::Qwen2 => "qwen2-vl",
+            Preset::Qwen25 => "qwen2.5-vl",
+            Preset::Qwen3 => "qwen3-vl",
+        }
+        .into(),
+    ];
+    let mut opt = |flag: &str, v: Option<String>| {
+        if let Some(v) = v {
+            a.push(format!("--{flag}"));
+            a.push(v);
+        }
+    };
+    let p = &s.preprocessing;
+    opt("min-pixels", p.min_pixels.map(|v| v.to_string()));
+    opt("max-pixels", p.max_pixels.map(|v| v.to_string()));
+    opt("max-length", p.max_length.map(|v| v.to_string()));
+    opt(
+        "pixel-dtype",
+        p.pixel_dtype.map(|d| {
+            match d {
+                PixelDtype::F32 => "f32",
+                PixelDtype::Bf16 => "bf16",
+                PixelDtype::U8 => "u8",
+            }
+            .to_string()
+        }),
+    );
+    opt("tokenizer", p.tokenizer.clone());
+    opt("cpu-threads", cpu_threads(dp).map(|n| n.to_string()));
+    if let Some(s3) = &s.source.s3 {
+        opt("s3-endpoint", s3.endpoint.clone());
+        opt("s3-region", s3.region.clone());
+        if s3.path_style {
+            a.push("--s3-path-style".into());
+        }
+    }
+    a
+}
+
+fn secret_env(name: &str, secret: &str, key: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: secret.into(),
+                key: key.into(),
+                optional: Some(false),
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    }
+}
+
+fn http_probe(path: &str, period: i32, failures: i32) -> Probe {
+    Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.into()),
+            port: IntOrString::String("metrics".into()),
+            ..HTTPGetAction::default()
+        }),
+        period_seconds: Some(period),
+        failure_threshold: Some(failures),
+        ..Probe::default()
+    }
+}
+
+fn affinity(dp: &DataPipeline) -> Option<Affinity> {
+    let p = &dp.spec.placement;
+    let term = PodAffinityTerm {
+        label_selector: Some(LabelSelector {
+            match_labels: Some(selector_labels(dp)),
+            ..LabelSelector::default()
+        }),
+        topology_key: p.topology_key.clone(),
+        ..PodAffinityTerm::default()
+    };
+    match p.mode {
+        // One per domain is the only per-node cap the scheduler enforces by itself.
+        PlacementMode::Spread if max_workers_per_node(dp) == Some(1) => Some(Affinity {
+            pod_anti_affinity: Some(PodAntiAffinity {
+                required_during_scheduling_ignored_during_execution: Some(vec![term]),
+                ..PodAntiAffinity::default()
+            }),
+            ..Affinity::default()
+        }),
+        PlacementMode::Spread => None,
+        PlacementMode::Pack => Some(Affinity {
+            pod_affinity: Some(PodAffinity {
+                preferred_during_scheduling_ignored_during_execution: Some(vec![
+                    WeightedPodAffinityTerm {
+                        weight: 100,
+                        pod_affinity_term: term,
+                    },
+                ]),
+                ..PodAffinity::default()
+            }),
+            ..Affinity::default()
+        }),
+    }
+}
+
+fn spread(dp: &DataPipeline) -> Option<Vec<TopologySpreadConstraint>> {
+    let p = &dp.spec.placement;
+    (p.mode == PlacementMode::Spread).then(|| {
+        vec![TopologySpreadConstraint {
+            max_skew: 1,
+            topology_key: p.topology_key.clone(),
+            // Hard: workers on one node would share (and saturate) its NIC.
+            when_unsatisfiable: "DoNotSchedule".into(),
+            label_selector: Some(LabelSelector {
+                match_labels: Some(selector_labels(dp)),
+                ..LabelSelector::default()
+            }),
+            ..TopologySpreadConstraint::default()
+        }]
+    })
+}
+
+/// The worker Deployment at `replicas`.
+pub fn deployment(dp: &DataPipeline, replicas: i32) -> Deployment {
+    let n = names(dp);
+    let s = &dp.spec;
+    let mut env = vec![EnvVar {
+        name: "RUST_LOG".into(),
+        value: Some("info,aws_config=warn,aws_smithy_runtime=warn".into()),
+        ..EnvVar::default()
+    }];
+    if let Some(secret) = s
+        .source
+        .s3
+        .as_ref()
+        .and_then(|s3| s3.credentials_secret.as_ref())
+    {
+        env.push(secret_env("AWS_ACCESS_KEY_ID", secret, "AWS_ACCESS_KEY_ID"));
+        env.push(secret_env(
+            "AWS_SECRET_ACCESS_KEY",
+            secret,
+            "AWS_SECRET_ACCESS_KEY",
+        ));
+    }
+    env.extend(s.worker.env.iter().cloned());
+    let mut mounts = vec![
+        VolumeMount {
+            name: "token".into(),
+            mount_path: TOKEN_DIR.into(),
+            read_only: Some(true),
+            ..VolumeMount::default()
+        },
+        VolumeMount {
+            name: "tmp".into(),
+            mount_path: "/tmp".into(),
+            ..VolumeMount::default()
+        },
+    ];
+    let mut volumes = vec![
+        Volume {
+            name: "token".into(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(n.token_secret.clone()),
+                default_mode: Some(0o440),
+                ..SecretVolumeSource::default()
+            }),
+            ..Volume::default()
+        },
+        Volume {
+            name: "tmp".into(),
+            empty_dir: Some(EmptyDirVolumeSource::default()),
+            ..Volume::default()
+        },
+    ];
+    if let Some(v) = &s.source.volume {
+        mounts.push(VolumeMount {
+            name: "data".into(),
+            mount_path: DATA_DIR.into(),
+            read_only: Some(true),
+            ..VolumeMount::default()
+        });
+        volumes.push(Volume {
+            name: "data".into(),
+            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                claim_name: v.claim_name.clone(),
+                read_only: Some(true),
+            }),
+            ..Volume::default()
+        });
+    }
+    let container = Container {
+        name: "worker".into(),
+        image: Some(s.worker.image.clone()),
+        args: Some(worker_args(dp)),
+        ports: Some(vec![
+            ContainerPort {
+                name: Some("batches".into()),
+                container_port: BATCH_PORT,
+                ..ContainerPort::default()
+            },
+            ContainerPort {
+                name: Some("metrics".into()),
+                container_port: METRICS_PORT,
+                ..ContainerPort::default()
+            },
+        ]),
+        env: Some(env),
+        resources: s.worker.resources.clone(),
+        readiness_probe: Some(http_probe("/readyz", 2, 1)),
+        liveness_probe: Some(http_probe("/healthz", 10, 3)),
+        // Endpoints drop a terminating pod asynchronously: keep serving a moment, then the
+        // worker's own SIGTERM drain finishes what is in flight.
+        lifecycle: Some(Lifecycle {
+            pre_stop: Some(LifecycleHandler {
+                sleep: Some(SleepAction {
+                    seconds: PRESTOP_SECONDS,
+                }),
+                ..LifecycleHandler::default()
+            }),
+            ..Lifecycle::default()
+        }),
+        security_context: Some(SecurityContext {
+            allow_privilege_escalation: Some(false),
+            read_only_root_filesystem: Some(true),
+            run_as_non_root: Some(true),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".into()]),
+                ..Capabilities::default()
+            }),
+            ..SecurityContext::default()
+        }),
+        volume_mounts: Some(mounts),
+        ..Container::default()
+    };
+    let pod = PodSpec {
+        containers: vec![container],
+        volumes: Some(volumes),
+        security_context: Some(PodSecurityContext {
+            run_as_non_root: Some(true),
+            run_as_user: Some(RUN_AS_USER),
+            run_as_group: Some(RUN_AS_USER),
+            fs_group: Some(RUN_AS_USER),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".into(),
+                ..SeccompProfile::default()
+            }),
+            ..PodSecurityContext::default()
+        }),
+        automount_service_account_token: Some(false),
+        termination_grace_period_seconds: Some(DRAIN_SECONDS + PRESTOP_SECONDS + 10),
+        node_selector: (!s.worker.node_selector.is_empty()).then(|| s.worker.node_selector.clone()),
+        tolerations: (!s.worker.tolerations.is_empty()).then(|| s.worker.tolerations.clone()),
+        affinity: affinity(dp),
+        topology_spread_constraints: spread(dp),
+        ..PodSpec::default()
+    };
+    Deployment {
+        metadata: meta(dp, &n.workers),
+        spec: Some(DeploymentSpec {
+            replicas: Some(replicas),
+            selector: LabelSelector {
+                match_labels: Some(selector_labels(dp)),
+                ..LabelSelector::default()
+            },
+            // Workers are stateless and clients retry: replace one at a time, no surge of
+            // extra pods competing for the same NICs.
+            strategy: Some(DeploymentStrategy {
+                type_: Some("RollingUpdate".into()),
+                rolling_update: Some(RollingUpdateDeployment {
+                    max_surge: Some(IntOrString::Int(0)),
+                    max_unavailable: Some(IntOrString::Int(1)),
+                }),
+            }),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels(dp)),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(pod),
+            },
+            ..DeploymentSpec::default()
+        }),
+        ..Deployment::default()
+    }
+}
+
+/// The headless Service clients resolve (`dns:<name>-workers.<ns>.svc:7700`): one A record per
+/// ready worker pod.
+pub fn service(dp: &DataPipeline) -> Service {
+    let port = |name: &str, port: i32| ServicePort {
+        name: Some(name.into()),
+        port,
+        target_port: Some(IntOrString::String(name.into())),
+        ..ServicePort::default()
+    };
+    Service {
+        metadata: meta(dp, &names(dp).service),
+        spec: Some(ServiceSpec {
+            cluster_ip: Some("None".into()),
+            selector: Some(selector_labels(dp)),
+            ports: Some(vec![
+                port("batches", BATCH_PORT),
+                port("metrics", METRICS_PORT),
+            ]),
+            publish_not_ready_addresses: Some(false),
+            ..ServiceSpec::default()
+        }),
+        ..Service::default()
+    }
+}
+
+/// At most one worker down by voluntary disruption (drains, upgrades) at a time.
+pub fn pod_disruption_budget(dp: &DataPipeline) -> PodDisruptionBudget {
+    PodDisruptionBudget {
+        metadata: meta(dp, &names(dp).workers),
+        spec: Some(PodDisruptionBudgetSpec {
+            max_unavailable: Some(IntOrString::Int(1)),
+            selector: Some(LabelSelector {
+                match_labels: Some(selector_labels(dp)),
+                ..LabelSelector::default()
+            }),
+            ..PodDisruptionBudgetSpec::default()
+        }),
+        ..PodDisruptionBudget::default()
+    }
+}
+
+/// Batches only to the trainer pods; metrics to anyone in the cluster (Prometheus).
+pub fn network_policy(dp: &DataPipeline) -> NetworkPolicy {
+    let port = |p: i32| NetworkPolicyPort {
+        port: Some(IntOrString::Int(p)),
+        protocol: Some("TCP".into()),
+        ..NetworkPolicyPort::default()
+    };
+    NetworkPolicy {
+        metadata: meta(dp, &names(dp).workers),
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(LabelSelector {
+                match_labels: Some(selector_labels(dp)),
+                ..LabelSelector::default()
+            }),
+            policy_types: Some(vec!["Ingress".into()]),
+            ingress: Some(vec![
+                NetworkPolicyIngressRule {
+                    from: Some(vec![NetworkPolicyPeer {
+                        pod_selector: Some(LabelSelector {
+                            match_labels: Some(dp.spec.trainer_selector.clone()),
+                            ..LabelSelector::default()
+                        }),
+                        ..NetworkPolicyPeer::default()
+                    }]),
+                    ports: Some(vec![port(BATCH_PORT)]),
+                },
+                NetworkPolicyIngressRule {
+                    from: Some(vec![NetworkPolicyPeer {
+                        namespace_selector: Some(LabelSelector::default()),
+                        ..NetworkPolicyPeer::default()
+                    }]),
+                    ports: Some(vec![port(METRICS_PORT)]),
+                },
+            ]),
+            ..NetworkPolicySpec::default()
+        }),
+        ..NetworkPolicy::default()
+    }
+}
+
+/// The generated pipeline token (created once; the operator never overwrites it).
+pub fn token_secret(dp: &DataPipeline, token: &str) -> Secret {
+    Secret {
+        metadata: meta(dp, &names(dp).token_secret),
+        string_data: Some(BTreeMap::from([("token".into(), token.into())])),
+        type_: Some("Opaque".into()),
+        ..Secret::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::operator::crd::DataPipeline;
+
+    fn example() -> DataPipeline {
+        let mut dp: DataPipeline =
+            serde_yaml::from_str(include_str!("../../examples/datapipeline.yaml")).unwrap();
+        dp.metadata.namespace = Some("ml".into());
+        dp.metadata.uid = Some("0000-1111".into());
+        dp
+    }
+
+    fn pod(d: &Deployment) -> &PodSpec {
+        d.spec.as_ref().unwrap().template.spec.as_ref().unwrap()
+    }
+
+    #[test]
+    fn deployment_runs_the_worker_with_the_plan_and_preprocessing() {
+        let dp = example();
+        let d = deployment(&dp, 3);
+        assert_eq!(d.metadata.name.as_deref(), Some("qwen-sft-workers"));
+        assert_eq!(d.spec.as_ref().unwrap().replicas, Some(3));
+        let owner = &d.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.controller),
+            ("DataPipeline", Some(true))
+        );
+        let c = &pod(&d).containers[0];
+        let args = c.args.as_ref().unwrap().join(" ");
+        for want in [
+            "worker --data s3://datasets/llava-sft",
+            "--seed 42",
+            "--global-batch-size 256",
+            "--preset qwen2-vl",
+            "--max-pixels 1003520",
+            "--pixel-dtype bf16",
+            "--max-length 4096",
+            "--cpu-threads 4",
+            "--s3-endpoint http://minio.storage:9000",
+            "--s3-path-style",
+            "--token-file /var/run/stoker/token",
+        ] {
+            assert!(args.contains(want), "{want:?} not in {args}");
+        }
+        let env: Vec<&str> = c
+            .env
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|e| e.name.as_str())
+            .collect();
+        assert!(env.contains(&"AWS_ACCESS_KEY_ID") && env.contains(&"AWS_SECRET_ACCESS_KEY"));
+        // The selector matches the template's labels.
+        let sel = d
+            .spec
+            .as_ref()
+            .unwrap()
+            .selector
+            .match_labels
+            .clone()
+            .unwrap();
+        let tpl = d.spec.as_ref().unwrap().template.metadata.as_ref().unwrap();
+        assert!(sel
+            .iter()
+            .all(|(k, v)| tpl.labels.as_ref().unwrap().get(k) == Some(v)));
+        assert_eq!(
+            selector_string(&dp),
+            "app.kubernetes.io/instance=qwen-sft,app.kubernetes.io/name=stoker-worker"
+        );
+    }
+
+    #[test]
+    fn pods_meet_the_restricted_pod_security_standard() {
+        let d = deployment(&example(), 1);
+        let p = pod(&d);
+        let psc = p.security_context.as_ref().unwrap();
+        assert_eq!(psc.run_as_non_root, Some(true));
+        assert_eq!(
+            psc.seccomp_profile.as_ref().unwrap().type_,
+            "RuntimeDefault"
+        );
+        for c in &p.containers {
+            let sc = c.security_context.as_ref().unwrap();
+            assert_eq!(sc.allow_privilege_escalation, Some(false));
+            assert_eq!(sc.read_only_root_filesystem, Some(true));
+            assert_eq!(sc.run_as_non_root, Some(true));
+            assert_eq!(
+                sc.capabilities.as_ref().unwrap().drop,
+                Some(vec!["ALL".into()])
+            );
+            assert!(c.readiness_probe.is_some() && c.liveness_probe.is_some());
+            let pre_stop = c.lifecycle.as_ref().unwrap().pre_stop.as_ref().unwrap();
+            assert!(pre_stop.sleep.is_some(), "preStop without a shell");
+        }
+        // No host namespaces, no host paths, no privileged anything.
+        assert!(p.host_network.is_none() && p.host_pid.is_none() && p.host_ipc.is_none());
+        assert!(p
+            .volumes
+            .as_ref()
+            .unwrap()
+            .iter()
+            .all(|v| v.host_path.is_none()));
+    }
+
+    #[test]
+    fn placement_spreads_packs_and_caps_per_node() {
+        // Spread with a 20 Gb/s budget and 4 Gb/s workers: 5 per node, which no affinity rule
+        // expresses; the hard spread constraint keeps them even across nodes.
+        let mut dp = example();
+        assert_eq!(max_workers_per_node(&dp), Some(5));
+        let p = deployment(&dp, 4);
+        let tsc = &pod(&p).topology_spread_constraints.as_ref().unwrap()[0];
+        assert_eq!(
+            (
+                tsc.max_skew,
+                tsc.topology_key.as_str(),
+                tsc.when_unsatisfiable.as_str()
+            ),
+            (1, "kubernetes.io/hostname", "DoNotSchedule")
+        );
+        assert!(pod(&p).affinity.is_none());
+        // A budget for one worker per node: required anti-affinity.
+        dp.spec.placement.worker_egress_gbps = Some(15.0);
+        assert_eq!(max_workers_per_node(&dp), Some(1));
+        let p = deployment(&dp, 4);
+        let anti = pod(&p)
+            .affinity
+            .as_ref()
+            .unwrap()
+            .pod_anti_affinity
+            .as_ref()
+            .unwrap();
+        assert!(anti
+            .required_during_scheduling_ignored_during_execution
+            .is_some());
+        // Pack: preferred co-location, no spread constraint.
+        dp.spec.placement.mode = PlacementMode::Pack;
+        let p = deployment(&dp, 4);
+        assert!(pod(&p).topology_spread_constraints.is_none());
+        let aff = pod(&p)
+            .affinity
+            .as_ref()
+            .unwrap()
+            .pod_affinity
+            .as_ref()
+            .unwrap();
+        assert_eq!(
+            aff.preferred_during_scheduling_ignored_during_execution
+                .as_ref()
+                .unwrap()[0]
+                .weight,
+            100
+        );
+    }
+
+    #[test]
+    fn volume_sources_mount_read_only() {
+        let mut dp = example();
+        dp.spec.source.s3 = None;
+        dp.spec.source.volume = Some(crate::operator::crd::VolumeSource {
+            claim_name: "sft-data".into(),
+            path: "/llava".into(),
+        });
+        let d = deployment(&dp, 1);
+        let args = pod(&d).containers[0].args.as_ref().unwrap().join(" ");
+        assert!(args.contains("--data /data/llava"), "{args}");
+        assert!(!args.contains("--s3-"));
+        let vol = pod(&d)
+            .volumes
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|v| v.name == "data")
+            .unwrap();
+        let pvc = vol.persistent_volume_claim.as_ref().unwrap();
+        assert_eq!(
+            (pvc.claim_name.as_str(), pvc.read_only),
+            ("sft-data", Some(true))
+        );
+    }
+
+    #[test]
+    fn service_pdb_policy_and_secret() {
+        let dp = example();
+        let s = service(&dp);
+        let spec = s.spec.as_ref().unwrap();
+        assert_eq!(spec.cluster_ip.as_deref(), Some("None"));
+        assert_eq!(spec.selector.as_ref(), Some(&selector_labels(&dp)));
+        let pdb = pod_disruption_budget(&dp);
+        assert_eq!(
+            pdb.spec.as_ref().unwrap().max_unavailable,
+            Some(IntOrString::Int(1))
+        );
+        let np = network_policy(&dp);
+        let rules = np.spec.as_ref().unwrap().ingress.as_ref().unwrap();
+        let batches = &rules[0];
+        assert_eq!(
+            batches.from.as_ref().unwrap()[0]
+                .pod_selector
+                .as_ref()
+                .unwrap()
+                .match_labels
+                .as_ref()
+                .unwrap()
+                .get("app")
+                .map(String::as_str),
+            Some("qwen-sft-trainer")
+        );
+        assert_eq!(
+            batches.ports.as_ref().unwrap()[0].port,
+            Some(IntOrString::Int(BATCH_PORT))
+        );
+        let secret = token_secret(&dp, "abc");
+        assert_eq!(secret.metadata.name.as_deref(), Some("qwen-sft-token"));
+        assert_eq!(secret.string_data.unwrap()["token"], "abc");
+        for owner in [
+            s.metadata.owner_references,
+            pdb.metadata.owner_references,
+            np.metadata.owner_references,
+        ] {
+            assert_eq!(owner.unwrap()[0].name, "qwen-sft");
+        }
+    }
+}
