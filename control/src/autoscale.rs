@@ -18,9 +18,23 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+/// How a recommendation is made (the behavior limits apply to all alike).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Rule {
+    /// Feed-forward from demand ÷ measured per-worker rate, corrected by feedback (ours).
+    #[default]
+    FeedForward,
+    /// The HPA's proportional rule on the wait ratio: ceil(current × wait / target), held
+    /// within a 10 % tolerance.
+    HpaProportional,
+    /// One worker at a time (Cachew-style): +1 above target, -1 well below it.
+    OneStep,
+}
+
 /// What the user asks of the autoscaler (the DataPipeline's `spec.autoscaling`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Spec {
+    pub rule: Rule,
     pub min_replicas: u32,
     pub max_replicas: u32,
     /// Wait ratio to stay under, in (0, 1).
@@ -47,10 +61,11 @@ pub struct Rules {
 impl Default for Spec {
     fn default() -> Self {
         Spec {
+            rule: Rule::FeedForward,
             min_replicas: 1,
             max_replicas: 16,
             target_wait_ratio: 0.05,
-            headroom: 0.1,
+            headroom: 0.05,
             scale_up: Rules {
                 stabilization: Duration::ZERO,
                 max_pods: 4,
@@ -70,12 +85,58 @@ impl Default for Spec {
 /// One evaluation's inputs, from the trainers' metrics over the last interval.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Observation {
-    /// Worst rank's wait ratio.
+    /// Worst rank's wait ratio (what the target applies to: the slowest rank sets the step).
     pub worst_wait_ratio: f64,
+    /// Mean over ranks (with the consumed rate, it gives the demand).
+    pub mean_wait_ratio: f64,
     /// Samples per second the trainer consumed (all ranks).
     pub consumed_per_s: f64,
     /// Workers ready during the interval.
     pub ready_workers: u32,
+}
+
+/// One rank's client counters, as scraped from its /metrics.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RankCounters {
+    /// stoker_trainer_wait_seconds_total
+    pub wait_s: f64,
+    /// stoker_trainer_step_seconds_total
+    pub step_s: f64,
+    /// stoker_trainer_samples_total
+    pub samples: f64,
+}
+
+impl Observation {
+    /// The observation between two scrapes of the same ranks (`None` where a rank could not
+    /// be read). Any unreadable or idle rank makes the whole observation unavailable: a
+    /// decision on part of the trainer could scale on a rank that is not the slowest.
+    pub fn between(
+        before: &[Option<RankCounters>],
+        after: &[Option<RankCounters>],
+        ready_workers: u32,
+    ) -> Option<Observation> {
+        if before.is_empty() || before.len() != after.len() {
+            return None;
+        }
+        let (mut worst, mut sum, mut consumed) = (0.0f64, 0.0, 0.0);
+        for (b, a) in before.iter().zip(after) {
+            let (b, a) = ((*b)?, (*a)?);
+            let wall = (a.wait_s - b.wait_s) + (a.step_s - b.step_s);
+            if wall <= 0.0 {
+                return None;
+            }
+            let wait = (a.wait_s - b.wait_s) / wall;
+            worst = worst.max(wait);
+            sum += wait;
+            consumed += (a.samples - b.samples) / wall;
+        }
+        Some(Observation {
+            worst_wait_ratio: worst,
+            mean_wait_ratio: sum / before.len() as f64,
+            consumed_per_s: consumed,
+            ready_workers,
+        })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -129,11 +190,69 @@ impl Autoscaler {
                 None => rate,
             });
         }
-        let demand = obs.consumed_per_s / (1.0 - wait);
+        if saturated && obs.ready_workers < current {
+            // Workers asked for are still starting: their effect is not measured yet.
+            let raw = current.clamp(spec.min_replicas, spec.max_replicas);
+            self.remember(spec, now, raw);
+            return Decision {
+                replicas: raw,
+                reason: format!(
+                    "wait ratio {wait:.3} > target {:.3}, waiting for {} of {current} workers to start",
+                    spec.target_wait_ratio,
+                    current - obs.ready_workers
+                ),
+                per_worker_per_s: self.per_worker_per_s,
+            };
+        }
+        let (raw, why) = match spec.rule {
+            Rule::FeedForward => self.feed_forward(spec, wait, saturated, current, &obs),
+            Rule::HpaProportional => hpa_proportional(spec, wait, current),
+            Rule::OneStep => one_step(spec, wait, current),
+        };
+        let raw = raw.clamp(spec.min_replicas, spec.max_replicas);
+        self.remember(spec, now, raw);
+        let stabilized = if raw > current {
+            self.lowest_since(now, spec.scale_up.stabilization)
+                .max(current)
+        } else if raw < current {
+            self.highest_since(now, spec.scale_down.stabilization)
+                .min(current)
+        } else {
+            current
+        };
+        let limited = self.rate_limited(spec, now, current, stabilized);
+        let replicas = limited.clamp(spec.min_replicas, spec.max_replicas);
+        if replicas != current {
+            self.last_change = Some(now);
+        }
+        let mut reason = why;
+        if replicas != raw {
+            reason.push_str(&format!(
+                "; recommended {raw}, {replicas} after stabilization and rate limits"
+            ));
+        }
+        Decision {
+            replicas,
+            reason,
+            per_worker_per_s: self.per_worker_per_s,
+        }
+    }
+
+    /// Ours: demand ÷ measured per-worker rate, at least one more while above target.
+    fn feed_forward(
+        &self,
+        spec: &Spec,
+        wait: f64,
+        saturated: bool,
+        current: u32,
+        obs: &Observation,
+    ) -> (u32, String) {
+        // The trainer computes (1 - mean wait) of the time: without waiting it would consume this.
+        let demand = obs.consumed_per_s / (1.0 - obs.mean_wait_ratio.clamp(0.0, 0.999));
         let feed_forward = self
             .per_worker_per_s
             .map(|r| (demand * (1.0 + spec.headroom) / r).ceil() as u32);
-        let (raw, why) = match (saturated, feed_forward) {
+        match (saturated, feed_forward) {
             (true, Some(ff)) => (
                 ff.max(current + 1),
                 format!(
@@ -164,33 +283,6 @@ impl Autoscaler {
                     spec.target_wait_ratio
                 ),
             ),
-        };
-        let raw = raw.clamp(spec.min_replicas, spec.max_replicas);
-        self.remember(spec, now, raw);
-        let stabilized = if raw > current {
-            self.lowest_since(now, spec.scale_up.stabilization)
-                .max(current)
-        } else if raw < current {
-            self.highest_since(now, spec.scale_down.stabilization)
-                .min(current)
-        } else {
-            current
-        };
-        let limited = self.rate_limited(spec, now, current, stabilized);
-        let replicas = limited.clamp(spec.min_replicas, spec.max_replicas);
-        if replicas != current {
-            self.last_change = Some(now);
-        }
-        let mut reason = why;
-        if replicas != raw {
-            reason.push_str(&format!(
-                "; recommended {raw}, {replicas} after stabilization and rate limits"
-            ));
-        }
-        Decision {
-            replicas,
-            reason,
-            per_worker_per_s: self.per_worker_per_s,
         }
     }
 
@@ -247,6 +339,25 @@ impl Autoscaler {
     }
 }
 
+fn hpa_proportional(spec: &Spec, wait: f64, current: u32) -> (u32, String) {
+    let ratio = wait / spec.target_wait_ratio;
+    if (ratio - 1.0).abs() <= 0.1 {
+        return (current, format!("wait ratio {wait:.3} within 10 % of target"));
+    }
+    let want = (current as f64 * ratio).ceil() as u32;
+    (want, format!("HPA: ceil({current} x {wait:.3} / {:.3})", spec.target_wait_ratio))
+}
+
+fn one_step(spec: &Spec, wait: f64, current: u32) -> (u32, String) {
+    if wait > spec.target_wait_ratio {
+        (current + 1, format!("wait ratio {wait:.3} above target: +1"))
+    } else if wait < spec.target_wait_ratio / 2.0 {
+        (current.saturating_sub(1), format!("wait ratio {wait:.3} well below target: -1"))
+    } else {
+        (current, format!("wait ratio {wait:.3} within target"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -258,6 +369,7 @@ mod tests {
         let consumed = supply.min(demand);
         Observation {
             worst_wait_ratio: 1.0 - consumed / demand,
+            mean_wait_ratio: 1.0 - consumed / demand,
             consumed_per_s: consumed,
             ready_workers: n,
         }
@@ -289,12 +401,12 @@ mod tests {
     #[test]
     fn scales_up_to_the_feed_forward_estimate_in_one_step() {
         let spec = Spec::default();
-        // 1 worker of 50/s, demand 230/s: the estimate is ceil(230 * 1.1 / 50) = 6, one step
+        // 1 worker of 50/s, demand 230/s: the estimate is ceil(230 * 1.05 / 50) = 5, one step
         // may add 4 (max_pods): 1 -> 5. 5 x 50 covers 230: the wait is gone, so it holds.
         let n = run(&spec, 1, 50.0, |_| 230.0, 4);
         assert_eq!(n, vec![5, 5, 5, 5]);
         // Slower workers: 1 -> 5, then nothing more within the 15 s period that made that
-        // change, then -> 10 (the estimate 11 is not needed: 10 x 25 covers 230).
+        // change, then -> 10 = ceil(230 * 1.05 / 25).
         let n = run(&spec, 1, 25.0, |_| 230.0, 4);
         assert_eq!(n, vec![5, 5, 10, 10]);
     }
@@ -315,7 +427,7 @@ mod tests {
         let n = run(&spec, 1, 50.0, |i| if i < 10 { 230.0 } else { 60.0 }, 80);
         // Not before the 300 s stabilization window has passed...
         assert!(n[..40].iter().all(|&r| r == 5), "{n:?}");
-        // ... then one at a time, once a minute, down to ceil(60 * 1.1 / 50) = 2.
+        // ... then one at a time, once a minute, down to ceil(60 * 1.05 / 50) = 2.
         let down: Vec<u32> = n[40..].to_vec();
         for w in down.windows(2) {
             assert!(w[0] - w[1] <= 1, "{n:?}");
@@ -341,6 +453,20 @@ mod tests {
             ..Spec::default()
         };
         assert_eq!(a.evaluate(&spec, s(1), 1, None).replicas, 2);
+    }
+
+    #[test]
+    fn observations_come_from_counter_deltas_of_every_rank() {
+        let c = |wait_s, step_s, samples| Some(RankCounters { wait_s, step_s, samples });
+        let before = [c(1.0, 9.0, 100.0), c(0.0, 10.0, 100.0)];
+        let after = [c(3.0, 17.0, 260.0), c(1.0, 19.0, 300.0)];
+        let o = Observation::between(&before, &after, 3).unwrap();
+        assert!((o.worst_wait_ratio - 0.2).abs() < 1e-9);
+        assert!((o.mean_wait_ratio - 0.15).abs() < 1e-9);
+        assert!((o.consumed_per_s - (16.0 + 20.0)).abs() < 1e-9);
+        // A rank that could not be read, or did not move: no observation (hold).
+        assert_eq!(Observation::between(&before, &[after[0], None], 3), None);
+        assert_eq!(Observation::between(&before, &before, 3), None);
     }
 
     #[test]

@@ -2,3 +2,4 @@
 //! and `stoker demo` (local process backend), and unit-tested against a simulated plant.
 
 pub mod autoscale;
+pub mod sim;

@@ -25,6 +25,13 @@ pub enum BenchCommand {
     /// A protocol peer answering every request with one prebuilt batch, for
     /// benches/transport.py (client transport vs plain TCP vs pickling).
     TransportServer(super::transport::TransportServerArgs),
+    /// The autoscaler's rule vs the HPA proportional rule vs one step at a time, on the
+    /// simulated plant (stoker-control's sim): convergence, oscillation, worker-hours.
+    Autoscale {
+        /// Seeds of the plant's noise to run (one row per rule, averaged).
+        #[arg(long, default_value_t = 10)]
+        seeds: u64,
+    },
 }
 
 #[derive(clap::Args)]
@@ -63,6 +70,10 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Preprocess(b) => preprocess(b).await,
         BenchCommand::TransportServer(a) => super::transport::run(a).await,
+        BenchCommand::Autoscale { seeds } => {
+            autoscale(seeds);
+            Ok(())
+        }
     }
 }
 
@@ -457,4 +468,59 @@ async fn python_baselines(
         });
     }
     Ok(rows)
+}
+
+/// Prints the three scaling rules side by side on the standard simulated scenario.
+fn autoscale(seeds: u64) {
+    use stoker_control::autoscale::Spec;
+    use stoker_control::sim::{rules, run, standard_scenario};
+    let sc = standard_scenario(1);
+    println!(
+        "Simulated plant: {} ranks x {} samples, workers of {}/s +-{:.0} %, {} interval to start, {} s intervals; demand {:.0} -> {:.0} -> {:.0} samples/s; {} seeds",
+        sc.plant.ranks,
+        sc.plant.samples_per_rank,
+        sc.plant.per_worker_per_s,
+        100.0 * sc.plant.noise,
+        sc.plant.startup_intervals,
+        sc.interval.as_secs(),
+        sc.plant.demand(),
+        (sc.plant.ranks * sc.plant.samples_per_rank) as f64 / sc.changes[0].1,
+        (sc.plant.ranks * sc.plant.samples_per_rank) as f64 / sc.changes[1].1,
+        seeds
+    );
+    println!(
+        "{:<36} {:>22} {:>13} {:>13} {:>11} {:>10}",
+        "rule", "intervals to optimum", "oscillations", "worker-hours", "mean wait", "final/opt"
+    );
+    for (rule, name) in rules() {
+        let spec = Spec {
+            rule,
+            max_replicas: 32,
+            ..Spec::default()
+        };
+        let outs: Vec<_> = (1..=seeds)
+            .map(|s| run(&standard_scenario(s), &spec))
+            .collect();
+        let n = outs.len() as f64;
+        let conv: Vec<String> = (0..outs[0].phases.len())
+            .map(|p| {
+                let v: Vec<usize> = outs.iter().filter_map(|o| o.phases[p].0).collect();
+                if v.len() < outs.len() {
+                    format!("never({})", outs.len() - v.len())
+                } else {
+                    format!("{:.1}", v.iter().sum::<usize>() as f64 / n)
+                }
+            })
+            .collect();
+        let last = outs[0].phases.last().expect("phases");
+        println!(
+            "{:<36} {:>22} {:>13.1} {:>13.2} {:>11.3} {:>10}",
+            name,
+            conv.join(" / "),
+            outs.iter().map(|o| o.oscillations as f64).sum::<f64>() / n,
+            outs.iter().map(|o| o.worker_hours).sum::<f64>() / n,
+            outs.iter().map(|o| o.mean_wait).sum::<f64>() / n,
+            format!("{}/{}", last.2, last.1),
+        );
+    }
 }

@@ -14,7 +14,7 @@
 //! 5. `+ autoscaled workers`: the autoscaler of the operator (stoker-control) adds worker
 //!    processes while the trainers' wait ratio is above target.
 
-use super::local::{cache_root, ensure_dataset, http_get, metric_value, spawn_worker};
+use super::local::{cache_root, ensure_dataset, http_get, rank_counters, spawn_worker};
 use std::collections::BTreeSet;
 use std::ffi::OsString;
 use std::io::{Read, Write};
@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use stoker_client::{Depth, Discovery, Loader, LoaderConfig, WorkerSet};
-use stoker_control::autoscale::{Autoscaler, Observation, Rules, Spec};
+use stoker_control::autoscale::{Autoscaler, Observation, RankCounters, Rule, Rules, Spec};
 use stoker_worker::dataset::synth::{SynthFormat, SynthOptions};
 use stoker_worker::embedded_s3::{EmbeddedS3, StoreBehaviour};
 use stoker_worker::pipeline::PreprocessArgs;
@@ -389,6 +389,7 @@ fn demo_spec(a: &DemoArgs) -> Spec {
     // A change is measured for three evaluations before the next one.
     let period = Duration::from_secs_f64(a.autoscale_interval_s * 3.0);
     Spec {
+        rule: Rule::FeedForward,
         min_replicas: 1,
         max_replicas: a.max_workers,
         target_wait_ratio: a.target_wait_ratio,
@@ -408,41 +409,18 @@ fn demo_spec(a: &DemoArgs) -> Spec {
     }
 }
 
-/// Per rank: (wait seconds, step seconds, samples) counters from its /metrics.
-type Scrape = Vec<Option<(f64, f64, f64)>>;
+/// Each rank's client counters, from its /metrics (`None` where unreadable).
+type Scrape = Vec<Option<RankCounters>>;
 
 fn scrape(addrs: &[String]) -> Scrape {
     addrs
         .iter()
-        .map(|addr| {
-            let text = http_get(addr, "/metrics").ok()?;
-            Some((
-                metric_value(&text, "stoker_trainer_wait_seconds_total")?,
-                metric_value(&text, "stoker_trainer_step_seconds_total")?,
-                metric_value(&text, "stoker_trainer_samples_total")?,
-            ))
-        })
+        .map(|addr| rank_counters(&http_get(addr, "/metrics").ok()?))
         .collect()
 }
 
-/// The autoscaler's observation between two scrapes: worst rank's wait ratio, total rate.
 fn observe(before: &Scrape, after: &Scrape, ready: u32) -> Option<Observation> {
-    let mut worst: f64 = 0.0;
-    let mut consumed = 0.0;
-    for (b, n) in before.iter().zip(after) {
-        let ((w0, s0, c0), (w1, s1, c1)) = ((*b)?, (*n)?);
-        let wall = (w1 - w0) + (s1 - s0);
-        if wall <= 0.0 {
-            return None;
-        }
-        worst = worst.max((w1 - w0) / wall);
-        consumed += (c1 - c0) / wall;
-    }
-    Some(Observation {
-        worst_wait_ratio: worst,
-        consumed_per_s: consumed,
-        ready_workers: ready,
-    })
+    Observation::between(before, after, ready)
 }
 
 /// Runs the autoscaler until the worker count held for 4 evaluations (or the timeout).
