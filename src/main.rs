@@ -37,6 +37,9 @@ enum Command {
     Demo(cmd::demo::DemoArgs),
     /// Print the DataPipeline CustomResourceDefinition (YAML), as `crds/` holds it.
     Crd,
+    /// Run the operator: reconcile DataPipelines into worker pools and scale them on the
+    /// trainers' wait ratio (in-cluster config or $KUBECONFIG).
+    Operator(operator::OperatorArgs),
     /// Benchmarks that print ours-vs-baseline tables (docs/benchmarks.md).
     #[command(subcommand)]
     Bench(cmd::bench::BenchCommand),
@@ -68,6 +71,7 @@ fn run() -> anyhow::Result<()> {
             Command::Worker(a) => cmd::worker::run(a).await,
             Command::Bench(c) => cmd::bench::run(c).await,
             Command::Demo(a) => cmd::demo::run(a).await,
+            Command::Operator(a) => operator::run(a).await,
             Command::Crd => {
                 print!("{}", operator::crd_yaml()?);
                 Ok(())

@@ -342,17 +342,32 @@ impl Autoscaler {
 fn hpa_proportional(spec: &Spec, wait: f64, current: u32) -> (u32, String) {
     let ratio = wait / spec.target_wait_ratio;
     if (ratio - 1.0).abs() <= 0.1 {
-        return (current, format!("wait ratio {wait:.3} within 10 % of target"));
+        return (
+            current,
+            format!("wait ratio {wait:.3} within 10 % of target"),
+        );
     }
     let want = (current as f64 * ratio).ceil() as u32;
-    (want, format!("HPA: ceil({current} x {wait:.3} / {:.3})", spec.target_wait_ratio))
+    (
+        want,
+        format!(
+            "HPA: ceil({current} x {wait:.3} / {:.3})",
+            spec.target_wait_ratio
+        ),
+    )
 }
 
 fn one_step(spec: &Spec, wait: f64, current: u32) -> (u32, String) {
     if wait > spec.target_wait_ratio {
-        (current + 1, format!("wait ratio {wait:.3} above target: +1"))
+        (
+            current + 1,
+            format!("wait ratio {wait:.3} above target: +1"),
+        )
     } else if wait < spec.target_wait_ratio / 2.0 {
-        (current.saturating_sub(1), format!("wait ratio {wait:.3} well below target: -1"))
+        (
+            current.saturating_sub(1),
+            format!("wait ratio {wait:.3} well below target: -1"),
+        )
     } else {
         (current, format!("wait ratio {wait:.3} within target"))
     }
@@ -457,7 +472,13 @@ mod tests {
 
     #[test]
     fn observations_come_from_counter_deltas_of_every_rank() {
-        let c = |wait_s, step_s, samples| Some(RankCounters { wait_s, step_s, samples });
+        let c = |wait_s, step_s, samples| {
+            Some(RankCounters {
+                wait_s,
+                step_s,
+                samples,
+            })
+        };
         let before = [c(1.0, 9.0, 100.0), c(0.0, 10.0, 100.0)];
         let after = [c(3.0, 17.0, 260.0), c(1.0, 19.0, 300.0)];
         let o = Observation::between(&before, &after, 3).unwrap();

@@ -215,9 +215,17 @@ mod tests {
                 &out.replicas[..12]
             );
             // After the demand step up, a few intervals again.
-            assert!(out.phases[1].0.is_some_and(|k| k <= 4), "seed {seed}: {:?}", out.phases);
+            assert!(
+                out.phases[1].0.is_some_and(|k| k <= 4),
+                "seed {seed}: {:?}",
+                out.phases
+            );
             for (_, opt, last) in &out.phases {
-                assert!(*last >= *opt && *last <= opt + 1, "seed {seed}: {:?}", out.phases);
+                assert!(
+                    *last >= *opt && *last <= opt + 1,
+                    "seed {seed}: {:?}",
+                    out.phases
+                );
             }
             assert_eq!(out.oscillations, 0, "seed {seed}: {:?}", out.replicas);
         }
@@ -230,7 +238,9 @@ mod tests {
         let hpa = run(&sc, &spec(Rule::HpaProportional));
         let step = run(&sc, &spec(Rule::OneStep));
         // One step at a time needs about as many intervals as workers.
-        assert!(step.phases[0].0.is_none_or(|k| k > ours.phases[0].0.unwrap()));
+        assert!(step.phases[0]
+            .0
+            .is_none_or(|k| k > ours.phases[0].0.unwrap()));
         // The proportional rule overshoots a saturating signal and swings back.
         assert!(
             hpa.oscillations > ours.oscillations || hpa.mean_wait > ours.mean_wait,

@@ -14,7 +14,8 @@
 //! 5. `+ autoscaled workers`: the autoscaler of the operator (stoker-control) adds worker
 //!    processes while the trainers' wait ratio is above target.
 
-use super::local::{cache_root, ensure_dataset, http_get, rank_counters, spawn_worker};
+use super::local::{cache_root, ensure_dataset, http_get, spawn_worker};
+use crate::operator::scrape::rank_counters;
 use std::collections::BTreeSet;
 use std::ffi::OsString;
 use std::io::{Read, Write};

@@ -4,10 +4,8 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use stoker_worker::dataset::synth::{generate, SynthOptions};
-use stoker_worker::process::LocalWorker;
 pub use stoker_worker::process::http_get;
-use stoker_control::autoscale::RankCounters;
-use stoker_worker::process::metric_value;
+use stoker_worker::process::LocalWorker;
 
 /// Starts a `stoker worker` of this binary.
 pub fn spawn_worker(
@@ -41,13 +39,4 @@ pub fn ensure_dataset(dir: &Path, o: &SynthOptions) -> anyhow::Result<()> {
     pb.finish_and_clear();
     std::fs::write(done, b"")?;
     Ok(())
-}
-
-/// A trainer client's counters from its /metrics text.
-pub fn rank_counters(text: &str) -> Option<RankCounters> {
-    Some(RankCounters {
-        wait_s: metric_value(text, "stoker_trainer_wait_seconds_total")?,
-        step_s: metric_value(text, "stoker_trainer_step_seconds_total")?,
-        samples: metric_value(text, "stoker_trainer_samples_total")?,
-    })
 }

@@ -508,7 +508,6 @@ pub fn network_policy(dp: &DataPipeline) -> NetworkPolicy {
             ]),
             ..NetworkPolicySpec::default()
         }),
-        ..NetworkPolicy::default()
     }
 }
 

@@ -1,0 +1,222 @@
+//! Where the autoscaler's numbers come from: the trainer clients' /metrics (pods by label, or
+//! fixed URLs), or a Prometheus server. Plain HTTP/1.0 over tokio: the endpoints are ours
+//! (or Prometheus), all speak it, and the operator needs no HTTP client stack for it.
+
+use super::crd::{DataPipeline, MetricSource};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
+use kube::ResourceExt;
+use std::time::Duration;
+use stoker_control::autoscale::RankCounters;
+use stoker_worker::process::metric_value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const TIMEOUT: Duration = Duration::from_secs(5);
+/// Bound on a response body (a /metrics page is a few KiB).
+const MAX_BODY: usize = 4 << 20;
+
+/// GET an `http://host:port/path?query` URL; the body on 200, an error naming the URL
+/// otherwise.
+pub async fn http_get(url: &str) -> anyhow::Result<String> {
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| anyhow::anyhow!("{url}: only http:// URLs are supported"))?;
+    let (authority, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    let fetch = async {
+        let mut s = tokio::net::TcpStream::connect(authority).await?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {authority}\r\n\r\n").as_bytes())
+            .await?;
+        let mut out = Vec::new();
+        s.take(MAX_BODY as u64).read_to_end(&mut out).await?;
+        anyhow::Ok(out)
+    };
+    let raw = tokio::time::timeout(TIMEOUT, fetch)
+        .await
+        .map_err(|_| anyhow::anyhow!("{url}: no answer within {TIMEOUT:?}"))??;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| anyhow::anyhow!("{url}: not an HTTP response"))?;
+    let status = head.split_whitespace().nth(1).unwrap_or("");
+    anyhow::ensure!(status == "200", "{url}: HTTP {status}");
+    Ok(body.to_string())
+}
+
+/// A trainer client's counters from its /metrics text.
+pub fn rank_counters(text: &str) -> Option<RankCounters> {
+    Some(RankCounters {
+        wait_s: metric_value(text, "stoker_trainer_wait_seconds_total")?,
+        step_s: metric_value(text, "stoker_trainer_step_seconds_total")?,
+        samples: metric_value(text, "stoker_trainer_samples_total")?,
+    })
+}
+
+/// One reading of every rank: keyed by where it came from, so consecutive readings pair up
+/// even when trainer pods come and go.
+pub type Reading = Vec<(String, Option<RankCounters>)>;
+
+/// Reads the ranks' counters from the pipeline's metric source.
+pub async fn read(
+    client: &kube::Client,
+    dp: &DataPipeline,
+    source: &MetricSource,
+) -> anyhow::Result<Reading> {
+    let urls: Vec<String> = if let Some(urls) = &source.urls {
+        urls.clone()
+    } else if let Some(pods) = &source.trainer_pods {
+        let ns = dp.namespace().unwrap_or_else(|| "default".into());
+        let selector = pods
+            .selector
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let list = Api::<Pod>::namespaced(client.clone(), &ns)
+            .list(&ListParams::default().labels(&selector))
+            .await?;
+        list.items
+            .iter()
+            .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+            .filter_map(|p| p.status.as_ref()?.pod_ip.clone())
+            .map(|ip| format!("http://{ip}:{}/metrics", pods.port))
+            .collect()
+    } else if let Some(prom) = &source.prometheus {
+        return read_prometheus(&prom.url, &dp.name_any()).await;
+    } else {
+        anyhow::bail!("no metric source (rejected at admission)")
+    };
+    let reads = urls.iter().map(|u| async move {
+        let counters = match http_get(u).await {
+            Ok(text) => rank_counters(&text),
+            Err(e) => {
+                tracing::debug!("scrape {u}: {e:#}");
+                None
+            }
+        };
+        (u.clone(), counters)
+    });
+    Ok(futures::future::join_all(reads).await)
+}
+
+/// The same counters per rank from Prometheus (instant query; the series' own values).
+async fn read_prometheus(base: &str, pipeline: &str) -> anyhow::Result<Reading> {
+    let mut per_rank: std::collections::BTreeMap<String, [Option<f64>; 3]> = Default::default();
+    let series = [
+        "stoker_trainer_wait_seconds_total",
+        "stoker_trainer_step_seconds_total",
+        "stoker_trainer_samples_total",
+    ];
+    for (i, name) in series.iter().enumerate() {
+        let query = format!("sum by (rank) ({name}{{pipeline=\"{pipeline}\"}})");
+        let url = format!(
+            "{}/api/v1/query?query={}",
+            base.trim_end_matches('/'),
+            percent_encode(&query)
+        );
+        let body: serde_json::Value = serde_json::from_str(&http_get(&url).await?)?;
+        for r in body["data"]["result"].as_array().into_iter().flatten() {
+            let rank = r["metric"]["rank"].as_str().unwrap_or("").to_string();
+            let v = r["value"][1].as_str().and_then(|v| v.parse::<f64>().ok());
+            per_rank.entry(rank).or_default()[i] = v;
+        }
+    }
+    Ok(per_rank
+        .into_iter()
+        .map(|(rank, [w, s, n])| {
+            let c = match (w, s, n) {
+                (Some(wait_s), Some(step_s), Some(samples)) => Some(RankCounters {
+                    wait_s,
+                    step_s,
+                    samples,
+                }),
+                _ => None,
+            };
+            (format!("rank {rank}"), c)
+        })
+        .collect())
+}
+
+fn percent_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Pairs two readings by source; sources present in only one are unreadable for this
+/// interval (a new or vanished rank).
+pub fn paired(
+    before: &Reading,
+    after: &Reading,
+) -> (Vec<Option<RankCounters>>, Vec<Option<RankCounters>>) {
+    after
+        .iter()
+        .map(|(k, a)| {
+            let b = before.iter().find(|(kb, _)| kb == k).and_then(|(_, c)| *c);
+            (b, *a)
+        })
+        .unzip()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn reads_counters_over_http_and_names_failures() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = listener.accept().await.unwrap();
+                let mut buf = [0u8; 1024];
+                let n = s.read(&mut buf).await.unwrap();
+                let req = String::from_utf8_lossy(&buf[..n]).to_string();
+                let body = "stoker_trainer_wait_seconds_total{rank=\"0\"} 1.5\nstoker_trainer_step_seconds_total{rank=\"0\"} 8.5\nstoker_trainer_samples_total{rank=\"0\"} 640\n";
+                let resp = if req.starts_with("GET /metrics ") {
+                    format!("HTTP/1.0 200 OK\r\n\r\n{body}")
+                } else {
+                    "HTTP/1.0 404 Not Found\r\n\r\n".to_string()
+                };
+                s.write_all(resp.as_bytes()).await.unwrap();
+            }
+        });
+        let text = http_get(&format!("http://{addr}/metrics")).await.unwrap();
+        assert_eq!(
+            rank_counters(&text),
+            Some(RankCounters {
+                wait_s: 1.5,
+                step_s: 8.5,
+                samples: 640.0
+            })
+        );
+        let e = http_get(&format!("http://{addr}/nope")).await.unwrap_err();
+        assert!(e.to_string().contains("HTTP 404"), "{e}");
+        let e = http_get("https://x").await.unwrap_err();
+        assert!(e.to_string().contains("only http://"), "{e}");
+    }
+
+    #[test]
+    fn readings_pair_by_source() {
+        let c = |w| {
+            Some(RankCounters {
+                wait_s: w,
+                step_s: 1.0,
+                samples: 1.0,
+            })
+        };
+        let before = vec![("a".to_string(), c(1.0)), ("b".to_string(), c(2.0))];
+        let after = vec![("b".to_string(), c(3.0)), ("c".to_string(), c(4.0))];
+        let (b, a) = paired(&before, &after);
+        assert_eq!(b, vec![c(2.0), None]);
+        assert_eq!(a, vec![c(3.0), c(4.0)]);
+        assert_eq!(percent_encode("a b{}"), "a%20b%7B%7D");
+    }
+}
