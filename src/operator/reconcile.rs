@@ -447,3 +447,250 @@ pub fn error_policy(dp: Arc<DataPipeline>, e: &Error, _ctx: Arc<Context>) -> Act
     tracing::warn!("reconciling {}: {e}", key(&dp));
     Action::requeue(Duration::from_secs(5))
 }
+
+/// The reconcile loop against a mocked API server: every request it makes, in order, with
+/// what it sends (the real API server tests come with the cluster harness).
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::{Method, Request, Response};
+    use kube::client::Body;
+    use serde_json::{json, Value};
+
+    type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+    fn example() -> DataPipeline {
+        let mut dp: DataPipeline =
+            serde_yaml::from_str(include_str!("../../examples/datapipeline.yaml")).unwrap();
+        dp.metadata.namespace = Some("ml".into());
+        dp.metadata.uid = Some("uid-1".into());
+        dp.metadata.generation = Some(3);
+        dp.spec.autoscaling = None;
+        dp
+    }
+
+    fn context() -> (Arc<Context>, Handle) {
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let client = kube::Client::new(service, "default");
+        let recorder = Recorder::new(client.clone(), "stoker-operator-test".to_string().into());
+        let ctx = Context::new(
+            client,
+            recorder,
+            super::super::metrics::OperatorMetrics::new(),
+        );
+        (Arc::new(ctx), handle)
+    }
+
+    fn not_found() -> Response<Body> {
+        let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "reason": "NotFound", "code": 404, "message": "not found"});
+        Response::builder()
+            .status(404)
+            .body(Body::from(serde_json::to_vec(&status).unwrap()))
+            .unwrap()
+    }
+
+    fn ok(v: &Value) -> Response<Body> {
+        Response::builder()
+            .body(Body::from(serde_json::to_vec(v).unwrap()))
+            .unwrap()
+    }
+
+    /// Takes the next request, checks method and path, returns its JSON body.
+    async fn expect(
+        h: &mut Handle,
+        method: Method,
+        path: &str,
+    ) -> (Value, tower_test::mock::SendResponse<Response<Body>>) {
+        let (req, send) = h.next_request().await.expect("a request");
+        assert_eq!(
+            (req.method(), req.uri().path()),
+            (&method, path),
+            "unexpected request"
+        );
+        let bytes = req.into_body().collect_bytes().await.unwrap();
+        let body = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).unwrap()
+        };
+        (body, send)
+    }
+
+    #[tokio::test]
+    async fn first_reconcile_creates_everything_owned_and_reports_status() {
+        let (ctx, mut h) = context();
+        let dp = Arc::new(example());
+        let server = tokio::spawn(async move {
+            // The token Secret: absent, so created once.
+            let (_, send) = expect(
+                &mut h,
+                Method::GET,
+                "/api/v1/namespaces/ml/secrets/qwen-sft-token",
+            )
+            .await;
+            send.send_response(not_found());
+            let (secret, send) =
+                expect(&mut h, Method::POST, "/api/v1/namespaces/ml/secrets").await;
+            assert_eq!(secret["metadata"]["name"], "qwen-sft-token");
+            assert_eq!(secret["stringData"]["token"].as_str().unwrap().len(), 64);
+            send.send_response(ok(&secret));
+            // No Deployment yet: spec.replicas (2) holds.
+            let (_, send) = expect(
+                &mut h,
+                Method::GET,
+                "/apis/apps/v1/namespaces/ml/deployments/qwen-sft-workers",
+            )
+            .await;
+            send.send_response(not_found());
+            let (d, send) = expect(
+                &mut h,
+                Method::PATCH,
+                "/apis/apps/v1/namespaces/ml/deployments/qwen-sft-workers",
+            )
+            .await;
+            assert_eq!(d["spec"]["replicas"], 2);
+            assert_eq!(d["metadata"]["ownerReferences"][0]["uid"], "uid-1");
+            let mut applied = d.clone();
+            applied["status"] = json!({"replicas": 2, "readyReplicas": 1});
+            send.send_response(ok(&applied));
+            for path in [
+                "/api/v1/namespaces/ml/services/qwen-sft-workers",
+                "/apis/policy/v1/namespaces/ml/poddisruptionbudgets/qwen-sft-workers",
+                "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/qwen-sft-workers",
+            ] {
+                let (obj, send) = expect(&mut h, Method::PATCH, path).await;
+                assert_eq!(
+                    obj["metadata"]["ownerReferences"][0]["kind"],
+                    "DataPipeline"
+                );
+                send.send_response(ok(&obj));
+            }
+            // The bandwidth budget allows 5 per node; 1 node fits 2 workers.
+            let (_, send) = expect(&mut h, Method::GET, "/api/v1/nodes").await;
+            send.send_response(ok(
+                &json!({"kind": "NodeList", "apiVersion": "v1", "metadata": {},
+                "items": [{"metadata": {"name": "n1"}}]}),
+            ));
+            let (status, send) = expect(
+                &mut h,
+                Method::PATCH,
+                "/apis/stoker.dev/v1alpha1/namespaces/ml/datapipelines/qwen-sft/status",
+            )
+            .await;
+            send.send_response(ok(&json!({"apiVersion": "stoker.dev/v1alpha1", "kind": "DataPipeline",
+                "metadata": {"name": "qwen-sft", "namespace": "ml"}, "spec": serde_json::to_value(&example().spec).unwrap()})));
+            status
+        });
+        let action = reconcile(dp, ctx).await.unwrap();
+        assert_eq!(action, Action::requeue(Duration::from_secs(300)));
+        let status = server.await.unwrap()["status"].clone();
+        assert_eq!(status["desiredReplicas"], 2);
+        assert_eq!(status["readyReplicas"], 1);
+        assert_eq!(status["observedGeneration"], 3);
+        assert_eq!(
+            status["selector"],
+            "app.kubernetes.io/instance=qwen-sft,app.kubernetes.io/name=stoker-worker"
+        );
+        let cond = |t: &str| {
+            status["conditions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c["type"] == t)
+                .cloned()
+                .unwrap_or(Value::Null)
+        };
+        assert_eq!(cond("Ready")["status"], "True");
+        assert_eq!(cond("Scaling")["status"], "True"); // 1 of 2 ready
+        assert_eq!(cond("NICSaturationRisk")["status"], "False");
+        // Autoscaling off: no metrics condition at all.
+        assert_eq!(cond("MetricsAvailable"), Value::Null);
+    }
+
+    #[tokio::test]
+    async fn a_scale_change_is_applied_with_an_event_and_the_reason() {
+        let (ctx, mut h) = context();
+        let mut dp = example();
+        dp.spec.replicas = 4; // kubectl scale dp/qwen-sft --replicas=4
+        dp.spec.token_secret = Some("given".into());
+        let dp = Arc::new(dp);
+        let server = tokio::spawn(async move {
+            let (_, send) =
+                expect(&mut h, Method::GET, "/api/v1/namespaces/ml/secrets/given").await;
+            send.send_response(ok(
+                &json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "given"}}),
+            ));
+            let (_, send) = expect(
+                &mut h,
+                Method::GET,
+                "/apis/apps/v1/namespaces/ml/deployments/qwen-sft-workers",
+            )
+            .await;
+            send.send_response(ok(&json!({"apiVersion": "apps/v1", "kind": "Deployment",
+                "metadata": {"name": "qwen-sft-workers"},
+                "spec": {"replicas": 2, "selector": {}, "template": {}},
+                "status": {"replicas": 2, "readyReplicas": 2}})));
+            let (d, send) = expect(
+                &mut h,
+                Method::PATCH,
+                "/apis/apps/v1/namespaces/ml/deployments/qwen-sft-workers",
+            )
+            .await;
+            assert_eq!(d["spec"]["replicas"], 4);
+            send.send_response(ok(&d));
+            for path in [
+                "/api/v1/namespaces/ml/services/qwen-sft-workers",
+                "/apis/policy/v1/namespaces/ml/poddisruptionbudgets/qwen-sft-workers",
+                "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/qwen-sft-workers",
+            ] {
+                let (obj, send) = expect(&mut h, Method::PATCH, path).await;
+                send.send_response(ok(&obj));
+            }
+            let (event, send) = expect(
+                &mut h,
+                Method::POST,
+                "/apis/events.k8s.io/v1/namespaces/ml/events",
+            )
+            .await;
+            send.send_response(ok(&event));
+            let (_, send) = expect(&mut h, Method::GET, "/api/v1/nodes").await;
+            send.send_response(ok(
+                &json!({"kind": "NodeList", "apiVersion": "v1", "metadata": {}, "items": []}),
+            ));
+            let (status, send) = expect(
+                &mut h,
+                Method::PATCH,
+                "/apis/stoker.dev/v1alpha1/namespaces/ml/datapipelines/qwen-sft/status",
+            )
+            .await;
+            send.send_response(ok(&json!({"apiVersion": "stoker.dev/v1alpha1", "kind": "DataPipeline",
+                "metadata": {"name": "qwen-sft", "namespace": "ml"}, "spec": serde_json::to_value(&example().spec).unwrap()})));
+            (event, status)
+        });
+        reconcile(dp, ctx.clone()).await.unwrap();
+        let (event, status) = server.await.unwrap();
+        assert_eq!(event["reason"], "ScaledUp");
+        assert!(
+            event["note"].as_str().unwrap().contains("2 -> 4 workers"),
+            "{event}"
+        );
+        let status = &status["status"];
+        assert!(status["lastScaleReason"]
+            .as_str()
+            .unwrap()
+            .starts_with("2 -> 4"));
+        // No eligible node: 4 workers exceed the bandwidth budget.
+        let risk = status["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "NICSaturationRisk")
+            .unwrap();
+        assert_eq!(risk["status"], "True");
+        assert!(ctx
+            .metrics
+            .render()
+            .contains("stoker_operator_scale_decisions_total{direction=\"up\"} 1"));
+    }
+}
