@@ -71,3 +71,91 @@ impl LeaderElection {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::{Method, Request, Response};
+    use kube::client::Body;
+    use serde_json::{json, Value};
+
+    fn election() -> (
+        LeaderElection,
+        tower_test::mock::Handle<Request<Body>, Response<Body>>,
+    ) {
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let client = kube::Client::new(service, "ops");
+        let e = LeaderElection {
+            api: Api::namespaced(client, "ops"),
+            name: "stoker-operator".into(),
+            identity: "me".into(),
+            duration: Duration::from_secs(15),
+        };
+        (e, handle)
+    }
+
+    fn lease(holder: &str, renewed_secs_ago: i64) -> Value {
+        let renew =
+            Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(renewed_secs_ago);
+        json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": "stoker-operator", "namespace": "ops", "resourceVersion": "7"},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15,
+                     "renewTime": MicroTime(renew), "leaseTransitions": 2}})
+    }
+
+    fn respond(v: &Value) -> Response<Body> {
+        Response::builder()
+            .body(Body::from(serde_json::to_vec(v).unwrap()))
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_fresh_lease_of_another_holder_is_respected_an_expired_one_taken() {
+        let path = "/apis/coordination.k8s.io/v1/namespaces/ops/leases/stoker-operator";
+        // Held by another replica, renewed 3 s ago: not ours.
+        let (e, mut h) = election();
+        let server = tokio::spawn(async move {
+            let (req, send) = h.next_request().await.unwrap();
+            assert_eq!((req.method(), req.uri().path()), (&Method::GET, path));
+            send.send_response(respond(&lease("other", 3)));
+        });
+        assert!(!e.try_acquire().await.unwrap());
+        server.await.unwrap();
+
+        // Renewed 60 s ago: expired; taken over with the resourceVersion read.
+        let (e, mut h) = election();
+        let server = tokio::spawn(async move {
+            let (_, send) = h.next_request().await.unwrap();
+            send.send_response(respond(&lease("other", 60)));
+            let (req, send) = h.next_request().await.unwrap();
+            assert_eq!((req.method(), req.uri().path()), (&Method::PUT, path));
+            let body: Value =
+                serde_json::from_slice(&req.into_body().collect_bytes().await.unwrap()).unwrap();
+            send.send_response(respond(&body));
+            body
+        });
+        assert!(e.try_acquire().await.unwrap());
+        let put = server.await.unwrap();
+        assert_eq!(put["spec"]["holderIdentity"], "me");
+        assert_eq!(put["spec"]["leaseTransitions"], 3);
+        assert_eq!(put["metadata"]["resourceVersion"], "7");
+
+        // A concurrent writer won the race (409): not ours.
+        let (e, mut h) = election();
+        let server = tokio::spawn(async move {
+            let (_, send) = h.next_request().await.unwrap();
+            send.send_response(respond(&lease("other", 60)));
+            let (_, send) = h.next_request().await.unwrap();
+            let conflict = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                "reason": "Conflict", "code": 409, "message": "the object has been modified"});
+            send.send_response(
+                Response::builder()
+                    .status(409)
+                    .body(Body::from(serde_json::to_vec(&conflict).unwrap()))
+                    .unwrap(),
+            );
+        });
+        assert!(!e.try_acquire().await.unwrap());
+        server.await.unwrap();
+    }
+}
