@@ -94,7 +94,7 @@ impl ClientMetrics {
         registry
             .register(Box::new(wait_ratio.clone()))
             .expect("unique");
-        Arc::new(ClientMetrics {
+        let m = ClientMetrics {
             wait_seconds: counter(
                 "stoker_trainer_wait_seconds_total",
                 "Time the trainer spent blocked waiting for its next batch.",
@@ -150,7 +150,18 @@ impl ClientMetrics {
             wait_ratio,
             next_wait,
             registry,
-        })
+        };
+        // Every labelled series exists from the start (at 0): dashboards and alerts see them.
+        for reason in ["worker_lost", "draining", "plan_mismatch"] {
+            m.retries.with_label_values(&[reason]);
+        }
+        for outcome in ["sent", "won"] {
+            m.hedges.with_label_values(&[outcome]);
+        }
+        for kind in ["connect", "refused", "plan_mismatch", "lost", "answer"] {
+            m.errors.with_label_values(&[kind]);
+        }
+        Arc::new(m)
     }
 
     pub fn render(&self) -> String {

@@ -31,6 +31,9 @@ pub struct WorkerArgs {
     /// batches take [default: 8 per preprocessing thread, at least 32].
     #[arg(long)]
     pub max_inflight_samples: Option<usize>,
+    /// The pipeline this worker belongs to (the `pipeline` label of its metrics).
+    #[arg(long, env = "STOKER_PIPELINE", default_value = "default")]
+    pub pipeline: String,
     /// On SIGTERM, how long to wait for in-flight requests.
     #[arg(long, default_value_t = 30)]
     pub drain_timeout_s: u64,
@@ -62,7 +65,7 @@ fn load_token(a: &WorkerArgs) -> anyhow::Result<Option<String>> {
 
 pub async fn run(a: WorkerArgs) -> anyhow::Result<()> {
     let token = load_token(&a)?;
-    let metrics = Metrics::new();
+    let metrics = Metrics::for_pipeline(&a.pipeline);
     // Health first: liveness holds while the index loads; readiness waits for the server.
     let http = tokio::net::TcpListener::bind(&a.metrics_listen).await?;
     tracing::info!("metrics on http://{}/metrics", http.local_addr()?);

@@ -7,10 +7,11 @@ use k8s_openapi::api::apps::v1::{
 };
 use k8s_openapi::api::core::v1::{
     Affinity, Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction,
-    Lifecycle, LifecycleHandler, PersistentVolumeClaimVolumeSource, PodAffinity, PodAffinityTerm,
-    PodAntiAffinity, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, SeccompProfile,
-    SecretKeySelector, SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec,
-    SleepAction, TopologySpreadConstraint, Volume, VolumeMount, WeightedPodAffinityTerm,
+    Lifecycle, LifecycleHandler, ObjectFieldSelector, PersistentVolumeClaimVolumeSource,
+    PodAffinity, PodAffinityTerm, PodAntiAffinity, PodSecurityContext, PodSpec, PodTemplateSpec,
+    Probe, SeccompProfile, SecretKeySelector, SecretVolumeSource, SecurityContext, Service,
+    ServicePort, ServiceSpec, SleepAction, TopologySpreadConstraint, Volume, VolumeMount,
+    WeightedPodAffinityTerm,
 };
 use k8s_openapi::api::core::v1::{EmptyDirVolumeSource, Secret};
 use k8s_openapi::api::networking::v1::{
@@ -142,6 +143,8 @@ pub fn worker_args(dp: &DataPipeline) -> Vec<String> {
         format!("{TOKEN_DIR}/token"),
         "--drain-timeout-s".into(),
         DRAIN_SECONDS.to_string(),
+        "--pipeline".into(),
+        dp.name_any(),
         "--seed".into(),
         s.plan.seed.to_string(),
         "--global-batch-size".into(),
@@ -271,11 +274,25 @@ fn spread(dp: &DataPipeline) -> Option<Vec<TopologySpreadConstraint>> {
 pub fn deployment(dp: &DataPipeline, replicas: i32) -> Deployment {
     let n = names(dp);
     let s = &dp.spec;
-    let mut env = vec![EnvVar {
-        name: "RUST_LOG".into(),
-        value: Some("info,aws_config=warn,aws_smithy_runtime=warn".into()),
-        ..EnvVar::default()
-    }];
+    let mut env = vec![
+        EnvVar {
+            name: "RUST_LOG".into(),
+            value: Some("info,aws_config=warn,aws_smithy_runtime=warn".into()),
+            ..EnvVar::default()
+        },
+        // The node label of stoker_worker_info (bytes out per node: NIC headroom).
+        EnvVar {
+            name: "NODE_NAME".into(),
+            value_from: Some(EnvVarSource {
+                field_ref: Some(ObjectFieldSelector {
+                    field_path: "spec.nodeName".into(),
+                    ..ObjectFieldSelector::default()
+                }),
+                ..EnvVarSource::default()
+            }),
+            ..EnvVar::default()
+        },
+    ];
     if let Some(secret) = s
         .source
         .s3

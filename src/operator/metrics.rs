@@ -1,8 +1,8 @@
 //! The operator's own /metrics (docs/metrics.md) and health endpoints.
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,6 +13,10 @@ pub struct OperatorMetrics {
     reconcile_seconds: HistogramVec,
     pub scale_decisions: IntCounterVec,
     pub desired: IntGaugeVec,
+    pub ready: IntGaugeVec,
+    pub max_workers: IntGaugeVec,
+    pub target_wait_ratio: GaugeVec,
+    pub metrics_available: IntGaugeVec,
     pub leader: IntGauge,
 }
 
@@ -41,13 +45,36 @@ impl OperatorMetrics {
                 "stoker_operator_scale_decisions_total",
                 "Changes of a pipeline's worker count, by direction (up, down).",
             ),
-            &["direction"],
+            &["namespace", "pipeline", "direction"],
         )
         .expect("metric");
         let desired = IntGaugeVec::new(
             Opts::new(
                 "stoker_operator_desired_workers",
                 "Workers the operator wants per pipeline.",
+            ),
+            &["namespace", "pipeline"],
+        )
+        .expect("metric");
+        let per_pipeline = |name: &str, help: &str| {
+            IntGaugeVec::new(Opts::new(name, help), &["namespace", "pipeline"]).expect("metric")
+        };
+        let ready = per_pipeline(
+            "stoker_operator_ready_workers",
+            "Worker pods ready to serve, per pipeline.",
+        );
+        let max_workers = per_pipeline(
+            "stoker_operator_max_workers",
+            "The autoscaler's maxReplicas (or the fixed count without autoscaling).",
+        );
+        let metrics_available = per_pipeline(
+            "stoker_operator_metrics_available",
+            "1 when every trainer rank's wait counters were read at the last evaluation.",
+        );
+        let target_wait_ratio = GaugeVec::new(
+            Opts::new(
+                "stoker_operator_target_wait_ratio",
+                "The pipeline's target wait ratio (what the autoscaler holds the worst rank to).",
             ),
             &["namespace", "pipeline"],
         )
@@ -62,6 +89,10 @@ impl OperatorMetrics {
             Box::new(reconcile_seconds.clone()),
             Box::new(scale_decisions.clone()),
             Box::new(desired.clone()),
+            Box::new(ready.clone()),
+            Box::new(max_workers.clone()),
+            Box::new(metrics_available.clone()),
+            Box::new(target_wait_ratio.clone()),
             Box::new(leader.clone()),
         ] {
             registry.register(c).expect("unique metric");
@@ -72,6 +103,10 @@ impl OperatorMetrics {
             reconcile_seconds,
             scale_decisions,
             desired,
+            ready,
+            max_workers,
+            target_wait_ratio,
+            metrics_available,
             leader,
         })
     }
@@ -84,6 +119,33 @@ impl OperatorMetrics {
             .observe(took.as_secs_f64());
     }
 
+    /// Records one pipeline's state after a decision.
+    pub fn record_pipeline(&self, p: PipelineGauges<'_>) {
+        let l = [p.namespace, p.pipeline];
+        self.desired.with_label_values(&l).set(p.desired as i64);
+        self.ready.with_label_values(&l).set(p.ready as i64);
+        self.max_workers.with_label_values(&l).set(p.max as i64);
+        if let Some(t) = p.target {
+            self.target_wait_ratio.with_label_values(&l).set(t);
+        }
+        if let Some(a) = p.metrics_available {
+            self.metrics_available
+                .with_label_values(&l)
+                .set(i64::from(a));
+        }
+        for direction in ["up", "down"] {
+            self.scale_decisions
+                .with_label_values(&[p.namespace, p.pipeline, direction]);
+        }
+    }
+
+    pub fn count_scale(&self, namespace: &str, pipeline: &str, up: bool) {
+        let direction = if up { "up" } else { "down" };
+        self.scale_decisions
+            .with_label_values(&[namespace, pipeline, direction])
+            .inc();
+    }
+
     pub fn render(&self) -> String {
         let mut out = Vec::new();
         TextEncoder::new()
@@ -91,6 +153,17 @@ impl OperatorMetrics {
             .expect("text encoding never fails");
         String::from_utf8(out).expect("utf-8")
     }
+}
+
+/// One pipeline's numbers for [`OperatorMetrics::record_pipeline`].
+pub struct PipelineGauges<'a> {
+    pub namespace: &'a str,
+    pub pipeline: &'a str,
+    pub desired: i32,
+    pub ready: i32,
+    pub max: i32,
+    pub target: Option<f64>,
+    pub metrics_available: Option<bool>,
 }
 
 /// /metrics, /healthz (the process runs) and /readyz (same: a standby replica is healthy).

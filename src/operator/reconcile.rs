@@ -323,9 +323,7 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
             "down"
         };
         ctx.metrics
-            .scale_decisions
-            .with_label_values(&[direction])
-            .inc();
+            .count_scale(&ns, &dp.name_any(), scale.replicas > current);
         status.last_scale_time = Some(Time(k8s_openapi::jiff::Timestamp::now()));
         status.last_scale_reason =
             Some(format!("{current} -> {}: {}", scale.replicas, scale.reason));
@@ -413,10 +411,19 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
             c,
         ));
     }
-    ctx.metrics
-        .desired
-        .with_label_values(&[&ns, &dp.name_any()])
-        .set(scale.replicas as i64);
+    ctx.metrics.record_pipeline(super::metrics::PipelineGauges {
+        namespace: &ns,
+        pipeline: &dp.name_any(),
+        desired: scale.replicas,
+        ready: status.ready_replicas,
+        max: dp
+            .spec
+            .autoscaling
+            .as_ref()
+            .map_or(dp.spec.replicas, |a| a.max_replicas),
+        target: dp.spec.autoscaling.as_ref().map(|a| a.target_wait_ratio),
+        metrics_available: scale.metrics_available,
+    });
     let dps: Api<DataPipeline> = Api::namespaced(client, &ns);
     let patch = serde_json::json!({
         "apiVersion": "stoker.dev/v1alpha1",
@@ -691,6 +698,6 @@ mod tests {
         assert!(ctx
             .metrics
             .render()
-            .contains("stoker_operator_scale_decisions_total{direction=\"up\"} 1"));
+            .contains("stoker_operator_scale_decisions_total{direction=\"up\",namespace=\"ml\",pipeline=\"qwen-sft\"} 1"));
     }
 }

@@ -28,9 +28,36 @@ pub struct Metrics {
     pub ready: AtomicBool,
 }
 
+/// Error kinds a sample can fail with (pre-created at 0 so that dashboards and alerts see
+/// every series before the first error).
+pub const SAMPLE_ERROR_KINDS: [&str; 13] = [
+    "object_missing",
+    "object_store",
+    "not_utf8",
+    "invalid_json",
+    "invalid_sample",
+    "path_refused",
+    "image_unsupported",
+    "image_corrupt",
+    "image_too_large",
+    "image_aspect_ratio",
+    "too_long",
+    "text",
+    "no_such_sample",
+];
+
 impl Metrics {
+    /// Metrics of a worker of the pipeline "default".
     pub fn new() -> Arc<Self> {
-        let registry = Registry::new();
+        Self::for_pipeline("default")
+    }
+
+    /// Every series carries `pipeline`; `stoker_worker_info` adds the node (from $NODE_NAME,
+    /// which the operator sets from the downward API, else the hostname) for per-node views.
+    pub fn for_pipeline(pipeline: &str) -> Arc<Self> {
+        let labels =
+            std::collections::HashMap::from([("pipeline".to_string(), pipeline.to_string())]);
+        let registry = Registry::new_custom(None, Some(labels)).expect("registry");
         let stage_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "stoker_worker_stage_seconds",
@@ -136,6 +163,20 @@ impl Metrics {
         }
         r.register(Box::new(m.queue_depth.clone()))
             .expect("register");
+        for kind in SAMPLE_ERROR_KINDS {
+            m.sample_errors_total.with_label_values(&[kind]);
+        }
+        let info = IntGaugeVec::new(
+            Opts::new(
+                "stoker_worker_info",
+                "Always 1; labels name the node the worker runs on and its version.",
+            ),
+            &["node", "version"],
+        )
+        .expect("metric");
+        info.with_label_values(&[&node_name(), env!("CARGO_PKG_VERSION")])
+            .set(1);
+        r.register(Box::new(info)).expect("register");
         Arc::new(m)
     }
 
@@ -190,4 +231,17 @@ pub async fn serve_http(
         );
     axum::serve(listener, app).await?;
     Ok(())
+}
+
+/// The node this process runs on: $NODE_NAME, else the hostname.
+fn node_name() -> String {
+    std::env::var("NODE_NAME")
+        .ok()
+        .filter(|n| !n.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|h| h.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
 }
