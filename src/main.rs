@@ -10,6 +10,7 @@ mod cmd {
     pub mod dataset;
     pub mod demo;
     pub mod local;
+    pub mod spread;
     pub mod transport;
     pub mod worker;
 }

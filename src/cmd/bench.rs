@@ -25,6 +25,15 @@ pub enum BenchCommand {
     /// A protocol peer answering every request with one prebuilt batch, for
     /// benches/transport.py (client transport vs plain TCP vs pickling).
     TransportServer(super::transport::TransportServerArgs),
+    /// The NIC-bound placement experiment: workers packed vs spread over network-namespace
+    /// "nodes" with capped links, and the relay hop (needs root; docs/benchmarks.md).
+    Spread(super::spread::SpreadArgs),
+    /// Simulated trainer ranks through the real client for a fixed time (used by `spread`).
+    Trainer(super::spread::TrainerArgs),
+    /// A byte relay in front of workers: the coordinator path (used by `spread`).
+    Relay(super::spread::RelayArgs),
+    /// The embedded S3 server on its own (used by `spread`).
+    S3Server(super::spread::S3ServerArgs),
     /// The autoscaler's rule vs the HPA proportional rule vs one step at a time, on the
     /// simulated plant (stoker-control's sim): convergence, oscillation, worker-hours.
     Autoscale {
@@ -70,6 +79,12 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Preprocess(b) => preprocess(b).await,
         BenchCommand::TransportServer(a) => super::transport::run(a).await,
+        BenchCommand::Spread(a) => super::spread::run(a).await,
+        BenchCommand::Trainer(a) => {
+            tokio::task::spawn_blocking(move || super::spread::trainer(a)).await?
+        }
+        BenchCommand::Relay(a) => super::spread::relay(a).await,
+        BenchCommand::S3Server(a) => super::spread::s3_server(a).await,
         BenchCommand::Autoscale { seeds } => {
             autoscale(seeds);
             Ok(())

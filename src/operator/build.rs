@@ -107,6 +107,12 @@ pub fn max_workers_per_node(dp: &DataPipeline) -> Option<u32> {
     }
 }
 
+/// More workers than the eligible nodes can host within their bandwidth budget: some would
+/// share a NIC beyond it (or stay Pending under one-per-node anti-affinity).
+pub fn nic_saturation_risk(workers: u32, eligible_nodes: u32, per_node: u32) -> bool {
+    workers > eligible_nodes.saturating_mul(per_node)
+}
+
 /// CPU threads from the CPU limit (else request), rounded up; `None` = the worker's default.
 pub fn cpu_threads(dp: &DataPipeline) -> Option<u32> {
     let r = dp.spec.worker.resources.as_ref()?;
@@ -692,6 +698,52 @@ mod tests {
                 .weight,
             100
         );
+    }
+
+    #[test]
+    fn the_measured_egress_makes_the_operator_spread_as_the_experiment_found_best() {
+        // docs/spread.json: `stoker bench spread` on this machine (network namespaces, tbf).
+        let report: crate::cmd::spread::SpreadReport =
+            serde_json::from_str(include_str!("../../docs/spread.json")).unwrap();
+        let rate = |placement: &str| {
+            report
+                .runs
+                .iter()
+                .find(|r| {
+                    r.placement == placement && r.scale == "network-bound" && r.path == "direct"
+                })
+                .unwrap()
+                .samples_per_s
+        };
+        assert!(
+            rate("spread") >= 1.5 * rate("pack"),
+            "the experiment found spread best"
+        );
+        // The same numbers as the DataPipeline's bandwidth budget.
+        let mut dp = example();
+        dp.spec.placement.node_bandwidth_gbps = Some(report.link_mbit as f64 / 1000.0);
+        dp.spec.placement.worker_egress_gbps = Some(report.worker_egress_gbps);
+        let per_node = max_workers_per_node(&dp).unwrap();
+        assert_eq!(per_node, 1, "one busy worker fills a node's link");
+        // One worker per node: required anti-affinity plus the spread constraint, which is
+        // the experiment's spread placement (worker i on node i).
+        let d = deployment(&dp, report.workers as i32);
+        let anti = pod(&d)
+            .affinity
+            .as_ref()
+            .unwrap()
+            .pod_anti_affinity
+            .as_ref()
+            .unwrap();
+        let term = &anti
+            .required_during_scheduling_ignored_during_execution
+            .as_ref()
+            .unwrap()[0];
+        assert_eq!(term.topology_key, "kubernetes.io/hostname");
+        // Enough nodes: no risk. The packed layout (all on one node): the condition says so.
+        let w = report.workers as u32;
+        assert!(!nic_saturation_risk(w, report.nodes as u32, per_node));
+        assert!(nic_saturation_risk(w, 1, per_node));
     }
 
     #[test]

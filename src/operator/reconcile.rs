@@ -397,8 +397,7 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
     }
     if let Some(per_node) = build::max_workers_per_node(dp) {
         let nodes = eligible_nodes(dp, &client).await?;
-        let capacity = nodes * per_node as usize;
-        let risk = scale.replicas as usize > capacity;
+        let risk = build::nic_saturation_risk(scale.replicas.max(0) as u32, nodes as u32, per_node);
         status.conditions.push(condition(
             "NICSaturationRisk",
             risk,

@@ -25,9 +25,38 @@ impl LocalWorker {
         args: &[OsString],
         env: &[(&'static str, String)],
     ) -> anyhow::Result<LocalWorker> {
-        let mut child = Command::new(exe)
+        Self::start(Command::new(exe), "127.0.0.1", data, args, env)
+    }
+
+    /// The same inside network namespace `netns`, listening on `host` (an address of that
+    /// namespace): a worker on a "node" of `stoker bench spread`.
+    pub fn spawn_in_netns(
+        netns: &str,
+        exe: &Path,
+        host: &str,
+        data: &str,
+        args: &[OsString],
+        env: &[(&'static str, String)],
+    ) -> anyhow::Result<LocalWorker> {
+        let mut cmd = Command::new("ip");
+        // `ip netns exec` execs the program: the child's pid is the worker's.
+        cmd.args(["netns", "exec", netns]).arg(exe);
+        Self::start(cmd, host, data, args, env)
+    }
+
+    fn start(
+        mut cmd: Command,
+        host: &str,
+        data: &str,
+        args: &[OsString],
+        env: &[(&'static str, String)],
+    ) -> anyhow::Result<LocalWorker> {
+        let mut child = cmd
             .args(["worker", "--data", data])
-            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .arg("--listen")
+            .arg(format!("{host}:0"))
+            .arg("--metrics-listen")
+            .arg(format!("{host}:0"))
             .args(args)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .env(
