@@ -33,8 +33,9 @@ pub struct SpreadArgs {
     /// Trainer ranks (threads with their own client, in the trainer namespace).
     #[arg(long, default_value_t = 4)]
     ranks: u32,
-    /// Cap of each node's link, in Mbit/s, each direction (tbf).
-    #[arg(long, default_value_t = 400)]
+    /// Cap of each node's link, in Mbit/s, each direction (tbf). The default gives each rank
+    /// 125 Mbit/s of one link, the ratio of a 25 Gb/s NIC feeding 200 ranks.
+    #[arg(long, default_value_t = 500)]
     link_mbit: u64,
     /// Seconds measured per run (after 3 s of warm-up).
     #[arg(long, default_value_t = 12)]

@@ -324,13 +324,10 @@ pub struct TrainerPods {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PrometheusSource {
-    /// Base URL of the Prometheus HTTP API, e.g. http://prometheus.monitoring:9090.
+    /// Base URL of the Prometheus HTTP API, e.g. http://prometheus.monitoring:9090. The
+    /// operator asks it for each rank's stoker_trainer_wait_seconds_total,
+    /// stoker_trainer_step_seconds_total and stoker_trainer_samples_total of this pipeline.
     pub url: String,
-    /// PromQL returning one wait ratio per rank; absent: computed from
-    /// stoker_trainer_wait_seconds_total and stoker_trainer_step_seconds_total of this
-    /// pipeline.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub wait_ratio_query: Option<String>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, KubeSchema)]

@@ -203,6 +203,59 @@ mod tests {
         assert!(e.to_string().contains("only http://"), "{e}");
     }
 
+    /// A stand-in for the Prometheus HTTP API: answers the three instant queries.
+    #[tokio::test]
+    async fn reads_per_rank_counters_from_prometheus() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = listener.accept().await.unwrap();
+                let mut buf = vec![0u8; 4096];
+                let n = s.read(&mut buf).await.unwrap();
+                let req = String::from_utf8_lossy(&buf[..n]).to_string();
+                assert!(req.contains("pipeline%3D%22sft%22"), "{req}");
+                let (r0, r1) = if req.contains("wait_seconds") {
+                    ("3", "1")
+                } else if req.contains("step_seconds") {
+                    ("7", "9")
+                } else {
+                    ("400", "500")
+                };
+                let body = format!(
+                    r#"{{"status":"success","data":{{"resultType":"vector","result":[{{"metric":{{"rank":"0"}},"value":[1,"{r0}"]}},{{"metric":{{"rank":"1"}},"value":[1,"{r1}"]}}]}}}}"#
+                );
+                s.write_all(format!("HTTP/1.0 200 OK\r\n\r\n{body}").as_bytes())
+                    .await
+                    .unwrap();
+            }
+        });
+        let got = read_prometheus(&format!("http://{addr}/"), "sft")
+            .await
+            .unwrap();
+        assert_eq!(
+            got,
+            vec![
+                (
+                    "rank 0".to_string(),
+                    Some(RankCounters {
+                        wait_s: 3.0,
+                        step_s: 7.0,
+                        samples: 400.0
+                    })
+                ),
+                (
+                    "rank 1".to_string(),
+                    Some(RankCounters {
+                        wait_s: 1.0,
+                        step_s: 9.0,
+                        samples: 500.0
+                    })
+                ),
+            ]
+        );
+    }
+
     #[test]
     fn readings_pair_by_source() {
         let c = |w| {
