@@ -136,7 +136,8 @@ async fn dataset_commands_and_worker_lifecycle_over_s3() {
     // retries it elsewhere.)
     while !http_get(&w.metrics_addr, "/metrics")
         .1
-        .contains("stoker_worker_requests_in_flight 1")
+        .lines()
+        .any(|l| l.starts_with("stoker_worker_requests_in_flight{") && l.ends_with(" 1"))
     {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }

@@ -429,11 +429,21 @@ mod tests {
     #[test]
     fn crds_folder_is_up_to_date() {
         let generated = super::super::crd_yaml().unwrap();
-        let committed = include_str!("../../crds/datapipeline.yaml");
-        assert!(
-            generated == committed,
-            "crds/datapipeline.yaml is stale: run `cargo run --release -- crd > crds/datapipeline.yaml`"
-        );
+        for (path, committed) in [
+            (
+                "crds/datapipeline.yaml",
+                include_str!("../../crds/datapipeline.yaml"),
+            ),
+            (
+                "charts/stoker/crds/datapipeline.yaml",
+                include_str!("../../charts/stoker/crds/datapipeline.yaml"),
+            ),
+        ] {
+            assert!(
+                generated == committed,
+                "{path} is stale: run `cargo run --release -- crd > {path}`"
+            );
+        }
     }
 
     #[test]

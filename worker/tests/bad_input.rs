@@ -2,6 +2,7 @@
 //! test per kind, all in one hand-made dataset served through the embedded S3 server.
 
 mod common;
+use stoker_worker::process::{metric_value, metric_value_with};
 
 use common::*;
 use std::time::Duration;
@@ -199,10 +200,14 @@ async fn skip_policy_serves_the_rest_and_names_every_skipped_sample() {
         ("image_too_large", 1),
         ("object_missing", 1),
     ] {
-        let line = format!("stoker_worker_sample_errors_total{{kind=\"{kind}\"}} {n}");
-        assert!(m.contains(&line), "missing {line}");
+        let got = metric_value_with(&m, "stoker_worker_sample_errors_total", &[("kind", kind)]);
+        assert_eq!(got, Some(n as f64), "{kind} in {m}");
     }
-    assert!(m.contains("stoker_worker_dataset_bad_lines 4"), "{m}");
+    assert_eq!(
+        metric_value(&m, "stoker_worker_dataset_bad_lines"),
+        Some(4.0),
+        "{m}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

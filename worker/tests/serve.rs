@@ -1,6 +1,7 @@
 //! The worker end to end: embedded S3 → aws-sdk-s3 → preprocessing → framed TCP → client.
 
 mod common;
+use stoker_worker::process::{metric_value, metric_value_with};
 
 use common::*;
 use stoker_wire::{DType, ErrorCode};
@@ -52,17 +53,18 @@ async fn serves_planned_slices_with_consistent_tensors() {
     seen.sort();
     assert_eq!(seen, (0..24).collect::<Vec<u64>>());
     let metrics = w.metrics.render();
-    assert!(
-        metrics.contains("stoker_worker_samples_total 24"),
+    assert_eq!(
+        metric_value(&metrics, "stoker_worker_samples_total"),
+        Some(24.0),
         "{metrics}"
     );
     for stage in ["fetch", "decode", "resize", "tokenize", "collate", "send"] {
-        assert!(
-            metrics.contains(&format!(
-                "stoker_worker_stage_seconds_count{{stage=\"{stage}\"}}"
-            )),
-            "{stage}"
+        let count = metric_value_with(
+            &metrics,
+            "stoker_worker_stage_seconds_count",
+            &[("stage", stage)],
         );
+        assert!(count.is_some_and(|c| c > 0.0), "{stage}");
     }
 }
 
@@ -106,10 +108,12 @@ async fn wrong_or_missing_token_is_refused() {
         "{}",
         e.message
     );
-    assert!(w
-        .metrics
-        .render()
-        .contains("stoker_worker_requests_refused_total{reason=\"unauthorized\"} 2"));
+    let refused = metric_value_with(
+        &w.metrics.render(),
+        "stoker_worker_requests_refused_total",
+        &[("reason", "unauthorized")],
+    );
+    assert_eq!(refused, Some(2.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
