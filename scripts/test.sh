@@ -10,6 +10,7 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$STOKER_CACHE/target}"
 
 ./scripts/setup-build-deps.sh
 ./scripts/setup-test-deps.sh
+./scripts/setup-k8s-tools.sh
 
 echo "== cargo fmt / clippy"
 cargo fmt --all -- --check
@@ -32,3 +33,7 @@ echo "== Prometheus: alert rules, their unit tests, the dashboard against a live
 promtool check rules charts/stoker/alerts/stoker-alerts.yaml
 promtool test rules tests/prometheus/alerts_test.yaml
 STOKER_REQUIRE_PROMETHEUS=1 "$STOKER_CACHE/venv/bin/python" -m pytest -q tests/observability
+
+echo "== Helm chart: lint, template, values schema"
+STOKER_HELM="$STOKER_CACHE/bin/helm" STOKER_REQUIRE_HELM=1 \
+  "$STOKER_CACHE/venv/bin/python" -m pytest -q tests/chart

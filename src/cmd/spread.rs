@@ -43,8 +43,9 @@ pub struct SpreadArgs {
     /// Trainer step when network-bound: asks for more than one link carries.
     #[arg(long, default_value_t = 20)]
     fast_step_ms: u64,
-    /// Trainer step when not network-bound: one link carries the demand easily.
-    #[arg(long, default_value_t = 1500)]
+    /// Trainer step when not network-bound: one link carries the demand easily. (Those runs
+    /// last twice --duration-s: with few steps, one burst would weigh too much.)
+    #[arg(long, default_value_t = 2500)]
     slow_step_ms: u64,
     /// Samples per rank per step.
     #[arg(long, default_value_t = 2)]
@@ -423,6 +424,11 @@ fn one_run(
     } else {
         addrs
     };
+    let duration_s = if step_ms == a.slow_step_ms {
+        2 * a.duration_s
+    } else {
+        a.duration_s
+    };
     let before: Vec<u64> = (0..a.nodes)
         .map(Topology::node_tx_bytes)
         .collect::<Result<_, _>>()?;
@@ -433,7 +439,7 @@ fn one_run(
         .args(["bench", "trainer", "--workers", &targets.join(",")])
         .args(["--ranks", &a.ranks.to_string()])
         .args(["--step-ms", &step_ms.to_string()])
-        .args(["--duration-s", &a.duration_s.to_string()])
+        .args(["--duration-s", &duration_s.to_string()])
         .stderr(Stdio::inherit())
         .output()?;
     let elapsed = t0.elapsed().as_secs_f64();
