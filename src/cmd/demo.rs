@@ -390,6 +390,10 @@ fn run_stage(
         let mut scaler = LocalScaler::new(a, &metrics_addrs, observer);
         scaler.record(&pool, None);
         scaler.publish(&pool)?;
+        if a.observe_s.is_some() {
+            // Let scrapers record the starting count, so the first decision shows as a change.
+            std::thread::sleep(Duration::from_secs(5));
+        }
         // Until the count holds for 4 evaluations (or the timeout), then measure.
         let t0 = Instant::now();
         let mut unchanged = 0;
