@@ -88,7 +88,9 @@ scrape_configs:
          f"--web.listen-address=127.0.0.1:{port}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     demo = subprocess.Popen(
+        # A 30 ms step asks ~270 samples/s: more than one worker gives, so the autoscaler acts.
         [stoker, "demo", "--observe-s", str(RUN_S), "--samples", "120", "--max-workers", "3",
+         "--step-ms", "30",
          "--metrics-listen", "127.0.0.1:0", "--prometheus-targets", str(targets),
          "--cache", str(tmp / "cache")],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -147,7 +149,9 @@ def test_variables_and_scale_annotations(run):
         assert values, f"variable {var['name']} has no values"
     for ann in dash["annotations"]["list"]:
         got = query_range(run["base"], concrete(ann["expr"]), run["start"], run["end"])
-        assert got, f"annotation {ann['name']} never fired (the demo scales from 1 worker)"
+        desired = query_range(run["base"], "stoker_operator_desired_workers", run["start"], run["end"])
+        seen = sorted({v[1] for s in desired for v in s["values"]})
+        assert got, f"annotation {ann['name']} never fired; desired workers seen: {seen}"
 
 
 def test_render_the_key_panels(run):
