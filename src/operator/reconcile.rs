@@ -523,6 +523,34 @@ mod tests {
         (body, send)
     }
 
+    /// The Service, PDB and NetworkPolicy applies, each owned by the pipeline, echoed back.
+    async fn serve_owned_patches(h: &mut Handle) {
+        for path in [
+            "/api/v1/namespaces/ml/services/qwen-sft-workers",
+            "/apis/policy/v1/namespaces/ml/poddisruptionbudgets/qwen-sft-workers",
+            "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/qwen-sft-workers",
+        ] {
+            let (obj, send) = expect(h, Method::PATCH, path).await;
+            assert_eq!(
+                obj["metadata"]["ownerReferences"][0]["kind"],
+                "DataPipeline"
+            );
+            send.send_response(ok(&obj));
+        }
+    }
+
+    /// The status apply; returns what the operator sent.
+    async fn serve_status_patch(h: &mut Handle) -> Value {
+        let path = "/apis/stoker.dev/v1alpha1/namespaces/ml/datapipelines/qwen-sft/status";
+        let (status, send) = expect(h, Method::PATCH, path).await;
+        send.send_response(ok(
+            &json!({"apiVersion": "stoker.dev/v1alpha1", "kind": "DataPipeline",
+            "metadata": {"name": "qwen-sft", "namespace": "ml"},
+            "spec": serde_json::to_value(&example().spec).unwrap()}),
+        ));
+        status
+    }
+
     #[tokio::test]
     async fn first_reconcile_creates_everything_owned_and_reports_status() {
         let (ctx, mut h) = context();
@@ -560,32 +588,14 @@ mod tests {
             let mut applied = d.clone();
             applied["status"] = json!({"replicas": 2, "readyReplicas": 1});
             send.send_response(ok(&applied));
-            for path in [
-                "/api/v1/namespaces/ml/services/qwen-sft-workers",
-                "/apis/policy/v1/namespaces/ml/poddisruptionbudgets/qwen-sft-workers",
-                "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/qwen-sft-workers",
-            ] {
-                let (obj, send) = expect(&mut h, Method::PATCH, path).await;
-                assert_eq!(
-                    obj["metadata"]["ownerReferences"][0]["kind"],
-                    "DataPipeline"
-                );
-                send.send_response(ok(&obj));
-            }
+            serve_owned_patches(&mut h).await;
             // The bandwidth budget allows 5 per node; 1 node fits 2 workers.
             let (_, send) = expect(&mut h, Method::GET, "/api/v1/nodes").await;
             send.send_response(ok(
                 &json!({"kind": "NodeList", "apiVersion": "v1", "metadata": {},
                 "items": [{"metadata": {"name": "n1"}}]}),
             ));
-            let (status, send) = expect(
-                &mut h,
-                Method::PATCH,
-                "/apis/stoker.dev/v1alpha1/namespaces/ml/datapipelines/qwen-sft/status",
-            )
-            .await;
-            send.send_response(ok(&json!({"apiVersion": "stoker.dev/v1alpha1", "kind": "DataPipeline",
-                "metadata": {"name": "qwen-sft", "namespace": "ml"}, "spec": serde_json::to_value(&example().spec).unwrap()})));
+            let status = serve_status_patch(&mut h).await;
             status
         });
         let action = reconcile(dp, ctx).await.unwrap();
@@ -645,14 +655,7 @@ mod tests {
             .await;
             assert_eq!(d["spec"]["replicas"], 4);
             send.send_response(ok(&d));
-            for path in [
-                "/api/v1/namespaces/ml/services/qwen-sft-workers",
-                "/apis/policy/v1/namespaces/ml/poddisruptionbudgets/qwen-sft-workers",
-                "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/qwen-sft-workers",
-            ] {
-                let (obj, send) = expect(&mut h, Method::PATCH, path).await;
-                send.send_response(ok(&obj));
-            }
+            serve_owned_patches(&mut h).await;
             let (event, send) = expect(
                 &mut h,
                 Method::POST,
@@ -664,14 +667,7 @@ mod tests {
             send.send_response(ok(
                 &json!({"kind": "NodeList", "apiVersion": "v1", "metadata": {}, "items": []}),
             ));
-            let (status, send) = expect(
-                &mut h,
-                Method::PATCH,
-                "/apis/stoker.dev/v1alpha1/namespaces/ml/datapipelines/qwen-sft/status",
-            )
-            .await;
-            send.send_response(ok(&json!({"apiVersion": "stoker.dev/v1alpha1", "kind": "DataPipeline",
-                "metadata": {"name": "qwen-sft", "namespace": "ml"}, "spec": serde_json::to_value(&example().spec).unwrap()})));
+            let status = serve_status_patch(&mut h).await;
             (event, status)
         });
         reconcile(dp, ctx.clone()).await.unwrap();
