@@ -20,29 +20,9 @@ use std::time::{Duration, Instant};
 use stoker_wire::{BatchRequest, ErrorCode, ErrorFrame, Welcome};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 
-/// What every worker must serve for its batches to be interchangeable.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PlanIdentity {
-    pub plan_id: u64,
-    pub dataset_version: u64,
-    pub num_samples: u64,
-    pub global_batch_size: u32,
-    pub batches_per_epoch: u64,
-    pub description: String,
-}
-
-impl From<&Welcome> for PlanIdentity {
-    fn from(w: &Welcome) -> Self {
-        PlanIdentity {
-            plan_id: w.plan_id,
-            dataset_version: w.dataset_version,
-            num_samples: w.num_samples,
-            global_batch_size: w.global_batch_size,
-            batches_per_epoch: w.batches_per_epoch,
-            description: w.description.clone(),
-        }
-    }
-}
+/// What every worker must serve for its batches to be interchangeable: exactly the worker's
+/// handshake (equal plan ids mean identical batch bytes).
+pub type PlanIdentity = Welcome;
 
 /// State shared with the consuming side.
 pub struct Shared {
@@ -440,11 +420,10 @@ impl Scheduler {
         }
     }
 
-    fn on_up(&mut self, link: LinkId, welcome: Welcome, requests: mpsc::Sender<BatchRequest>) {
+    fn on_up(&mut self, link: LinkId, offered: Welcome, requests: mpsc::Sender<BatchRequest>) {
         let Some(l) = self.links.get_mut(&link) else {
             return;
         };
-        let offered = PlanIdentity::from(&welcome);
         let mismatch = match (&self.identity, self.cfg.expect_plan) {
             (Some(have), _) if *have != offered => Some(have.plan_id),
             (None, Some(want)) if want != offered.plan_id => Some(want),
