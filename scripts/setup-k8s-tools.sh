@@ -1,18 +1,76 @@
 #!/usr/bin/env bash
-# Builds the Kubernetes tools the tests need from the Go module proxy, once, into a cache
-# outside the repository ($STOKER_CACHE/bin): helm for now (lint and template of the chart).
-# Idempotent: a tool already built at the pinned version is kept.
+# Builds the Kubernetes tools the tests need from the Go module proxy, once, into a cache outside
+# the repository ($STOKER_CACHE/bin), and installs the container tools from Debian:
+#   helm                        lint/template/install of the chart
+#   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl
+#                               k8s.io/kubernetes at the version in tools/kube/go.mod
+#   etcd                        tools/etcd (a main calling etcdmain.Main)
+#   kwok                        fake nodes and pods, with its Stage configs
+#   podman, runc                the daemonless image build and run (scripts/build-image.sh)
+# Idempotent: a tool already built at its pinned version is kept. Cold: ~25 min on 2 cores.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
 BIN="$CACHE/bin"
 HELM_VERSION=v3.22.0
+KUBE_VERSION=v1.35.4 # keep in step with tools/kube/go.mod
+ETCD_VERSION=v3.6.8  # keep in step with tools/etcd/go.mod
+KWOK_VERSION=v0.8.0
 mkdir -p "$BIN"
 export GOPATH="$CACHE/go" GOCACHE="$CACHE/go-build" GOFLAGS=-mod=mod
-if [ ! -x "$BIN/helm-$HELM_VERSION" ]; then
-  echo "setup: building helm $HELM_VERSION (go install, once)"
-  GOBIN="$BIN/tmp-helm" go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
-  mv "$BIN/tmp-helm/helm" "$BIN/helm-$HELM_VERSION"
-  rmdir "$BIN/tmp-helm"
+
+# build NAME VERSION COMMAND...: runs COMMAND (which writes $out) unless NAME-VERSION exists,
+# then points NAME at it.
+build() {
+  local name=$1 version=$2
+  shift 2
+  if [ ! -x "$BIN/$name-$version" ]; then
+    echo "setup: building $name $version (once)"
+    out="$BIN/.tmp-$name"
+    rm -rf "$out"
+    "$@"
+    mv "$out" "$BIN/$name-$version"
+  fi
+  ln -sf "$name-$version" "$BIN/$name"
+}
+go_install() { GOBIN="$out.d" go install "$1" && mv "$out.d/$(basename "${1%@*}")" "$out" && rmdir "$out.d"; }
+# The version Kubernetes' own build stamps in (helm checks the chart's kubeVersion against it).
+kube_tool() {
+  local v="" pkg minor=${KUBE_VERSION#v1.}
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    v="$v -X $pkg.gitVersion=$KUBE_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=${minor%%.*}"
+    v="$v -X $pkg.gitTreeState=clean"
+  done
+  (cd tools/kube && go build -trimpath -ldflags="-s $v" -o "$out" "k8s.io/kubernetes/cmd/$1")
+}
+
+build helm "$HELM_VERSION" go_install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+for tool in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+  build "$tool" "$KUBE_VERSION" kube_tool "$tool"
+done
+build etcd "$ETCD_VERSION" sh -c "cd tools/etcd && go build -trimpath -ldflags=-s -o \"\$0\" ." "$BIN/.tmp-etcd"
+build kwok "$KWOK_VERSION" go_install "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+
+# kwok's Stage configs (node initialize/heartbeat, pod ready/complete/delete) from its module.
+STAGES="$CACHE/kwok-stages-$KWOK_VERSION.yaml"
+if [ ! -s "$STAGES" ]; then
+  dir=$(go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" | sed -n 's/.*"Dir": "\(.*\)".*/\1/p')
+  for f in node/fast/node-initialize node/heartbeat-with-lease/node-heartbeat-with-lease \
+    pod/fast/pod-ready pod/fast/pod-complete pod/fast/pod-delete; do
+    cat "$dir/kustomize/stage/$f.yaml"
+    echo "---"
+  done >"$STAGES.tmp"
+  mv "$STAGES.tmp" "$STAGES"
 fi
-ln -sf "helm-$HELM_VERSION" "$BIN/helm"
-echo "setup: helm=$BIN/helm"
+ln -sf "$(basename "$STAGES")" "$CACHE/kwok-stages.yaml"
+
+# Container tools (Debian): podman runs the image as root with runc and cgroupfs.
+if ! command -v podman >/dev/null || ! command -v runc >/dev/null; then
+  echo "setup: installing podman and runc (Debian packages)"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+    podman runc >/dev/null
+fi
+echo "setup: k8s tools in $BIN"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the tests need (idempotent, cached under ~/.cache/stoker) and runs them all:
 # formatting and lints, the Rust unit and integration tests, the Python package's tests and
-# the Python parity tests.
+# the Python parity tests, Prometheus and Helm checks, the container image, and the operator
+# end to end on a real control plane (scripts/cluster.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export STOKER_CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
@@ -37,3 +38,10 @@ STOKER_REQUIRE_PROMETHEUS=1 "$STOKER_CACHE/venv/bin/python" -m pytest -q tests/o
 echo "== Helm chart: lint, template, values schema"
 STOKER_HELM="$STOKER_CACHE/bin/helm" STOKER_REQUIRE_HELM=1 \
   "$STOKER_CACHE/venv/bin/python" -m pytest -q tests/chart
+
+echo "== Image: build (podman, FROM scratch) and a worker in it serving a client outside it"
+./scripts/build-image.sh
+STOKER_REQUIRE_IMAGE=1 "$STOKER_CACHE/venv/bin/python" -m pytest -q tests/image
+
+echo "== Operator end to end on a real control plane (etcd, apiserver, controllers, kwok)"
+STOKER_REQUIRE_CLUSTER=1 "$STOKER_CACHE/venv/bin/python" -m pytest -q tests/k8s

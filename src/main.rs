@@ -1,15 +1,14 @@
-//! `stoker`: the command line — dataset tools, the worker, the demo, benchmarks (and, with a
-//! later issue, the operator).
+//! `stoker`: the command line — dataset tools, the worker, the operator, the demo and
+//! benchmarks. Each subcommand's flags and wiring live in `cmd/`; the work is in the crates.
 
 use clap::{Parser, Subcommand};
-
-mod operator;
 
 mod cmd {
     pub mod bench;
     pub mod dataset;
     pub mod demo;
     pub mod local;
+    pub mod operator;
     pub mod spread;
     pub mod transport;
     pub mod worker;
@@ -40,7 +39,7 @@ enum Command {
     Crd,
     /// Run the operator: reconcile DataPipelines into worker pools and scale them on the
     /// trainers' wait ratio (in-cluster config or $KUBECONFIG).
-    Operator(operator::OperatorArgs),
+    Operator(cmd::operator::OperatorArgs),
     /// Benchmarks that print ours-vs-baseline tables (docs/benchmarks.md).
     #[command(subcommand)]
     Bench(cmd::bench::BenchCommand),
@@ -57,6 +56,9 @@ fn main() {
 
 fn run() -> anyhow::Result<()> {
     stoker_worker::alloc::keep_freed_buffers();
+    // Two rustls providers are linked (kube's ring, the AWS SDK's aws-lc-rs); without a
+    // process default, rustls panics at the first TLS connection (API server, S3 over HTTPS).
+    let _ = rustls::crypto::ring::default_provider().install_default();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -72,11 +74,8 @@ fn run() -> anyhow::Result<()> {
             Command::Worker(a) => cmd::worker::run(a).await,
             Command::Bench(c) => cmd::bench::run(c).await,
             Command::Demo(a) => cmd::demo::run(a).await,
-            Command::Operator(a) => operator::run(a).await,
-            Command::Crd => {
-                print!("{}", operator::crd_yaml()?);
-                Ok(())
-            }
+            Command::Operator(a) => cmd::operator::run(a).await,
+            Command::Crd => cmd::operator::print_crd(),
         }
     })
 }

@@ -107,7 +107,9 @@ pub struct Scheduler {
     next_request: u64,
     in_flight: HashMap<u64, InFlight>,
     pending: BTreeMap<u64, Pending>,
-    ready: BTreeMap<u64, Batch>,
+    /// Answered positions waiting for their turn: a batch, or why it could not be had
+    /// (delivered in plan order too, so an error never overtakes an earlier batch).
+    ready: BTreeMap<u64, Result<Batch, String>>,
     next_issue: u64,
     next_deliver: u64,
     generation: u64,
@@ -136,6 +138,23 @@ impl Scheduler {
         shared: Arc<Shared>,
         metrics: Arc<ClientMetrics>,
     ) -> Handles {
+        let (s, handles, events_rx, control_rx) = Scheduler::new(cfg, shared, metrics);
+        tokio::spawn(s.run(workers, events_rx, control_rx));
+        handles
+    }
+
+    /// The scheduler and its channels, not yet running (the state-machine tests drive it
+    /// event by event).
+    fn new(
+        cfg: SchedulerConfig,
+        shared: Arc<Shared>,
+        metrics: Arc<ClientMetrics>,
+    ) -> (
+        Scheduler,
+        Handles,
+        mpsc::Receiver<Event>,
+        mpsc::Receiver<Control>,
+    ) {
         // Deliveries never exceed the window, so this capacity is never the binding limit.
         let (out, deliveries) = mpsc::channel(cfg.depth.max() + 1);
         let (control_tx, control_rx) = mpsc::channel(4);
@@ -166,12 +185,12 @@ impl Scheduler {
             // Enough to recycle what the trainer releases while the window refills.
             pool: crate::buffer::BufferPool::new(4),
         };
-        tokio::spawn(s.run(workers, events_rx, control_rx));
-        Handles {
+        let handles = Handles {
             identity,
             deliveries,
             control: control_tx,
-        }
+        };
+        (s, handles, events_rx, control_rx)
     }
 
     async fn run(
@@ -347,12 +366,12 @@ impl Scheduler {
 
     fn deliver(&mut self) {
         while self.out.capacity() > 0 {
-            let Some(batch) = self.ready.remove(&self.next_deliver) else {
+            let Some(result) = self.ready.remove(&self.next_deliver) else {
                 break;
             };
             let d = Delivery {
                 generation: self.generation,
-                result: Ok(batch),
+                result,
             };
             // Only this task sends, and there is room: this cannot fail but by a closed loader.
             let _ = self.out.try_send(d);
@@ -504,7 +523,8 @@ impl Scheduler {
                 }
                 // A duplicate still in flight will find no pending position and be dropped.
                 drop(p);
-                self.ready.insert(f.position, Batch::new(head, buf, addr));
+                self.ready
+                    .insert(f.position, Ok(Batch::new(head, buf, addr)));
             }
             Err(e) => {
                 let Some(p) = self.pending.get_mut(&f.position) else {
@@ -541,16 +561,19 @@ impl Scheduler {
         }
     }
 
+    /// The trainer gets an error for `position`, in its turn.
     fn give_up(&mut self, position: u64, addr: &str, message: &str) {
         self.pending.remove(&position);
         let bpe = self.identity.as_ref().map_or(1, |i| i.batches_per_epoch);
-        self.fail_trainer(format!(
+        let msg = format!(
             "epoch {} batch {} (rank {}/{}): worker {addr}: {message}",
             position / bpe,
             position % bpe,
             self.cfg.rank,
             self.cfg.world_size
-        ));
+        );
+        tracing::error!("{msg}");
+        self.ready.insert(position, Err(msg));
     }
 
     fn on_down(&mut self, link: LinkId, error: String) {
@@ -700,3 +723,7 @@ fn load_order(a: &WorkerLink, b: &WorkerLink) -> std::cmp::Ordering {
         .total_cmp(&cost(b))
         .then(a.outstanding.cmp(&b.outstanding))
 }
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;

@@ -1,4 +1,4 @@
-//! The wait-ratio autoscaler (DESIGN.md §5).
+//! The wait-ratio autoscaler (docs/design.md, decision 5; docs/operator.md).
 //!
 //! Signal: the trainer ranks' wait ratio (time blocked on data / wall time). The slowest rank
 //! sets the step time, so the policy acts on the worst rank. Each evaluation makes a

@@ -119,25 +119,13 @@ fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
 }
 
 fn thread_cpu_seconds() -> f64 {
-    let mut ts = Timespec {
+    let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: clock_gettime writes one timespec into the pointer we pass.
-    unsafe {
-        clock_gettime(3 /* CLOCK_THREAD_CPUTIME_ID */, &mut ts)
-    };
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-}
-
-#[repr(C)]
-struct Timespec {
-    tv_sec: i64,
-    tv_nsec: i64,
-}
-
-extern "C" {
-    fn clock_gettime(clk: i32, ts: *mut Timespec) -> i32;
 }
 
 struct Row {

@@ -4,7 +4,7 @@
 //! object store (time to first byte, per-connection bandwidth); `stoker worker` processes
 //! serve it; simulated trainer ranks (a fixed compute time per step) pull batches through the
 //! real client. The same trainer runs through five stages, each adding one fix of the design
-//! (DESIGN.md, "The problem, in numbers"):
+//! (docs/design.md, "The problem, in numbers"):
 //!
 //! 1. `serial baseline`: one worker loads one sample at a time, no prefetch, and each batch is
 //!    pickled through a coordinator to the rank (as a DataLoader hands batches over);
@@ -15,8 +15,6 @@
 //!    processes while the trainers' wait ratio is above target.
 
 use super::local::{cache_root, ensure_dataset, http_get, spawn_worker};
-use crate::operator::metrics::{OperatorMetrics, PipelineGauges};
-use crate::operator::scrape::rank_counters;
 use std::collections::BTreeSet;
 use std::ffi::OsString;
 use std::io::{Read, Write};
@@ -26,6 +24,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use stoker_client::{Depth, Discovery, Loader, LoaderConfig, WorkerSet};
 use stoker_control::autoscale::{Autoscaler, Observation, RankCounters, Rule, Rules, Spec};
+use stoker_control::exposition::rank_counters;
+use stoker_control::metrics::{PipelineGauges, ScalerMetrics};
 use stoker_worker::dataset::synth::{SynthFormat, SynthOptions};
 use stoker_worker::embedded_s3::{EmbeddedS3, StoreBehaviour};
 use stoker_worker::pipeline::PreprocessArgs;
@@ -214,11 +214,12 @@ pub async fn run(mut a: DemoArgs) -> anyhow::Result<()> {
     }
     let observer = match &a.metrics_listen {
         Some(addr) => {
-            let metrics = OperatorMetrics::new();
+            let registry = prometheus::Registry::new();
+            let metrics = Arc::new(ScalerMetrics::register(&registry)?);
             let listener = tokio::net::TcpListener::bind(addr).await?;
             let local = listener.local_addr()?.to_string();
             println!("metrics {local}");
-            tokio::spawn(crate::operator::metrics::serve(listener, metrics.clone()));
+            tokio::spawn(serve_scaler_metrics(listener, registry));
             Some((metrics, local))
         }
         None => None,
@@ -333,7 +334,7 @@ fn run_stage(
     data: &str,
     env: &[(&'static str, String)],
     progress: &indicatif::ProgressBar,
-    observer: Option<&(Arc<OperatorMetrics>, String)>,
+    observer: Option<&(Arc<ScalerMetrics>, String)>,
 ) -> anyhow::Result<StageResult> {
     let mut args = worker_args(a, stage.serial_worker)?;
     if stage.serial_worker {
@@ -476,6 +477,18 @@ fn observe(before: &Scrape, after: &Scrape, ready: u32) -> Option<Observation> {
     Observation::between(before, after, ready)
 }
 
+/// /metrics of the local autoscaler: the operator's per-pipeline series.
+async fn serve_scaler_metrics(listener: tokio::net::TcpListener, registry: prometheus::Registry) {
+    let render = move || {
+        let r = registry.clone();
+        async move { stoker_control::metrics::render(&r) }
+    };
+    let app = axum::Router::new().route("/metrics", axum::routing::get(render));
+    if let Err(e) = axum::serve(listener, app).await {
+        tracing::error!("autoscaler metrics endpoint: {e}");
+    }
+}
+
 /// The local autoscaler: the operator's policy over worker processes, exporting the
 /// operator's series and the Prometheus targets of everything running.
 struct LocalScaler<'a> {
@@ -485,14 +498,14 @@ struct LocalScaler<'a> {
     t0: Instant,
     ranks: &'a [String],
     last: Scrape,
-    observer: Option<&'a (Arc<OperatorMetrics>, String)>,
+    observer: Option<&'a (Arc<ScalerMetrics>, String)>,
 }
 
 impl<'a> LocalScaler<'a> {
     fn new(
         a: &'a DemoArgs,
         ranks: &'a [String],
-        observer: Option<&'a (Arc<OperatorMetrics>, String)>,
+        observer: Option<&'a (Arc<ScalerMetrics>, String)>,
     ) -> Self {
         LocalScaler {
             a,

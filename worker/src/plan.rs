@@ -2,8 +2,7 @@
 //! of it rank `r` of `W` gets. A pure function of (dataset index, seed, epoch), so any worker
 //! answers any request with no coordinator, and a trainer resumes from `(epoch, next g)`.
 
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
+use rand::{RngCore, SeedableRng};
 use std::sync::{Arc, Mutex};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -44,8 +43,10 @@ impl Plan {
         self.num_samples.div_ceil(self.global_batch_size as u64)
     }
 
-    /// The epoch's sample order: a Fisher–Yates shuffle driven by ChaCha8 seeded from
-    /// (seed, epoch) — stable across platforms and releases.
+    /// The epoch's sample order: our own Fisher–Yates shuffle over ChaCha8's u64 stream
+    /// seeded from (seed, epoch). rand_chacha keeps that stream's values stable, and the
+    /// shuffle is ours (rand may change `shuffle`'s values in a minor release), so a plan
+    /// never changes under a running job with a dependency upgrade.
     pub fn permutation(&self, epoch: u64) -> Arc<Vec<u32>> {
         let mut cache = self.perms.lock().expect("plan cache");
         if let Some((_, p)) = cache.iter().find(|(e, _)| *e == epoch) {
@@ -57,7 +58,9 @@ impl Plan {
         seed[16..24].copy_from_slice(b"stokerv1");
         let mut rng = rand_chacha::ChaCha8Rng::from_seed(seed);
         let mut perm: Vec<u32> = (0..self.num_samples as u32).collect();
-        perm.shuffle(&mut rng);
+        for i in (1..perm.len()).rev() {
+            perm.swap(i, below(&mut rng, i as u64 + 1) as usize);
+        }
         let perm = Arc::new(perm);
         if cache.len() >= CACHED_EPOCHS {
             cache.remove(0);
@@ -95,6 +98,17 @@ impl Plan {
             .iter()
             .map(|&i| i as u64)
             .collect())
+    }
+}
+
+/// Uniform in `0..n` (n > 0): rejection sampling, so no value is favoured.
+fn below(rng: &mut rand_chacha::ChaCha8Rng, n: u64) -> u64 {
+    let limit = u64::MAX - u64::MAX % n;
+    loop {
+        let x = rng.next_u64();
+        if x < limit {
+            return x % n;
+        }
     }
 }
 

@@ -133,30 +133,3 @@ pub fn http_get(addr: &str, path: &str) -> anyhow::Result<String> {
         .ok_or_else(|| anyhow::anyhow!("{addr}{path}: not an HTTP response"))?;
     Ok(body)
 }
-
-/// The value of the first sample of `name` (any labels) in a Prometheus text exposition.
-pub fn metric_value(text: &str, name: &str) -> Option<f64> {
-    metric_value_with(text, name, &[])
-}
-
-/// The value of the first sample of `name` carrying every `labels` pair (others may be
-/// present, in any order).
-pub fn metric_value_with(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find(|l| {
-            let Some(rest) = l.strip_prefix(name) else {
-                return false;
-            };
-            let label_part = match rest.strip_prefix('{') {
-                Some(r) => r.split('}').next().unwrap_or(""),
-                None if rest.starts_with(' ') => "",
-                None => return false,
-            };
-            labels
-                .iter()
-                .all(|(k, v)| label_part.split(',').any(|p| p == format!("{k}=\"{v}\"")))
-        })
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-}

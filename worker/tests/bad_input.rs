@@ -2,7 +2,7 @@
 //! test per kind, all in one hand-made dataset served through the embedded S3 server.
 
 mod common;
-use stoker_worker::process::{metric_value, metric_value_with};
+use stoker_control::exposition::{metric_value, metric_value_with};
 
 use common::*;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! The worker end to end: embedded S3 → aws-sdk-s3 → preprocessing → framed TCP → client.
 
 mod common;
-use stoker_worker::process::{metric_value, metric_value_with};
+use stoker_control::exposition::{metric_value, metric_value_with};
 
 use common::*;
 use stoker_wire::{DType, ErrorCode};
@@ -224,4 +224,52 @@ async fn sample_budget_smaller_than_a_batch_still_serves_everything() {
     }
     served.sort();
     assert_eq!(served, (0..12).collect::<Vec<u64>>());
+}
+
+/// `--tokenizer s3://…`: the worker fetches, checks and caches the tokenizer from the same
+/// store as the data (no tokenizer in the image); a wrong object is refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fetches_its_tokenizer_from_the_object_store() {
+    let ds = synth_dataset(8, SynthFormat::Llava).await;
+    let local = stoker_worker::pipeline::PreprocessArgs::tokenizer_path(&knobs(&[]).pre).unwrap();
+    let local = if local.is_dir() {
+        local.join("tokenizer.json")
+    } else {
+        local
+    };
+    let tok_dir = ds.root.path().join("bucket/models/qwen");
+    std::fs::create_dir_all(&tok_dir).unwrap();
+    std::fs::copy(&local, tok_dir.join("tokenizer.json")).unwrap();
+    std::fs::write(tok_dir.join("wrong.json"), br#"{"version": "1.0"}"#).unwrap();
+
+    let w = start_worker(
+        &ds,
+        &[
+            "--global-batch-size",
+            "4",
+            "--tokenizer",
+            "s3://bucket/models/qwen/tokenizer.json",
+        ],
+    )
+    .await;
+    let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+    let (head, _) = c.get(request(&welcome, 0, 0, 0, 1)).await.batch();
+    assert_eq!(head.sample_ids.len(), 4);
+
+    let k = knobs(&["--tokenizer", "s3://bucket/models/qwen/wrong.json"]);
+    let e = stoker_worker::pipeline::open_pipeline(
+        &ds.uri,
+        &ds.s3.s3_options(),
+        &k.pre,
+        &k.plan,
+        stoker_worker::metrics::Metrics::new(),
+    )
+    .await
+    .err()
+    .expect("a JSON that is no tokenizer is refused");
+    let msg = format!("{e:#}");
+    assert!(
+        msg.contains("tokenizer s3://bucket/models/qwen/wrong.json: not a tokenizer.json"),
+        "{msg}"
+    );
 }

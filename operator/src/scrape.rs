@@ -2,13 +2,13 @@
 //! fixed URLs), or a Prometheus server. Plain HTTP/1.0 over tokio: the endpoints are ours
 //! (or Prometheus), all speak it, and the operator needs no HTTP client stack for it.
 
-use super::crd::{DataPipeline, MetricSource};
+use crate::crd::{DataPipeline, MetricSource};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 use kube::ResourceExt;
 use std::time::Duration;
 use stoker_control::autoscale::RankCounters;
-use stoker_worker::process::metric_value;
+use stoker_control::exposition::rank_counters;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
@@ -45,15 +45,6 @@ pub async fn http_get(url: &str) -> anyhow::Result<String> {
     Ok(body.to_string())
 }
 
-/// A trainer client's counters from its /metrics text.
-pub fn rank_counters(text: &str) -> Option<RankCounters> {
-    Some(RankCounters {
-        wait_s: metric_value(text, "stoker_trainer_wait_seconds_total")?,
-        step_s: metric_value(text, "stoker_trainer_step_seconds_total")?,
-        samples: metric_value(text, "stoker_trainer_samples_total")?,
-    })
-}
-
 /// One reading of every rank: keyed by where it came from, so consecutive readings pair up
 /// even when trainer pods come and go.
 pub type Reading = Vec<(String, Option<RankCounters>)>;
@@ -68,12 +59,7 @@ pub async fn read(
         urls.clone()
     } else if let Some(pods) = &source.trainer_pods {
         let ns = dp.namespace().unwrap_or_else(|| "default".into());
-        let selector = pods
-            .selector
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(",");
+        let selector = crate::build::label_selector_string(&pods.selector);
         let list = Api::<Pod>::namespaced(client.clone(), &ns)
             .list(&ListParams::default().labels(&selector))
             .await?;
@@ -84,7 +70,8 @@ pub async fn read(
             .map(|ip| format!("http://{ip}:{}/metrics", pods.port))
             .collect()
     } else if let Some(prom) = &source.prometheus {
-        return read_prometheus(&prom.url, &dp.name_any()).await;
+        let ns = dp.namespace().unwrap_or_default();
+        return read_prometheus(&prom.url, &ns, &dp.name_any()).await;
     } else {
         anyhow::bail!("no metric source (rejected at admission)")
     };
@@ -101,8 +88,9 @@ pub async fn read(
     Ok(futures::future::join_all(reads).await)
 }
 
-/// The same counters per rank from Prometheus (instant query; the series' own values).
-async fn read_prometheus(base: &str, pipeline: &str) -> anyhow::Result<Reading> {
+/// The same counters per rank from Prometheus (instant query; the series' own values). The
+/// pipeline label is unique only within a namespace, so both select.
+async fn read_prometheus(base: &str, namespace: &str, pipeline: &str) -> anyhow::Result<Reading> {
     let mut per_rank: std::collections::BTreeMap<String, [Option<f64>; 3]> = Default::default();
     let series = [
         "stoker_trainer_wait_seconds_total",
@@ -110,7 +98,8 @@ async fn read_prometheus(base: &str, pipeline: &str) -> anyhow::Result<Reading> 
         "stoker_trainer_samples_total",
     ];
     for (i, name) in series.iter().enumerate() {
-        let query = format!("sum by (rank) ({name}{{pipeline=\"{pipeline}\"}})");
+        let query =
+            format!("sum by (rank) ({name}{{namespace=\"{namespace}\",pipeline=\"{pipeline}\"}})");
         let url = format!(
             "{}/api/v1/query?query={}",
             base.trim_end_matches('/'),
@@ -214,7 +203,10 @@ mod tests {
                 let mut buf = vec![0u8; 4096];
                 let n = s.read(&mut buf).await.unwrap();
                 let req = String::from_utf8_lossy(&buf[..n]).to_string();
-                assert!(req.contains("pipeline%3D%22sft%22"), "{req}");
+                assert!(
+                    req.contains("namespace%3D%22ml%22%2Cpipeline%3D%22sft%22"),
+                    "{req}"
+                );
                 let (r0, r1) = if req.contains("wait_seconds") {
                     ("3", "1")
                 } else if req.contains("step_seconds") {
@@ -230,7 +222,7 @@ mod tests {
                     .unwrap();
             }
         });
-        let got = read_prometheus(&format!("http://{addr}/"), "sft")
+        let got = read_prometheus(&format!("http://{addr}/"), "ml", "sft")
             .await
             .unwrap();
         assert_eq!(

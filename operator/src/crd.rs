@@ -55,8 +55,9 @@ pub struct DataPipelineSpec {
     /// Scale workers on the trainers' wait ratio. Absent: `replicas` holds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autoscaling: Option<Autoscaling>,
-    /// The trainer pods: the only pods admitted to the workers (NetworkPolicy).
-    #[serde(default)]
+    /// Labels of the trainer pods: the only pods the NetworkPolicy admits to the batch port.
+    /// Required and non-empty (an empty selector would admit every pod of the namespace).
+    #[x_kube(validation = Rule::new("size(self) > 0").message("trainerSelector must name at least one label of the trainer pods (an empty selector would admit every pod of the namespace to the batch port)"))]
     pub trainer_selector: BTreeMap<String, String>,
     /// Secret with the pipeline token under key `token`. Absent: the operator generates
     /// `<name>-token`.
@@ -152,8 +153,10 @@ pub struct Preprocessing {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 16))]
     pub max_length: Option<i32>,
-    /// tokenizer.json, or a folder with it, inside the worker image; absent: the image's
-    /// default for the preset.
+    /// The model's tokenizer.json: s3://bucket/path/tokenizer.json (fetched by each worker at
+    /// start with the source's S3 settings, checked and cached; the image needs none), or a
+    /// path inside the worker container (an image or a mounted volume). Absent: the worker's
+    /// $STOKER_TOKENIZER.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<String>,
 }
@@ -222,6 +225,7 @@ pub enum PlacementMode {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("!has(self.nodeBandwidthGbps) || has(self.workerEgressGbps)").message("placement.nodeBandwidthGbps needs placement.workerEgressGbps (what one worker sends)"))]
+#[x_kube(validation = Rule::new("self.mode == 'Spread' || !has(self.maxWorkersPerNode)").message("placement.maxWorkersPerNode needs mode Spread (Pack places by preference and cannot cap a node)"))]
 pub struct Placement {
     /// Spread (one worker per domain where possible) or Pack (as few domains as possible).
     #[serde(default)]
@@ -229,8 +233,10 @@ pub struct Placement {
     /// Node label that defines a domain.
     #[serde(default = "hostname_key")]
     pub topology_key: String,
-    /// At most this many workers per domain (a hard limit; the scheduler leaves the rest
-    /// Pending). Absent: derived from the bandwidth budget, if any.
+    /// At most this many workers per domain, for any value: the operator caps the worker
+    /// count at eligible nodes x this (NICSaturationRisk says when it does), and Spread's
+    /// hard constraint (max skew 1) keeps any domain from holding more. Spread only. Absent:
+    /// derived from the bandwidth budget, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub max_workers_per_node: Option<i32>,
@@ -428,7 +434,7 @@ mod tests {
 
     #[test]
     fn crds_folder_is_up_to_date() {
-        let generated = super::super::crd_yaml().unwrap();
+        let generated = crate::crd_yaml().unwrap();
         for (path, committed) in [
             (
                 "crds/datapipeline.yaml",
@@ -552,6 +558,17 @@ mod tests {
                 "needs placement.workerEgressGbps",
             ),
             (|s| s.replicas = 40, "spec.replicas must lie within"),
+            (
+                |s| s.trainer_selector.clear(),
+                "trainerSelector must name at least one label",
+            ),
+            (
+                |s| {
+                    s.placement.mode = PlacementMode::Pack;
+                    s.placement.max_workers_per_node = Some(2);
+                },
+                "maxWorkersPerNode needs mode Spread",
+            ),
         ];
         for (mutate, message) in cases {
             let mut dp = example();

@@ -1,6 +1,8 @@
-//! `stoker operator` and `stoker crd`: the Kubernetes side. CRD types (`crd`) are apart from
-//! the pure resource builders (`build`), the metric sources (`scrape`) and the reconcile loop
-//! (`reconcile`); the scaling policy itself is `stoker-control`, free of Kubernetes types.
+//! The Stoker operator: reconciles `DataPipeline`s into worker pools and scales them on the
+//! trainers' wait ratio. Shaped as validate (`validate`) → build, pure (`build`) → apply
+//! (`reconcile`) → status, pure (`status`); the CRD types are apart (`crd`), the scaling
+//! policy is `stoker-control`, free of Kubernetes types. The operator reaches the data plane
+//! only through the worker's command line and Prometheus text: it does not link it.
 
 pub mod build;
 pub mod crd;
@@ -8,6 +10,8 @@ pub mod leader;
 pub mod metrics;
 pub mod reconcile;
 pub mod scrape;
+pub mod status;
+pub mod validate;
 
 use crd::DataPipeline;
 use futures::StreamExt;
@@ -19,55 +23,54 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The DataPipeline CustomResourceDefinition as YAML (what `crds/` holds).
-pub fn crd_yaml() -> anyhow::Result<String> {
-    Ok(serde_yaml::to_string(&DataPipeline::crd())?)
+pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
+    serde_yaml::to_string(&DataPipeline::crd())
 }
 
-#[derive(clap::Args)]
-pub struct OperatorArgs {
+/// How one operator process runs (the CLI's `stoker operator` flags).
+pub struct Config {
     /// Address for /metrics, /healthz and /readyz.
-    #[arg(long, default_value = "0.0.0.0:8080")]
-    metrics_listen: String,
+    pub metrics_listen: String,
     /// Namespace of the leader-election Lease.
-    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
-    lease_namespace: String,
-    /// This replica's name in the Lease and in Events [default: the hostname].
-    #[arg(long, env = "POD_NAME")]
-    identity: Option<String>,
-    /// Watch DataPipelines of this namespace only [default: all namespaces].
-    #[arg(long)]
-    namespace: Option<String>,
+    pub lease_namespace: String,
+    /// This replica's name in the Lease and in Events.
+    pub identity: String,
+    /// Watch DataPipelines of this namespace only (`None`: all namespaces).
+    pub namespace: Option<String>,
 }
 
 const LEASE_NAME: &str = "stoker-operator";
 const LEASE_DURATION: Duration = Duration::from_secs(15);
 const RENEW_EVERY: Duration = Duration::from_secs(5);
+/// How often deleted pipelines' autoscaler state and series are dropped.
+const SWEEP_EVERY: Duration = Duration::from_secs(10);
 
-pub async fn run(a: OperatorArgs) -> anyhow::Result<()> {
+/// Runs until SIGTERM/SIGINT: metrics endpoint, leader election, then the controller.
+pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let client = kube::Client::try_default().await?;
     let metrics = metrics::OperatorMetrics::new();
-    let listener = tokio::net::TcpListener::bind(&a.metrics_listen).await?;
+    let listener = tokio::net::TcpListener::bind(&cfg.metrics_listen).await?;
     tracing::info!(
         "operator metrics on http://{}/metrics",
         listener.local_addr()?
     );
     tokio::spawn(metrics::serve(listener, metrics.clone()));
-
-    let identity = a.identity.clone().unwrap_or_else(|| {
-        std::fs::read_to_string("/etc/hostname")
-            .map(|h| h.trim().to_string())
-            .unwrap_or_else(|_| format!("stoker-operator-{}", std::process::id()))
-    });
     let election = leader::LeaderElection {
-        api: Api::namespaced(client.clone(), &a.lease_namespace),
+        api: Api::namespaced(client.clone(), &cfg.lease_namespace),
         name: LEASE_NAME.into(),
-        identity: identity.clone(),
+        identity: cfg.identity.clone(),
         duration: LEASE_DURATION,
     };
-    tracing::info!(
-        "{identity}: waiting for the {LEASE_NAME} Lease in {}",
-        a.lease_namespace
-    );
+    lead(election, &cfg.lease_namespace).await;
+    metrics.leader.set(1);
+    control(client, cfg, metrics).await;
+    Ok(())
+}
+
+/// Waits until this replica holds the Lease, then keeps renewing it in the background.
+async fn lead(election: leader::LeaderElection, namespace: &str) {
+    let identity = election.identity.clone();
+    tracing::info!("{identity}: waiting for the {LEASE_NAME} Lease in {namespace}");
     loop {
         match election.try_acquire().await {
             Ok(true) => break,
@@ -77,7 +80,6 @@ pub async fn run(a: OperatorArgs) -> anyhow::Result<()> {
         tokio::time::sleep(RENEW_EVERY).await;
     }
     tracing::info!("{identity}: leading");
-    metrics.leader.set(1);
     tokio::spawn(async move {
         // Losing the Lease (or failing to renew it for its whole duration) ends the process:
         // the Deployment restarts it as a candidate, and nothing reconciles twice.
@@ -98,8 +100,12 @@ pub async fn run(a: OperatorArgs) -> anyhow::Result<()> {
             }
         }
     });
+}
 
-    let (dps, deployments): (Api<DataPipeline>, Api<Deployment>) = match &a.namespace {
+/// The controller: DataPipelines and the Deployments they own, plus a sweep that forgets
+/// deleted pipelines (no finalizer: their objects go by garbage collection).
+async fn control(client: kube::Client, cfg: Config, metrics: Arc<metrics::OperatorMetrics>) {
+    let (dps, deployments): (Api<DataPipeline>, Api<Deployment>) = match &cfg.namespace {
         Some(ns) => (
             Api::namespaced(client.clone(), ns),
             Api::namespaced(client.clone(), ns),
@@ -110,12 +116,26 @@ pub async fn run(a: OperatorArgs) -> anyhow::Result<()> {
         client.clone(),
         Reporter {
             controller: "stoker-operator".into(),
-            instance: Some(identity),
+            instance: Some(cfg.identity),
         },
     );
     let ctx = Arc::new(reconcile::Context::new(client, recorder, metrics));
-    Controller::new(dps, watcher::Config::default())
-        .owns(deployments, watcher::Config::default())
+    let controller = Controller::new(dps, watcher::Config::default())
+        .owns(deployments, watcher::Config::default());
+    let store = controller.store();
+    let sweeper = ctx.clone();
+    tokio::spawn(async move {
+        // Only once the store is filled: an empty store would forget everything.
+        if store.wait_until_ready().await.is_err() {
+            return;
+        }
+        loop {
+            tokio::time::sleep(SWEEP_EVERY).await;
+            let live = store.state().iter().map(|dp| reconcile::key(dp)).collect();
+            sweeper.forget_deleted(&live);
+        }
+    });
+    controller
         .shutdown_on_signal()
         .run(reconcile::reconcile, reconcile::error_policy, ctx)
         .for_each(|r| async move {
@@ -124,5 +144,4 @@ pub async fn run(a: OperatorArgs) -> anyhow::Result<()> {
             }
         })
         .await;
-    Ok(())
 }

@@ -1,7 +1,7 @@
 //! Pure resource builders: a DataPipeline (and a few decided numbers) in, the objects the
 //! operator applies out. No I/O here, so every builder is unit-tested on its own.
 
-use super::crd::{DataPipeline, PixelDtype, PlacementMode, Preset};
+use crate::crd::{DataPipeline, PixelDtype, PlacementMode, Preset};
 use k8s_openapi::api::apps::v1::{
     Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment,
 };
@@ -65,7 +65,12 @@ pub fn selector_labels(dp: &DataPipeline) -> BTreeMap<String, String> {
 
 /// The selector as a string (status.selector, for the scale subresource).
 pub fn selector_string(dp: &DataPipeline) -> String {
-    selector_labels(dp)
+    label_selector_string(&selector_labels(dp))
+}
+
+/// `k=v,k=v`: a label selector for list calls.
+pub fn label_selector_string(labels: &BTreeMap<String, String>) -> String {
+    labels
         .iter()
         .map(|(k, v)| format!("{k}={v}"))
         .collect::<Vec<_>>()
@@ -121,12 +126,31 @@ pub fn cpu_threads(dp: &DataPipeline) -> Option<u32> {
         .as_ref()
         .and_then(|l| l.get("cpu"))
         .or_else(|| r.requests.as_ref().and_then(|l| l.get("cpu")))?;
-    let s = q.0.trim();
-    let cores = match s.strip_suffix('m') {
-        Some(milli) => milli.parse::<f64>().ok()? / 1000.0,
-        None => s.parse::<f64>().ok()?,
-    };
-    Some((cores.ceil() as u32).max(1))
+    Some((cpu_cores(&q.0)?.ceil() as u32).max(1))
+}
+
+/// Cores in a Kubernetes CPU quantity ("4", "500m", "1.5").
+pub fn cpu_cores(quantity: &str) -> Option<f64> {
+    let s = quantity.trim();
+    match s.strip_suffix('m') {
+        Some(milli) => milli.parse::<f64>().ok().map(|m| m / 1000.0),
+        None => s.parse::<f64>().ok(),
+    }
+    .filter(|c| c.is_finite() && *c > 0.0)
+}
+
+/// The most workers the placement can host without exceeding `max_workers_per_node` on any
+/// node: with Spread's hard constraint (max skew 1 over the eligible nodes) no node gets more
+/// than ceil(workers / nodes), so capping workers at nodes x per-node enforces the limit for
+/// every value. `None`: no limit.
+/// Pack places by preference only, so it has no cap (the NICSaturationRisk condition says
+/// when its workers exceed the budget).
+pub fn replica_cap(dp: &DataPipeline, eligible_nodes: u32) -> Option<i32> {
+    if dp.spec.placement.mode != PlacementMode::Spread {
+        return None;
+    }
+    let per_node = max_workers_per_node(dp)?;
+    Some(eligible_nodes.saturating_mul(per_node).min(i32::MAX as u32) as i32)
 }
 
 /// The worker's command line: everything that defines the plan and the preprocessing.
@@ -547,7 +571,7 @@ pub fn token_secret(dp: &DataPipeline, token: &str) -> Secret {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::operator::crd::DataPipeline;
+    use crate::crd::DataPipeline;
 
     fn example() -> DataPipeline {
         let mut dp: DataPipeline =
@@ -703,31 +727,36 @@ mod tests {
     #[test]
     fn the_measured_egress_makes_the_operator_spread_as_the_experiment_found_best() {
         // docs/spread.json: `stoker bench spread` on this machine (network namespaces, tbf).
-        let report: crate::cmd::spread::SpreadReport =
+        let report: serde_json::Value =
             serde_json::from_str(include_str!("../../docs/spread.json")).unwrap();
         let rate = |placement: &str| {
-            report
-                .runs
+            report["runs"]
+                .as_array()
+                .unwrap()
                 .iter()
                 .find(|r| {
-                    r.placement == placement && r.scale == "network-bound" && r.path == "direct"
+                    r["placement"] == placement
+                        && r["scale"] == "network-bound"
+                        && r["path"] == "direct"
                 })
+                .unwrap()["samples_per_s"]
+                .as_f64()
                 .unwrap()
-                .samples_per_s
         };
         assert!(
             rate("spread") >= 1.5 * rate("pack"),
             "the experiment found spread best"
         );
+        let number = |k: &str| report[k].as_f64().unwrap();
         // The same numbers as the DataPipeline's bandwidth budget.
         let mut dp = example();
-        dp.spec.placement.node_bandwidth_gbps = Some(report.link_mbit as f64 / 1000.0);
-        dp.spec.placement.worker_egress_gbps = Some(report.worker_egress_gbps);
+        dp.spec.placement.node_bandwidth_gbps = Some(number("link_mbit") / 1000.0);
+        dp.spec.placement.worker_egress_gbps = Some(number("worker_egress_gbps"));
         let per_node = max_workers_per_node(&dp).unwrap();
         assert_eq!(per_node, 1, "one busy worker fills a node's link");
         // One worker per node: required anti-affinity plus the spread constraint, which is
         // the experiment's spread placement (worker i on node i).
-        let d = deployment(&dp, report.workers as i32);
+        let d = deployment(&dp, number("workers") as i32);
         let anti = pod(&d)
             .affinity
             .as_ref()
@@ -741,8 +770,8 @@ mod tests {
             .unwrap()[0];
         assert_eq!(term.topology_key, "kubernetes.io/hostname");
         // Enough nodes: no risk. The packed layout (all on one node): the condition says so.
-        let w = report.workers as u32;
-        assert!(!nic_saturation_risk(w, report.nodes as u32, per_node));
+        let w = number("workers") as u32;
+        assert!(!nic_saturation_risk(w, number("nodes") as u32, per_node));
         assert!(nic_saturation_risk(w, 1, per_node));
     }
 
@@ -750,7 +779,7 @@ mod tests {
     fn volume_sources_mount_read_only() {
         let mut dp = example();
         dp.spec.source.s3 = None;
-        dp.spec.source.volume = Some(crate::operator::crd::VolumeSource {
+        dp.spec.source.volume = Some(crate::crd::VolumeSource {
             claim_name: "sft-data".into(),
             path: "/llava".into(),
         });

@@ -1,14 +1,16 @@
-//! The reconcile loop: validate → decide the worker count → build (pure) → apply (server-side
-//! apply, owner references, idempotent) → report status, conditions and Events.
+//! The reconcile loop, one small step each: validate the spec → observe what exists → decide
+//! the worker count (stoker-control's autoscaler) → build the objects (pure, `build`) → apply
+//! them (server-side apply, owner references, idempotent) → report status (pure, `status`),
+//! conditions and Events.
 
-use super::build::{self, FIELD_MANAGER};
-use super::crd::{Autoscaling, DataPipeline, DataPipelineStatus, ScalingRules, WaitRatio};
-use super::scrape::{self, Reading};
+use crate::build::{self, FIELD_MANAGER};
+use crate::crd::{Autoscaling, DataPipeline, ScalingRules};
+use crate::scrape::{self, Reading};
+use crate::status::{self, Observed};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Secret, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
@@ -23,8 +25,23 @@ use stoker_control::autoscale::{self, Autoscaler, Observation};
 pub enum Error {
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
-    #[error("{0}")]
-    Other(String),
+    /// The operator cannot honour the spec; the status and an Event say why.
+    #[error("invalid spec: {}", .0.join("; "))]
+    InvalidSpec(Vec<String>),
+    #[error("DataPipeline without a namespace")]
+    NoNamespace,
+}
+
+impl Error {
+    /// The `kind` label of stoker_operator_reconcile_errors_total.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Kube(kube::Error::Api(_)) => "kube_api",
+            Error::Kube(_) => "kube_client",
+            Error::InvalidSpec(_) => "invalid_spec",
+            Error::NoNamespace => "no_namespace",
+        }
+    }
 }
 
 /// What the autoscaler remembers per pipeline between reconciles.
@@ -39,7 +56,7 @@ struct ScalerState {
 pub struct Context {
     pub client: kube::Client,
     pub recorder: Recorder,
-    pub metrics: Arc<super::metrics::OperatorMetrics>,
+    pub metrics: Arc<crate::metrics::OperatorMetrics>,
     scalers: Mutex<HashMap<String, ScalerState>>,
 }
 
@@ -47,7 +64,7 @@ impl Context {
     pub fn new(
         client: kube::Client,
         recorder: Recorder,
-        metrics: Arc<super::metrics::OperatorMetrics>,
+        metrics: Arc<crate::metrics::OperatorMetrics>,
     ) -> Self {
         Context {
             client,
@@ -55,6 +72,31 @@ impl Context {
             metrics,
             scalers: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Drops the autoscaler state and metric series of pipelines that no longer exist
+    /// (`live` holds the "namespace/name" keys of those that do).
+    pub fn forget_deleted(&self, live: &std::collections::HashSet<String>) {
+        let mut scalers = self.scalers.lock().expect("scaler state");
+        scalers.retain(|k, _| {
+            let keep = live.contains(k);
+            if !keep {
+                let (ns, name) = k.split_once('/').unwrap_or(("", k));
+                self.metrics.scaler.forget_pipeline(ns, name);
+                tracing::info!("{k}: deleted; autoscaler state dropped");
+            }
+            keep
+        });
+    }
+
+    /// Pipelines with autoscaler state (for tests and the deletion sweep).
+    pub fn tracked(&self) -> Vec<String> {
+        self.scalers
+            .lock()
+            .expect("scaler state")
+            .keys()
+            .cloned()
+            .collect()
     }
 }
 
@@ -84,17 +126,17 @@ pub fn policy_spec(a: &Autoscaling) -> autoscale::Spec {
     }
 }
 
-fn key(dp: &DataPipeline) -> String {
+pub fn key(dp: &DataPipeline) -> String {
     format!("{}/{}", dp.namespace().unwrap_or_default(), dp.name_any())
 }
 
 /// A decision about the worker count, with what the status shows of it.
-struct Scale {
-    replicas: i32,
-    observation: Option<Observation>,
-    per_worker: Option<f64>,
-    reason: String,
-    metrics_available: Option<bool>,
+pub struct Scale {
+    pub replicas: i32,
+    pub observation: Option<Observation>,
+    pub per_worker: Option<f64>,
+    pub reason: String,
+    pub metrics_available: Option<bool>,
 }
 
 async fn decide(dp: &DataPipeline, ctx: &Context, current: i32, ready: i32) -> Scale {
@@ -107,27 +149,35 @@ async fn decide(dp: &DataPipeline, ctx: &Context, current: i32, ready: i32) -> S
             metrics_available: None,
         };
     };
-    let spec = policy_spec(a);
     let interval = Duration::from_secs(a.interval_seconds.max(1) as u64);
+    let now = Instant::now();
+    let due = |state: &ScalerState| {
+        state
+            .last_reading
+            .as_ref()
+            .is_none_or(|(t, _)| now.duration_since(*t) >= interval)
+    };
+    {
+        let scalers = ctx.scalers.lock().expect("scaler state");
+        if let Some(state) = scalers.get(&key(dp)).filter(|s| !due(s)) {
+            // Reconciles between evaluations (owned objects changing) hold the count.
+            return Scale {
+                replicas: current,
+                observation: state.last_observation,
+                per_worker: None,
+                reason: String::new(),
+                metrics_available: Some(state.last_observation.is_some()),
+            };
+        }
+    }
+    // Scrape without holding the lock: other pipelines reconcile meanwhile.
     let reading = scrape::read(&ctx.client, dp, &a.metrics).await;
+    if let Err(e) = &reading {
+        tracing::warn!("{}: reading trainer metrics: {e:#}", key(dp));
+    }
     let mut scalers = ctx.scalers.lock().expect("scaler state");
     let state = scalers.entry(key(dp)).or_default();
-    let started = *state.started.get_or_insert_with(Instant::now);
-    let now = Instant::now();
-    let due = state
-        .last_reading
-        .as_ref()
-        .is_none_or(|(t, _)| now.duration_since(*t) >= interval);
-    if !due {
-        // Reconciles between evaluations (owned objects changing) hold the count.
-        return Scale {
-            replicas: current,
-            observation: state.last_observation,
-            per_worker: None,
-            reason: String::new(),
-            metrics_available: Some(state.last_observation.is_some()),
-        };
-    }
+    let started = *state.started.get_or_insert(now);
     let obs = match (&reading, &state.last_reading) {
         (Ok(after), Some((_, before))) => {
             let (b, a) = scrape::paired(before, after);
@@ -135,13 +185,10 @@ async fn decide(dp: &DataPipeline, ctx: &Context, current: i32, ready: i32) -> S
         }
         _ => None,
     };
-    if let Err(e) = &reading {
-        tracing::warn!("{}: reading trainer metrics: {e:#}", key(dp));
-    }
     state.last_reading = reading.ok().map(|r| (now, r));
     state.last_observation = obs;
     let d = state.autoscaler.evaluate(
-        &spec,
+        &policy_spec(a),
         now.duration_since(started),
         current.max(0) as u32,
         obs,
@@ -159,29 +206,26 @@ async fn apply<K>(api: &Api<K>, obj: &K) -> Result<K, Error>
 where
     K: Resource + Clone + Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
 {
-    let name = obj
-        .meta()
-        .name
-        .clone()
-        .ok_or_else(|| Error::Other("object without a name".into()))?;
+    let name = obj.meta().name.clone().unwrap_or_default();
     let pp = PatchParams::apply(FIELD_MANAGER).force();
     Ok(api.patch(&name, &pp, &Patch::Apply(obj)).await?)
 }
 
-/// Creates the token Secret unless it exists: a token is never rotated under running
-/// trainers by accident.
+/// Creates the token Secret unless it exists. Create only: the operator may not read
+/// Secrets (least privilege), and a token is never rotated under running trainers.
 async fn ensure_token(dp: &DataPipeline, secrets: &Api<Secret>) -> Result<(), Error> {
-    let name = build::names(dp).token_secret;
-    if secrets.get_opt(&name).await?.is_some() || dp.spec.token_secret.is_some() {
+    if dp.spec.token_secret.is_some() {
         return Ok(());
     }
-    let token = random_token();
     match secrets
-        .create(&PostParams::default(), &build::token_secret(dp, &token))
+        .create(
+            &PostParams::default(),
+            &build::token_secret(dp, &random_token()),
+        )
         .await
     {
         Ok(_) => Ok(()),
-        // Another replica (or a retry) created it first: fine.
+        // It exists (created by an earlier reconcile, or another replica): keep it.
         Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
         Err(e) => Err(e.into()),
     }
@@ -194,268 +238,186 @@ fn random_token() -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-fn condition(
-    type_: &str,
-    ok: bool,
-    reason: &str,
-    message: String,
-    generation: Option<i64>,
-    prev: &[Condition],
-) -> Condition {
-    let status = if ok { "True" } else { "False" };
-    // The transition time moves only when the status does (API conventions).
-    let last = prev
-        .iter()
-        .find(|c| c.type_ == type_ && c.status == status)
-        .map(|c| c.last_transition_time.clone())
-        .unwrap_or_else(|| Time(k8s_openapi::jiff::Timestamp::now()));
-    Condition {
-        type_: type_.into(),
-        status: status.into(),
-        reason: reason.into(),
-        message,
-        observed_generation: generation,
-        last_transition_time: last,
-    }
-}
-
-/// Nodes the workers may land on (for the NIC saturation check).
-async fn eligible_nodes(dp: &DataPipeline, client: &kube::Client) -> Result<usize, Error> {
-    let selector = dp
-        .spec
-        .worker
-        .node_selector
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",");
+/// Nodes the workers may land on (for the per-node cap and the NIC saturation check).
+async fn eligible_nodes(dp: &DataPipeline, client: &kube::Client) -> Result<u32, Error> {
+    let selector = build::label_selector_string(&dp.spec.worker.node_selector);
     let nodes = Api::<Node>::all(client.clone())
         .list(&ListParams::default().labels(&selector))
         .await?;
-    Ok(nodes
-        .items
-        .iter()
-        .filter(|n| {
-            !n.spec
-                .as_ref()
-                .and_then(|s| s.unschedulable)
-                .unwrap_or(false)
-        })
-        .count())
+    let schedulable = |n: &&Node| {
+        !n.spec
+            .as_ref()
+            .and_then(|s| s.unschedulable)
+            .unwrap_or(false)
+    };
+    Ok(nodes.items.iter().filter(schedulable).count() as u32)
 }
 
 pub async fn reconcile(dp: Arc<DataPipeline>, ctx: Arc<Context>) -> Result<Action, Error> {
     let t0 = Instant::now();
     let r = reconcile_inner(&dp, &ctx).await;
-    ctx.metrics.observe_reconcile(t0.elapsed(), r.is_ok());
+    let result = r.as_ref().map(|_| ()).map_err(Error::metric_label);
+    ctx.metrics.observe_reconcile(t0.elapsed(), result);
     r
 }
 
 async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Error> {
-    let ns = dp
-        .namespace()
-        .ok_or_else(|| Error::Other("DataPipeline without a namespace".into()))?;
+    let ns = dp.namespace().ok_or(Error::NoNamespace)?;
+    let problems = crate::validate::problems(&dp.spec);
+    if !problems.is_empty() {
+        report_invalid(dp, ctx, &ns, &problems).await?;
+        return Err(Error::InvalidSpec(problems));
+    }
     let client = ctx.client.clone();
-    let names = build::names(dp);
     ensure_token(dp, &Api::namespaced(client.clone(), &ns)).await?;
 
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
-    let existing = deployments.get_opt(&names.workers).await?;
-    let current = existing
-        .as_ref()
-        .and_then(|d| d.spec.as_ref()?.replicas)
-        .unwrap_or(dp.spec.replicas);
+    let existing = deployments.get_opt(&build::names(dp).workers).await?;
+    let current = existing.as_ref().and_then(|d| d.spec.as_ref()?.replicas);
     let ready = existing
         .as_ref()
         .and_then(|d| d.status.as_ref()?.ready_replicas)
         .unwrap_or(0);
-    let scale = decide(dp, ctx, current, ready).await;
+    let mut scale = decide(dp, ctx, current.unwrap_or(dp.spec.replicas), ready).await;
+    let nodes = match build::max_workers_per_node(dp) {
+        Some(_) => Some(eligible_nodes(dp, &client).await?),
+        None => None,
+    };
+    let wanted = scale.replicas;
+    if let Some(cap) = nodes.and_then(|n| build::replica_cap(dp, n)) {
+        scale.replicas = scale.replicas.min(cap);
+    }
 
     let deployment = apply(&deployments, &build::deployment(dp, scale.replicas)).await?;
+    apply_owned(dp, &client, &ns).await?;
+    if let Some(from) = current.filter(|c| *c != scale.replicas) {
+        publish_scale(dp, ctx, &ns, from, &scale).await;
+    }
+    let observed = Observed {
+        deployment: deployment.status.unwrap_or_default(),
+        eligible_nodes: nodes,
+        wanted,
+        previous_replicas: current,
+    };
+    let status = status::compute(dp, &scale, &observed);
+    record_gauges(dp, ctx, &ns, &scale, status.ready_replicas);
+    patch_status(dp, &client, &ns, &status).await?;
+    let requeue = dp
+        .spec
+        .autoscaling
+        .as_ref()
+        .map_or(300, |a| a.interval_seconds.max(1) as u64);
+    Ok(Action::requeue(Duration::from_secs(requeue)))
+}
+
+/// The Service, PDB and NetworkPolicy (the Deployment is applied first, with the count).
+async fn apply_owned(dp: &DataPipeline, client: &kube::Client, ns: &str) -> Result<(), Error> {
     apply(
-        &Api::<Service>::namespaced(client.clone(), &ns),
+        &Api::<Service>::namespaced(client.clone(), ns),
         &build::service(dp),
     )
     .await?;
     apply(
-        &Api::<PodDisruptionBudget>::namespaced(client.clone(), &ns),
+        &Api::<PodDisruptionBudget>::namespaced(client.clone(), ns),
         &build::pod_disruption_budget(dp),
     )
     .await?;
     apply(
-        &Api::<NetworkPolicy>::namespaced(client.clone(), &ns),
+        &Api::<NetworkPolicy>::namespaced(client.clone(), ns),
         &build::network_policy(dp),
     )
     .await?;
+    Ok(())
+}
 
-    let prev = dp.status.clone().unwrap_or_default();
-    let mut status = DataPipelineStatus {
-        replicas: deployment
-            .status
-            .as_ref()
-            .and_then(|s| s.replicas)
-            .unwrap_or(0),
-        desired_replicas: scale.replicas,
-        ready_replicas: deployment
-            .status
-            .as_ref()
-            .and_then(|s| s.ready_replicas)
-            .unwrap_or(0),
-        selector: build::selector_string(dp),
-        wait_ratio: scale.observation.map(|o| WaitRatio {
-            worst: round3(o.worst_wait_ratio),
-            mean: round3(o.mean_wait_ratio),
-        }),
-        samples_per_second: scale.observation.map(|o| round3(o.consumed_per_s)),
-        per_worker_samples_per_second: scale
-            .per_worker
-            .map(round3)
-            .or(prev.per_worker_samples_per_second),
-        last_scale_time: prev.last_scale_time.clone(),
-        last_scale_reason: prev.last_scale_reason.clone(),
-        observed_generation: dp.metadata.generation,
-        conditions: Vec::new(),
+async fn publish_scale(dp: &DataPipeline, ctx: &Context, ns: &str, from: i32, scale: &Scale) {
+    let up = scale.replicas > from;
+    ctx.metrics.scaler.count_scale(ns, &dp.name_any(), up);
+    let event = Event {
+        type_: EventType::Normal,
+        reason: if up { "ScaledUp" } else { "ScaledDown" }.into(),
+        note: Some(format!(
+            "{from} -> {} workers: {}",
+            scale.replicas, scale.reason
+        )),
+        action: "Scale".into(),
+        secondary: None,
     };
-    if scale.replicas != current && existing.is_some() {
-        let direction = if scale.replicas > current {
-            "up"
-        } else {
-            "down"
-        };
-        ctx.metrics
-            .count_scale(&ns, &dp.name_any(), scale.replicas > current);
-        status.last_scale_time = Some(Time(k8s_openapi::jiff::Timestamp::now()));
-        status.last_scale_reason =
-            Some(format!("{current} -> {}: {}", scale.replicas, scale.reason));
-        let event = Event {
-            type_: EventType::Normal,
-            reason: if direction == "up" {
-                "ScaledUp"
-            } else {
-                "ScaledDown"
-            }
-            .into(),
-            note: Some(format!(
-                "{current} -> {} workers: {}",
-                scale.replicas, scale.reason
-            )),
-            action: "Scale".into(),
-            secondary: None,
-        };
-        if let Err(e) = ctx.recorder.publish(&event, &dp.object_ref(&())).await {
-            tracing::warn!("publishing a scale event: {e}");
-        }
+    if let Err(e) = ctx.recorder.publish(&event, &dp.object_ref(&())).await {
+        tracing::warn!("publishing a scale event: {e}");
     }
-    let g = dp.metadata.generation;
-    let c = &prev.conditions;
-    let ready_ok = status.ready_replicas >= scale.replicas.min(1) && status.ready_replicas > 0;
-    status.conditions.push(condition(
-        "Ready",
-        ready_ok,
-        if ready_ok {
-            "WorkersReady"
-        } else {
-            "WorkersNotReady"
-        },
-        format!(
-            "{} of {} workers ready",
-            status.ready_replicas, scale.replicas
-        ),
-        g,
-        c,
-    ));
-    let scaling = status.ready_replicas != scale.replicas || status.replicas != scale.replicas;
-    status.conditions.push(condition(
-        "Scaling",
-        scaling,
-        if scaling {
-            "ReplicasChanging"
-        } else {
-            "Stable"
-        },
-        format!("{} ready, {} wanted", status.ready_replicas, scale.replicas),
-        g,
-        c,
-    ));
-    if let Some(available) = scale.metrics_available {
-        status.conditions.push(condition(
-            "MetricsAvailable",
-            available,
-            if available {
-                "TrainerMetricsRead"
-            } else {
-                "TrainerMetricsMissing"
-            },
-            if available {
-                "every trainer rank's wait counters were read".into()
-            } else {
-                "trainer metrics missing, stale or incomplete: holding the worker count".into()
-            },
-            g,
-            c,
-        ));
-    }
-    if let Some(per_node) = build::max_workers_per_node(dp) {
-        let nodes = eligible_nodes(dp, &client).await?;
-        let risk = build::nic_saturation_risk(scale.replicas.max(0) as u32, nodes as u32, per_node);
-        status.conditions.push(condition(
-            "NICSaturationRisk",
-            risk,
-            if risk { "TooFewNodes" } else { "WithinBudget" },
-            format!(
-                "{} workers, {nodes} eligible nodes x {per_node} workers per node by the bandwidth budget",
-                scale.replicas
-            ),
-            g,
-            c,
-        ));
-    }
-    ctx.metrics.record_pipeline(super::metrics::PipelineGauges {
-        namespace: &ns,
-        pipeline: &dp.name_any(),
-        desired: scale.replicas,
-        ready: status.ready_replicas,
-        max: dp
-            .spec
-            .autoscaling
-            .as_ref()
-            .map_or(dp.spec.replicas, |a| a.max_replicas),
-        target: dp.spec.autoscaling.as_ref().map(|a| a.target_wait_ratio),
-        metrics_available: scale.metrics_available,
-    });
-    let dps: Api<DataPipeline> = Api::namespaced(client, &ns);
+}
+
+fn record_gauges(dp: &DataPipeline, ctx: &Context, ns: &str, scale: &Scale, ready: i32) {
+    let a = dp.spec.autoscaling.as_ref();
+    ctx.metrics
+        .scaler
+        .record_pipeline(stoker_control::metrics::PipelineGauges {
+            namespace: ns,
+            pipeline: &dp.name_any(),
+            desired: scale.replicas,
+            ready,
+            max: a.map_or(dp.spec.replicas, |a| a.max_replicas),
+            target: a.map(|a| a.target_wait_ratio),
+            metrics_available: scale.metrics_available,
+        });
+}
+
+async fn patch_status<S: Serialize>(
+    dp: &DataPipeline,
+    client: &kube::Client,
+    ns: &str,
+    status: &S,
+) -> Result<(), Error> {
     let patch = serde_json::json!({
         "apiVersion": "stoker.dev/v1alpha1",
         "kind": "DataPipeline",
         "status": status,
     });
-    dps.patch_status(
-        &dp.name_any(),
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(&patch),
-    )
-    .await?;
-    let requeue = dp
-        .spec
-        .autoscaling
-        .as_ref()
-        .map_or(Duration::from_secs(300), |a| {
-            Duration::from_secs(a.interval_seconds.max(1) as u64)
-        });
-    Ok(Action::requeue(requeue))
+    Api::<DataPipeline>::namespaced(client.clone(), ns)
+        .patch_status(
+            &dp.name_any(),
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await?;
+    Ok(())
 }
 
-fn round3(v: f64) -> f64 {
-    (v * 1000.0).round() / 1000.0
+/// A spec the operator cannot honour: a Warning Event and a Ready=False condition naming
+/// every problem; nothing else changes.
+async fn report_invalid(
+    dp: &DataPipeline,
+    ctx: &Context,
+    ns: &str,
+    problems: &[String],
+) -> Result<(), Error> {
+    let message = problems.join("; ");
+    let event = Event {
+        type_: EventType::Warning,
+        reason: "InvalidSpec".into(),
+        note: Some(message.clone()),
+        action: "Validate".into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&event, &dp.object_ref(&())).await {
+        tracing::warn!("publishing an InvalidSpec event: {e}");
+    }
+    let status = status::invalid(dp, message);
+    patch_status(dp, &ctx.client, ns, &status).await
 }
 
 pub fn error_policy(dp: Arc<DataPipeline>, e: &Error, _ctx: Arc<Context>) -> Action {
     tracing::warn!("reconciling {}: {e}", key(&dp));
-    Action::requeue(Duration::from_secs(5))
+    match e {
+        // Nothing changes until the spec does (a new generation triggers a reconcile).
+        Error::InvalidSpec(_) => Action::requeue(Duration::from_secs(300)),
+        _ => Action::requeue(Duration::from_secs(5)),
+    }
 }
 
 /// The reconcile loop against a mocked API server: every request it makes, in order, with
-/// what it sends (the real API server tests come with the cluster harness).
+/// what it sends (tests/k8s runs the same against a real API server).
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -479,11 +441,7 @@ mod tests {
         let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
         let client = kube::Client::new(service, "default");
         let recorder = Recorder::new(client.clone(), "stoker-operator-test".to_string().into());
-        let ctx = Context::new(
-            client,
-            recorder,
-            super::super::metrics::OperatorMetrics::new(),
-        );
+        let ctx = Context::new(client, recorder, crate::metrics::OperatorMetrics::new());
         (Arc::new(ctx), handle)
     }
 
@@ -556,14 +514,7 @@ mod tests {
         let (ctx, mut h) = context();
         let dp = Arc::new(example());
         let server = tokio::spawn(async move {
-            // The token Secret: absent, so created once.
-            let (_, send) = expect(
-                &mut h,
-                Method::GET,
-                "/api/v1/namespaces/ml/secrets/qwen-sft-token",
-            )
-            .await;
-            send.send_response(not_found());
+            // The token Secret: created (create only, the operator cannot read Secrets).
             let (secret, send) =
                 expect(&mut h, Method::POST, "/api/v1/namespaces/ml/secrets").await;
             assert_eq!(secret["metadata"]["name"], "qwen-sft-token");
@@ -577,6 +528,12 @@ mod tests {
             )
             .await;
             send.send_response(not_found());
+            // The bandwidth budget allows 5 per node; 1 node fits 2 workers.
+            let (_, send) = expect(&mut h, Method::GET, "/api/v1/nodes").await;
+            send.send_response(ok(
+                &json!({"kind": "NodeList", "apiVersion": "v1", "metadata": {},
+                "items": [{"metadata": {"name": "n1"}}]}),
+            ));
             let (d, send) = expect(
                 &mut h,
                 Method::PATCH,
@@ -589,12 +546,6 @@ mod tests {
             applied["status"] = json!({"replicas": 2, "readyReplicas": 1});
             send.send_response(ok(&applied));
             serve_owned_patches(&mut h).await;
-            // The bandwidth budget allows 5 per node; 1 node fits 2 workers.
-            let (_, send) = expect(&mut h, Method::GET, "/api/v1/nodes").await;
-            send.send_response(ok(
-                &json!({"kind": "NodeList", "apiVersion": "v1", "metadata": {},
-                "items": [{"metadata": {"name": "n1"}}]}),
-            ));
             let status = serve_status_patch(&mut h).await;
             status
         });
@@ -630,13 +581,9 @@ mod tests {
         let mut dp = example();
         dp.spec.replicas = 4; // kubectl scale dp/qwen-sft --replicas=4
         dp.spec.token_secret = Some("given".into());
+        dp.spec.placement.max_workers_per_node = Some(1);
         let dp = Arc::new(dp);
         let server = tokio::spawn(async move {
-            let (_, send) =
-                expect(&mut h, Method::GET, "/api/v1/namespaces/ml/secrets/given").await;
-            send.send_response(ok(
-                &json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "given"}}),
-            ));
             let (_, send) = expect(
                 &mut h,
                 Method::GET,
@@ -647,13 +594,20 @@ mod tests {
                 "metadata": {"name": "qwen-sft-workers"},
                 "spec": {"replicas": 2, "selector": {}, "template": {}},
                 "status": {"replicas": 2, "readyReplicas": 2}})));
+            // Three eligible nodes at one worker each: 4 wanted, capped at 3.
+            let (_, send) = expect(&mut h, Method::GET, "/api/v1/nodes").await;
+            let node = |n: &str| json!({"metadata": {"name": n}});
+            send.send_response(ok(
+                &json!({"kind": "NodeList", "apiVersion": "v1", "metadata": {},
+                    "items": [node("a"), node("b"), node("c")]}),
+            ));
             let (d, send) = expect(
                 &mut h,
                 Method::PATCH,
                 "/apis/apps/v1/namespaces/ml/deployments/qwen-sft-workers",
             )
             .await;
-            assert_eq!(d["spec"]["replicas"], 4);
+            assert_eq!(d["spec"]["replicas"], 3);
             send.send_response(ok(&d));
             serve_owned_patches(&mut h).await;
             let (event, send) = expect(
@@ -663,10 +617,6 @@ mod tests {
             )
             .await;
             send.send_response(ok(&event));
-            let (_, send) = expect(&mut h, Method::GET, "/api/v1/nodes").await;
-            send.send_response(ok(
-                &json!({"kind": "NodeList", "apiVersion": "v1", "metadata": {}, "items": []}),
-            ));
             let status = serve_status_patch(&mut h).await;
             (event, status)
         });
@@ -674,15 +624,15 @@ mod tests {
         let (event, status) = server.await.unwrap();
         assert_eq!(event["reason"], "ScaledUp");
         assert!(
-            event["note"].as_str().unwrap().contains("2 -> 4 workers"),
+            event["note"].as_str().unwrap().contains("2 -> 3 workers"),
             "{event}"
         );
         let status = &status["status"];
         assert!(status["lastScaleReason"]
             .as_str()
             .unwrap()
-            .starts_with("2 -> 4"));
-        // No eligible node: 4 workers exceed the bandwidth budget.
+            .starts_with("2 -> 3"));
+        // 4 workers exceed 3 nodes x 1: the condition says so, with the cap.
         let risk = status["conditions"]
             .as_array()
             .unwrap()
@@ -690,6 +640,10 @@ mod tests {
             .find(|c| c["type"] == "NICSaturationRisk")
             .unwrap();
         assert_eq!(risk["status"], "True");
+        assert!(
+            risk["message"].as_str().unwrap().contains("capped at 3"),
+            "{risk}"
+        );
         assert!(ctx
             .metrics
             .render()

@@ -1,0 +1,355 @@
+//! The scheduler as a state machine: link events go in one at a time, and the requests each
+//! worker receives and the deliveries the trainer gets are asserted after every step. No
+//! sockets and no timing: links are channels the test holds.
+
+use super::*;
+use stoker_wire::BatchHead;
+
+const BATCHES_PER_EPOCH: u64 = 4;
+
+fn plan(plan_id: u64) -> Welcome {
+    Welcome {
+        plan_id,
+        dataset_version: 1,
+        num_samples: 32,
+        global_batch_size: 8,
+        batches_per_epoch: BATCHES_PER_EPOCH,
+        description: format!("plan {plan_id}"),
+    }
+}
+
+fn config(depth: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        token: "t".into(),
+        rank: 1,
+        world_size: 2,
+        depth: Depth::Fixed(depth),
+        hedge: None,
+        max_attempts: 3,
+        no_worker_timeout: Duration::from_secs(3600),
+        expect_plan: None,
+        start: (0, 0),
+    }
+}
+
+struct Machine {
+    s: Scheduler,
+    handles: Handles,
+    /// Each link's request queue, as the link task would read it.
+    requests: HashMap<LinkId, mpsc::Receiver<BatchRequest>>,
+}
+
+impl Machine {
+    fn new(cfg: SchedulerConfig) -> Machine {
+        let shared = Arc::new(Shared {
+            consumed: AtomicU64::new(0),
+            interval_ns: AtomicU64::new(0),
+            asking: Default::default(),
+            wake: Notify::new(),
+        });
+        let (s, handles, _, _) = Scheduler::new(cfg, shared, ClientMetrics::new("p", 1));
+        Machine {
+            s,
+            handles,
+            requests: HashMap::new(),
+        }
+    }
+
+    /// A worker at `addr` whose handshake offered `welcome`.
+    fn worker_up(&mut self, addr: &str, welcome: Welcome) -> LinkId {
+        let id = self.s.next_link;
+        self.s.next_link += 1;
+        self.s.links.insert(
+            id,
+            WorkerLink {
+                addr: addr.into(),
+                requests: None,
+                task: tokio::spawn(async {}),
+                outstanding: 0,
+                latency_ewma: None,
+                draining: false,
+            },
+        );
+        self.s.wanted.insert(addr.into());
+        let (tx, rx) = mpsc::channel(64);
+        self.requests.insert(id, rx);
+        self.s.on_event(Event::Up {
+            link: id,
+            welcome,
+            requests: tx,
+        });
+        id
+    }
+
+    /// Everything `link` was asked for since the last call: (request id, epoch, batch).
+    fn asked(&mut self, link: LinkId) -> Vec<(u64, u64, u64)> {
+        let rx = self.requests.get_mut(&link).expect("a link");
+        let mut out = Vec::new();
+        while let Ok(r) = rx.try_recv() {
+            assert_eq!((r.rank, r.world_size), (1, 2));
+            out.push((r.request_id, r.epoch, r.global_batch));
+        }
+        out
+    }
+
+    fn answer(&mut self, link: LinkId, request_id: u64) {
+        let head = BatchHead {
+            request: BatchRequest {
+                request_id,
+                plan_id: 0,
+                epoch: 0,
+                global_batch: 0,
+                rank: 1,
+                world_size: 2,
+            },
+            sample_ids: vec![request_id],
+            skipped: Vec::new(),
+            tensors: Vec::new(),
+            payload_len: 0,
+        };
+        let answer = Ok((head, crate::buffer::AlignedBuf::zeroed(0)));
+        self.s.on_event(Event::Answer {
+            link,
+            request_id,
+            answer,
+        });
+    }
+
+    fn fail(&mut self, link: LinkId, request_id: u64, code: ErrorCode, message: &str) {
+        let e = ErrorFrame {
+            request_id,
+            code,
+            message: message.into(),
+        };
+        self.s.on_event(Event::Answer {
+            link,
+            request_id,
+            answer: Err(e),
+        });
+    }
+
+    /// Deliveries so far: the sample ids (= the request that won) or the error.
+    fn delivered(&mut self) -> Vec<Result<u64, String>> {
+        let mut out = Vec::new();
+        while let Ok(d) = self.handles.deliveries.try_recv() {
+            out.push(d.result.map(|b| b.sample_ids[0]));
+        }
+        out
+    }
+
+    fn consume(&mut self, n: u64) {
+        self.s.shared.consumed.fetch_add(n, Ordering::AcqRel);
+    }
+}
+
+#[tokio::test]
+async fn the_window_is_requested_in_order_and_delivered_in_order_whatever_the_answer_order() {
+    let mut m = Machine::new(config(3));
+    let a = m.worker_up("a", plan(7));
+    m.s.step();
+    let asked = m.asked(a);
+    assert_eq!(
+        asked.iter().map(|r| (r.1, r.2)).collect::<Vec<_>>(),
+        [(0, 0), (0, 1), (0, 2)]
+    );
+    // Answers arrive 2, 0, 1: delivery waits for 0, then releases in plan order.
+    m.answer(a, asked[2].0);
+    m.s.step();
+    assert!(m.delivered().is_empty(), "position 0 is not ready");
+    m.answer(a, asked[0].0);
+    m.answer(a, asked[1].0);
+    m.s.step();
+    let ids: Vec<u64> = asked.iter().map(|r| r.0).collect();
+    assert_eq!(m.delivered(), ids.into_iter().map(Ok).collect::<Vec<_>>());
+    // The trainer takes two: the window slides, crossing into epoch 1 after batch 3.
+    m.consume(3);
+    m.s.step();
+    let next: Vec<(u64, u64)> = m.asked(a).iter().map(|r| (r.1, r.2)).collect();
+    assert_eq!(next, [(0, 3), (1, 0), (1, 1)]);
+}
+
+#[tokio::test]
+async fn requests_spread_over_workers_and_a_lost_worker_s_go_to_the_others() {
+    let mut m = Machine::new(config(4));
+    let a = m.worker_up("a", plan(7));
+    let b = m.worker_up("b", plan(7));
+    m.s.step();
+    let (on_a, on_b) = (m.asked(a), m.asked(b));
+    assert_eq!(
+        (on_a.len(), on_b.len()),
+        (2, 2),
+        "the fewest outstanding first"
+    );
+    // a dies with its two requests unanswered: they are re-sent to b, nothing is lost.
+    m.s.on_event(Event::Down {
+        link: a,
+        error: "connection reset".into(),
+    });
+    m.s.step();
+    let resent: Vec<(u64, u64)> = m.asked(b).iter().map(|r| (r.1, r.2)).collect();
+    let mut lost: Vec<(u64, u64)> = on_a.iter().map(|r| (r.1, r.2)).collect();
+    lost.sort();
+    assert_eq!(resent, lost);
+    assert!(
+        m.s.reconnect_at.contains_key("a"),
+        "a reconnect is scheduled"
+    );
+    // A late answer from the dead link's request is dropped; b's answers deliver everything.
+    m.answer(a, on_a[0].0);
+    let on_b_now: Vec<u64> = m.s.in_flight.keys().copied().collect();
+    assert_eq!(on_b_now.len(), 4, "b holds every position now");
+    for id in on_b_now {
+        m.answer(b, id);
+    }
+    m.s.step();
+    let got = m.delivered();
+    assert_eq!(got.len(), 4, "{got:?}");
+    assert!(got.iter().all(|r| r.is_ok()));
+}
+
+#[tokio::test]
+async fn a_draining_worker_is_asked_nothing_more_and_its_refusal_is_retried_elsewhere() {
+    let mut m = Machine::new(config(1));
+    let a = m.worker_up("a", plan(7));
+    m.s.step();
+    let first = m.asked(a);
+    let b = m.worker_up("b", plan(7));
+    m.fail(a, first[0].0, ErrorCode::Unavailable, "draining");
+    m.s.step();
+    let retried = m.asked(b);
+    assert_eq!(
+        (retried[0].1, retried[0].2),
+        (0, 0),
+        "the same position, elsewhere"
+    );
+    m.answer(b, retried[0].0);
+    m.consume(1);
+    m.s.step();
+    assert!(m.asked(a).is_empty(), "a drains: nothing more for it");
+    assert_eq!(m.asked(b).len(), 1);
+    assert_eq!(m.delivered(), [Ok(retried[0].0)]);
+}
+
+#[tokio::test]
+async fn a_failed_request_reaches_the_trainer_naming_the_batch_and_the_worker() {
+    let mut m = Machine::new(config(2));
+    let a = m.worker_up("a", plan(7));
+    m.s.step();
+    let asked = m.asked(a);
+    m.answer(a, asked[0].0);
+    m.fail(a, asked[1].0, ErrorCode::Failed, "object x.jpg: corrupt");
+    m.s.step();
+    let got = m.delivered();
+    assert_eq!(got[0], Ok(asked[0].0));
+    let err = got[1].as_ref().unwrap_err();
+    assert!(
+        err.contains("epoch 0 batch 1 (rank 1/2): worker a: object x.jpg: corrupt"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn repeated_draining_refusals_give_up_after_max_attempts() {
+    let mut m = Machine::new(config(1));
+    let mut links = Vec::new();
+    for addr in ["a", "b", "c"] {
+        links.push(m.worker_up(addr, plan(7)));
+    }
+    for _ in 0..3 {
+        m.s.step();
+        let (link, id) = links
+            .iter()
+            .find_map(|l| m.asked(*l).first().map(|r| (*l, r.0)))
+            .expect("one worker was asked");
+        m.fail(link, id, ErrorCode::Unavailable, "draining");
+    }
+    m.s.step();
+    let got = m.delivered();
+    assert_eq!(got.len(), 1);
+    assert!(got[0].as_ref().unwrap_err().contains("epoch 0 batch 0"));
+}
+
+#[tokio::test]
+async fn a_worker_of_another_plan_is_never_asked() {
+    let mut m = Machine::new(config(2));
+    let a = m.worker_up("a", plan(7));
+    let stranger = m.worker_up("stranger", plan(8));
+    m.s.step();
+    assert_eq!(m.asked(a).len(), 2);
+    assert!(m.asked(stranger).is_empty());
+    assert!(m.s.problems["stranger"].contains("serves plan 0000000000000008"));
+}
+
+#[tokio::test]
+async fn a_loaded_state_starts_at_its_epoch_and_batch_and_refuses_other_plans() {
+    let mut cfg = config(2);
+    cfg.start = (2, 3);
+    cfg.expect_plan = Some(7);
+    let mut m = Machine::new(cfg);
+    let other = m.worker_up("other", plan(9));
+    m.s.step();
+    assert!(m.asked(other).is_empty());
+    let a = m.worker_up("a", plan(7));
+    m.s.step();
+    let got: Vec<(u64, u64)> = m.asked(a).iter().map(|r| (r.1, r.2)).collect();
+    assert_eq!(got, [(2, 3), (3, 0)]);
+}
+
+#[tokio::test]
+async fn a_seek_restarts_delivery_and_drops_answers_for_the_old_window() {
+    let mut m = Machine::new(config(2));
+    let a = m.worker_up("a", plan(7));
+    m.s.step();
+    let old = m.asked(a);
+    m.s.on_control(Control::Seek {
+        position: 6,
+        generation: 1,
+    });
+    m.s.shared.consumed.store(6, Ordering::Release);
+    m.s.step();
+    let new = m.asked(a);
+    assert_eq!(
+        new.iter().map(|r| (r.1, r.2)).collect::<Vec<_>>(),
+        [(1, 2), (1, 3)]
+    );
+    for (id, _, _) in old {
+        m.answer(a, id); // stale: no pending position
+    }
+    m.answer(a, new[0].0);
+    m.s.step();
+    let d = m.handles.deliveries.try_recv().unwrap();
+    assert_eq!(d.generation, 1);
+    assert_eq!(d.result.unwrap().sample_ids, [new[0].0]);
+    assert!(m.handles.deliveries.try_recv().is_err());
+}
+
+#[tokio::test]
+async fn a_straggler_at_the_head_is_hedged_on_another_worker_and_the_first_answer_wins() {
+    let mut cfg = config(1);
+    cfg.hedge = Some(HedgePolicy {
+        min_observations: 1,
+        ..HedgePolicy::default()
+    });
+    let mut m = Machine::new(cfg);
+    let a = m.worker_up("a", plan(7));
+    let b = m.worker_up("b", plan(7));
+    m.s.latencies.record(Duration::from_millis(1));
+    m.s.step();
+    let (slow, other) = if m.asked(a).is_empty() {
+        (b, a)
+    } else {
+        (a, b)
+    };
+    let first = m.s.in_flight.keys().copied().next().unwrap();
+    // Older than 1.5 × p95 of what was seen (1 ms): hedged once, on the other worker.
+    std::thread::sleep(Duration::from_millis(5));
+    m.s.step();
+    m.s.step();
+    let hedge = m.asked(other);
+    assert_eq!(hedge.len(), 1, "one hedge");
+    assert_eq!((hedge[0].1, hedge[0].2), (0, 0));
+    m.answer(other, hedge[0].0);
+    m.answer(slow, first); // the loser: dropped
+    m.s.step();
+    assert_eq!(m.delivered(), [Ok(hedge[0].0)]);
+}

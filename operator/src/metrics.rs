@@ -1,0 +1,96 @@
+//! The operator's own /metrics (docs/metrics.md) and health endpoints: the autoscaler's
+//! per-pipeline series (shared with `stoker demo`, from stoker-control) plus reconciles,
+//! reconcile errors by kind and leadership.
+
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
+use std::sync::Arc;
+use std::time::Duration;
+use stoker_control::metrics::ScalerMetrics;
+
+pub struct OperatorMetrics {
+    registry: Registry,
+    reconciles: IntCounterVec,
+    reconcile_errors: IntCounterVec,
+    reconcile_seconds: HistogramVec,
+    pub scaler: ScalerMetrics,
+    pub leader: IntGauge,
+}
+
+impl OperatorMetrics {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::register(Registry::new()).expect("unique metric names"))
+    }
+
+    fn register(registry: Registry) -> prometheus::Result<Self> {
+        let reconciles = IntCounterVec::new(
+            Opts::new(
+                "stoker_operator_reconciles_total",
+                "Reconciles of DataPipelines, by result (ok, error).",
+            ),
+            &["result"],
+        )?;
+        let reconcile_errors = IntCounterVec::new(
+            Opts::new(
+                "stoker_operator_reconcile_errors_total",
+                "Failed reconciles by error kind (invalid_spec, kube_api, ...).",
+            ),
+            &["kind"],
+        )?;
+        let reconcile_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "stoker_operator_reconcile_seconds",
+                "Time one reconcile took (API calls and metric scrapes included).",
+            )
+            .buckets(prometheus::exponential_buckets(0.005, 2.0, 12)?),
+            &[],
+        )?;
+        let leader = IntGauge::new(
+            "stoker_operator_leader",
+            "1 while this replica holds the leader Lease and reconciles.",
+        )?;
+        registry.register(Box::new(reconciles.clone()))?;
+        registry.register(Box::new(reconcile_errors.clone()))?;
+        registry.register(Box::new(reconcile_seconds.clone()))?;
+        registry.register(Box::new(leader.clone()))?;
+        let scaler = ScalerMetrics::register(&registry)?;
+        Ok(OperatorMetrics {
+            registry,
+            reconciles,
+            reconcile_errors,
+            reconcile_seconds,
+            scaler,
+            leader,
+        })
+    }
+
+    /// One reconcile's outcome: `Err(kind)` counts an error of that kind.
+    pub fn observe_reconcile(&self, took: Duration, result: Result<(), &str>) {
+        let label = match result {
+            Ok(()) => "ok",
+            Err(kind) => {
+                self.reconcile_errors.with_label_values(&[kind]).inc();
+                "error"
+            }
+        };
+        self.reconciles.with_label_values(&[label]).inc();
+        self.reconcile_seconds
+            .with_label_values(&[])
+            .observe(took.as_secs_f64());
+    }
+
+    pub fn render(&self) -> String {
+        stoker_control::metrics::render(&self.registry)
+    }
+}
+
+/// /metrics, /healthz (the process runs) and /readyz (same: a standby replica is healthy).
+pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<OperatorMetrics>) {
+    use axum::routing::get;
+    let app = axum::Router::new()
+        .route("/metrics", get(move || async move { metrics.render() }))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(|| async { "ok" }));
+    if let Err(e) = axum::serve(listener, app).await {
+        tracing::error!("operator metrics endpoint: {e}");
+    }
+}

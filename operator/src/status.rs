@@ -1,0 +1,264 @@
+//! The DataPipeline status from what reconcile observed and decided: pure, so each condition
+//! is unit-tested without an API server.
+
+use crate::build;
+use crate::crd::{DataPipeline, DataPipelineStatus, WaitRatio};
+use crate::reconcile::Scale;
+use k8s_openapi::api::apps::v1::DeploymentStatus;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+
+/// What reconcile saw of the cluster.
+pub struct Observed {
+    /// The worker Deployment's status after the apply.
+    pub deployment: DeploymentStatus,
+    /// Nodes the workers may use, when a per-node limit applies.
+    pub eligible_nodes: Option<u32>,
+    /// The count the autoscaler (or spec.replicas) asked for, before the per-node cap.
+    pub wanted: i32,
+    /// The Deployment's replicas before this reconcile (`None`: it did not exist).
+    pub previous_replicas: Option<i32>,
+}
+
+pub fn compute(dp: &DataPipeline, scale: &Scale, seen: &Observed) -> DataPipelineStatus {
+    let prev = dp.status.clone().unwrap_or_default();
+    let ready = seen.deployment.ready_replicas.unwrap_or(0);
+    let replicas = seen.deployment.replicas.unwrap_or(0);
+    let changed = seen.previous_replicas.is_some_and(|p| p != scale.replicas);
+    let (last_scale_time, last_scale_reason) = match seen.previous_replicas {
+        Some(from) if changed => (
+            Some(now()),
+            Some(format!("{from} -> {}: {}", scale.replicas, scale.reason)),
+        ),
+        _ => (prev.last_scale_time.clone(), prev.last_scale_reason.clone()),
+    };
+    let mut conditions = vec![
+        ready_condition(ready, scale.replicas),
+        scaling_condition(ready, replicas, scale.replicas),
+    ];
+    if let Some(available) = scale.metrics_available {
+        conditions.push(metrics_condition(available));
+    }
+    if let (Some(per_node), Some(nodes)) = (build::max_workers_per_node(dp), seen.eligible_nodes) {
+        conditions.push(nic_condition(seen.wanted, scale.replicas, nodes, per_node));
+    }
+    let generation = dp.metadata.generation;
+    DataPipelineStatus {
+        replicas,
+        desired_replicas: scale.replicas,
+        ready_replicas: ready,
+        selector: build::selector_string(dp),
+        wait_ratio: scale.observation.map(|o| WaitRatio {
+            worst: round3(o.worst_wait_ratio),
+            mean: round3(o.mean_wait_ratio),
+        }),
+        samples_per_second: scale.observation.map(|o| round3(o.consumed_per_s)),
+        per_worker_samples_per_second: scale
+            .per_worker
+            .map(round3)
+            .or(prev.per_worker_samples_per_second),
+        last_scale_time,
+        last_scale_reason,
+        observed_generation: generation,
+        conditions: conditions
+            .into_iter()
+            .map(|c| c.stamp(generation, &prev.conditions))
+            .collect(),
+    }
+}
+
+/// The previous status with Ready=False/InvalidSpec: nothing was applied for this spec.
+pub fn invalid(dp: &DataPipeline, message: String) -> DataPipelineStatus {
+    let prev = dp.status.clone().unwrap_or_default();
+    let generation = dp.metadata.generation;
+    let mut conditions: Vec<Condition> = prev
+        .conditions
+        .iter()
+        .filter(|c| c.type_ != "Ready")
+        .cloned()
+        .collect();
+    conditions.push(
+        Cond {
+            type_: "Ready",
+            ok: false,
+            reason: "InvalidSpec",
+            message,
+        }
+        .stamp(generation, &prev.conditions),
+    );
+    DataPipelineStatus {
+        selector: build::selector_string(dp),
+        observed_generation: generation,
+        conditions,
+        ..prev
+    }
+}
+
+/// A condition before its transition time is known.
+struct Cond {
+    type_: &'static str,
+    ok: bool,
+    reason: &'static str,
+    message: String,
+}
+
+impl Cond {
+    fn stamp(self, generation: Option<i64>, prev: &[Condition]) -> Condition {
+        let status = if self.ok { "True" } else { "False" };
+        // The transition time moves only when the status does (API conventions).
+        let last = prev
+            .iter()
+            .find(|c| c.type_ == self.type_ && c.status == status)
+            .map_or_else(now, |c| c.last_transition_time.clone());
+        Condition {
+            type_: self.type_.into(),
+            status: status.into(),
+            reason: self.reason.into(),
+            message: self.message,
+            observed_generation: generation,
+            last_transition_time: last,
+        }
+    }
+}
+
+fn ready_condition(ready: i32, desired: i32) -> Cond {
+    let ok = ready > 0 && ready >= desired.min(1);
+    Cond {
+        type_: "Ready",
+        ok,
+        reason: if ok {
+            "WorkersReady"
+        } else {
+            "WorkersNotReady"
+        },
+        message: format!("{ready} of {desired} workers ready"),
+    }
+}
+
+fn scaling_condition(ready: i32, replicas: i32, desired: i32) -> Cond {
+    let scaling = ready != desired || replicas != desired;
+    Cond {
+        type_: "Scaling",
+        ok: scaling,
+        reason: if scaling {
+            "ReplicasChanging"
+        } else {
+            "Stable"
+        },
+        message: format!("{ready} ready, {desired} wanted"),
+    }
+}
+
+fn metrics_condition(available: bool) -> Cond {
+    Cond {
+        type_: "MetricsAvailable",
+        ok: available,
+        reason: if available {
+            "TrainerMetricsRead"
+        } else {
+            "TrainerMetricsMissing"
+        },
+        message: if available {
+            "every trainer rank's wait counters were read".into()
+        } else {
+            "trainer metrics missing, stale or incomplete: holding the worker count".into()
+        },
+    }
+}
+
+fn nic_condition(wanted: i32, replicas: i32, nodes: u32, per_node: u32) -> Cond {
+    let risk = build::nic_saturation_risk(wanted.max(0) as u32, nodes, per_node);
+    let capped = if replicas < wanted {
+        format!(" (capped at {replicas})")
+    } else {
+        String::new()
+    };
+    Cond {
+        type_: "NICSaturationRisk",
+        ok: risk,
+        reason: if risk { "TooFewNodes" } else { "WithinBudget" },
+        message: format!(
+            "{wanted} workers wanted{capped}, {nodes} eligible nodes x {per_node} workers per node by the placement"
+        ),
+    }
+}
+
+fn now() -> Time {
+    Time(k8s_openapi::jiff::Timestamp::now())
+}
+
+fn round3(v: f64) -> f64 {
+    (v * 1000.0).round() / 1000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dp() -> DataPipeline {
+        let mut dp: DataPipeline =
+            serde_yaml::from_str(include_str!("../../examples/datapipeline.yaml")).unwrap();
+        dp.metadata.generation = Some(7);
+        dp
+    }
+
+    fn scale(replicas: i32) -> Scale {
+        Scale {
+            replicas,
+            observation: None,
+            per_worker: None,
+            reason: "because".into(),
+            metrics_available: Some(false),
+        }
+    }
+
+    fn cond<'a>(s: &'a DataPipelineStatus, t: &str) -> &'a Condition {
+        s.conditions.iter().find(|c| c.type_ == t).unwrap()
+    }
+
+    #[test]
+    fn a_capped_count_reports_the_nic_risk_with_both_numbers() {
+        let seen = Observed {
+            deployment: DeploymentStatus {
+                replicas: Some(2),
+                ready_replicas: Some(2),
+                ..Default::default()
+            },
+            eligible_nodes: Some(2),
+            wanted: 12,
+            previous_replicas: Some(2),
+        };
+        // The example's budget: 20 Gb/s per node / 4 per worker = 5 per node.
+        let s = compute(&dp(), &scale(10), &seen);
+        let nic = cond(&s, "NICSaturationRisk");
+        assert_eq!(nic.status, "True");
+        assert!(
+            nic.message.contains("12 workers wanted (capped at 10)"),
+            "{}",
+            nic.message
+        );
+        assert_eq!(s.last_scale_reason.as_deref(), Some("2 -> 10: because"));
+        assert_eq!(cond(&s, "Scaling").status, "True");
+        assert_eq!(cond(&s, "MetricsAvailable").reason, "TrainerMetricsMissing");
+        assert!(s
+            .conditions
+            .iter()
+            .all(|c| c.observed_generation == Some(7)));
+    }
+
+    #[test]
+    fn invalid_keeps_the_last_status_and_says_why() {
+        let mut d = dp();
+        d.status = Some(DataPipelineStatus {
+            ready_replicas: 3,
+            ..Default::default()
+        });
+        let s = invalid(&d, "worker.image is empty".into());
+        assert_eq!(s.ready_replicas, 3);
+        let ready = cond(&s, "Ready");
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "InvalidSpec")
+        );
+        assert_eq!(ready.message, "worker.image is empty");
+    }
+}

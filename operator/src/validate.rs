@@ -1,0 +1,120 @@
+//! What the operator checks before it builds anything: rules the API server's CEL cannot
+//! express (they need parsing, or knowledge of what the operator and worker support). A spec
+//! that fails gets a `Ready=False/InvalidSpec` condition and a Warning Event naming every
+//! problem; nothing is applied for it until it changes.
+
+use crate::crd::{DataPipelineSpec, MetricSource};
+
+/// Every problem of `spec`, each naming its field; empty when the operator can honour it.
+pub fn problems(spec: &DataPipelineSpec) -> Vec<String> {
+    let mut out = Vec::new();
+    if spec.worker.image.trim().is_empty() {
+        out.push("worker.image is empty".into());
+    }
+    if let Some(a) = &spec.autoscaling {
+        metric_source(&a.metrics, &mut out);
+    }
+    if let Some(t) = &spec.preprocessing.tokenizer {
+        tokenizer(t, spec.source.s3.is_some(), &mut out);
+    }
+    if let Some(r) = &spec.worker.resources {
+        for (kind, list) in [("limits", &r.limits), ("requests", &r.requests)] {
+            if let Some(cpu) = list.as_ref().and_then(|l| l.get("cpu")) {
+                if crate::build::cpu_cores(&cpu.0).is_none() {
+                    out.push(format!(
+                        "worker.resources.{kind}.cpu {:?} is not a CPU quantity",
+                        cpu.0
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+fn metric_source(m: &MetricSource, out: &mut Vec<String>) {
+    // The operator scrapes plain HTTP (the trainer client and Prometheus serve it).
+    for url in m.urls.iter().flatten() {
+        if !url.starts_with("http://") {
+            out.push(format!(
+                "autoscaling.metrics.urls: {url:?} is not an http:// URL"
+            ));
+        }
+    }
+    if let Some(p) = &m.prometheus {
+        if !p.url.starts_with("http://") {
+            out.push(format!(
+                "autoscaling.metrics.prometheus.url: {:?} is not an http:// URL",
+                p.url
+            ));
+        }
+    }
+}
+
+fn tokenizer(t: &str, has_s3: bool, out: &mut Vec<String>) {
+    match t.split_once("://") {
+        Some(("s3", _)) if !has_s3 => out.push(format!(
+            "preprocessing.tokenizer {t:?} is on S3 but source.s3 is not set (the worker \
+             fetches it with the source's endpoint and credentials)"
+        )),
+        Some(("s3", _)) | None => {}
+        Some((scheme, _)) => out.push(format!(
+            "preprocessing.tokenizer {t:?}: scheme {scheme}:// is not supported (s3:// or a \
+             path in the image or a mounted volume)"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::DataPipeline;
+
+    fn spec() -> DataPipelineSpec {
+        let dp: DataPipeline =
+            serde_yaml::from_str(include_str!("../../examples/datapipeline.yaml")).unwrap();
+        dp.spec
+    }
+
+    #[test]
+    fn the_example_is_valid() {
+        assert_eq!(problems(&spec()), Vec::<String>::new());
+    }
+
+    #[test]
+    fn each_problem_names_its_field() {
+        let mut s = spec();
+        s.worker.image = " ".into();
+        s.preprocessing.tokenizer = Some("https://hub/tokenizer.json".into());
+        let a = s.autoscaling.as_mut().unwrap();
+        a.metrics.trainer_pods = None;
+        a.metrics.urls = Some(vec!["https://rank0:9400/metrics".into()]);
+        let cpu = k8s_openapi::apimachinery::pkg::api::resource::Quantity("two".into());
+        s.worker.resources = Some(k8s_openapi::api::core::v1::ResourceRequirements {
+            limits: Some([("cpu".to_string(), cpu)].into()),
+            ..Default::default()
+        });
+        let p = problems(&s).join("\n");
+        for needle in [
+            "worker.image is empty",
+            "scheme https:// is not supported",
+            "autoscaling.metrics.urls: \"https://rank0:9400/metrics\"",
+            "worker.resources.limits.cpu \"two\"",
+        ] {
+            assert!(p.contains(needle), "{needle} missing from:\n{p}");
+        }
+    }
+
+    #[test]
+    fn an_s3_tokenizer_needs_an_s3_source() {
+        let mut s = spec();
+        s.preprocessing.tokenizer = Some("s3://models/qwen/tokenizer.json".into());
+        assert!(problems(&s).is_empty());
+        s.source.s3 = None;
+        s.source.volume = Some(crate::crd::VolumeSource {
+            claim_name: "data".into(),
+            path: String::new(),
+        });
+        assert!(problems(&s)[0].contains("source.s3 is not set"));
+    }
+}

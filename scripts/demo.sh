@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The README's first command: installs what the build and the demo need (idempotent), then
+# runs `stoker demo` (arguments are passed on). It builds into the same target directory as
+# scripts/test.sh ($STOKER_CACHE/target), so the two commands share one build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export STOKER_CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$STOKER_CACHE/target}"
+./scripts/setup-build-deps.sh
+./scripts/setup-test-deps.sh
+exec cargo run --release --bin stoker -- demo "$@"

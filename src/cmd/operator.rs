@@ -1,0 +1,39 @@
+//! `stoker operator` and `stoker crd`: the command line of the stoker-operator crate.
+
+use stoker_operator::Config;
+
+#[derive(clap::Args)]
+pub struct OperatorArgs {
+    /// Address for /metrics, /healthz and /readyz.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    metrics_listen: String,
+    /// Namespace of the leader-election Lease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    lease_namespace: String,
+    /// This replica's name in the Lease and in Events [default: the hostname].
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    /// Watch DataPipelines of this namespace only [default: all namespaces].
+    #[arg(long)]
+    namespace: Option<String>,
+}
+
+pub async fn run(a: OperatorArgs) -> anyhow::Result<()> {
+    let identity = a.identity.unwrap_or_else(|| {
+        std::fs::read_to_string("/etc/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| format!("stoker-operator-{}", std::process::id()))
+    });
+    stoker_operator::run(Config {
+        metrics_listen: a.metrics_listen,
+        lease_namespace: a.lease_namespace,
+        identity,
+        namespace: a.namespace,
+    })
+    .await
+}
+
+pub fn print_crd() -> anyhow::Result<()> {
+    print!("{}", stoker_operator::crd_yaml()?);
+    Ok(())
+}

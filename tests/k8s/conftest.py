@@ -1,0 +1,197 @@
+"""Fixtures for the end-to-end tests on a real control plane (scripts/cluster.sh): etcd,
+kube-apiserver, kube-controller-manager, kube-scheduler and kwok's fake nodes, all on
+loopback. The chart is installed with the real helm; the operator runs as a local process
+with the credentials of the chart's ServiceAccount (a TokenRequest token), so its RBAC is
+what the cluster enforces."""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+CACHE = pathlib.Path(os.environ.get("STOKER_CACHE", pathlib.Path.home() / ".cache" / "stoker"))
+BIN = CACHE / "bin"
+RELEASE_NS = "stoker-system"
+SA = "stoker"  # the chart's fullname for release "stoker"
+
+
+def stoker_bin() -> str:
+    path = os.environ.get("STOKER_BIN", str(REPO / "target" / "release" / "stoker"))
+    if not os.path.exists(path):
+        pytest.fail(f"no stoker binary at {path} (cargo build --release, or set STOKER_BIN)")
+    return path
+
+
+def require_tools() -> None:
+    missing = [t for t in ("kube-apiserver", "etcd", "kwok", "kubectl", "helm") if not (BIN / t).exists()]
+    if missing:
+        if os.environ.get("STOKER_REQUIRE_CLUSTER"):
+            pytest.fail(f"missing {missing} in {BIN}: run scripts/setup-k8s-tools.sh")
+        pytest.skip(f"missing {missing} in {BIN}: run scripts/setup-k8s-tools.sh")
+
+
+def wait_until(what: str, check, timeout: float = 60.0, every: float = 0.5):
+    """Polls `check` until it returns something truthy; fails naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except Exception as e:  # noqa: BLE001 - a failed poll is retried
+            last = e
+        time.sleep(every)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, state_dir: pathlib.Path) -> None:
+        self.env = dict(os.environ, STOKER_CLUSTER_DIR=str(state_dir),
+                        STOKER_CLUSTER_PORT_BASE=str(20000 + os.getpid() % 20000))
+        self.script = str(REPO / "scripts" / "cluster.sh")
+        out = subprocess.run([self.script, "up"], env=self.env, check=True,
+                             capture_output=True, text=True, timeout=600)
+        self.kubeconfig = out.stdout.strip().splitlines()[-1]
+
+    def down(self) -> None:
+        subprocess.run([self.script, "down"], env=self.env, capture_output=True, timeout=120)
+
+    def restart_apiserver(self) -> None:
+        subprocess.run([self.script, "restart", "apiserver"], env=self.env, check=True,
+                       capture_output=True, timeout=300)
+
+    def kubectl(self, *args: str, kubeconfig: str = "", check: bool = True,
+                input: str = "") -> subprocess.CompletedProcess:
+        cmd = [str(BIN / "kubectl"), "--kubeconfig", kubeconfig or self.kubeconfig, *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, input=input or None, timeout=120)
+        if check and r.returncode != 0:
+            raise AssertionError(f"{' '.join(args)}: {r.stderr.strip()}")
+        return r
+
+    def get(self, kind: str, name: str = "", ns: str = "", **kw) -> dict:
+        args = ["get", kind] + ([name] if name else []) + (["-n", ns] if ns else []) + ["-o", "json"]
+        return json.loads(self.kubectl(*args, **kw).stdout)
+
+    def token_kubeconfig(self, sa: str, ns: str, path: pathlib.Path) -> str:
+        """A kubeconfig holding a TokenRequest token of ServiceAccount ns/sa."""
+        token = self.kubectl("create", "token", sa, "-n", ns, "--duration", "2h").stdout.strip()
+        admin = self.kubectl("config", "view", "--raw", "-o", "json").stdout
+        cluster = json.loads(admin)["clusters"][0]["cluster"]
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "c", "cluster": cluster}],
+            "users": [{"name": sa, "user": {"token": token}}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": sa}}],
+            "current-context": "c",
+        }))
+        return str(path)
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    require_tools()
+    state = pathlib.Path(tempfile.mkdtemp(prefix="stoker-cluster-"))
+    c = None
+    try:
+        c = Cluster(state)
+        yield c
+    finally:
+        if c is not None:
+            c.down()
+        else:  # a failed `up` leaves processes: the same script stops them
+            subprocess.run([str(REPO / "scripts" / "cluster.sh"), "down"],
+                           env=dict(os.environ, STOKER_CLUSTER_DIR=str(state)), capture_output=True)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def helm(cluster: Cluster, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "helm"), "--kubeconfig", cluster.kubeconfig, *args],
+                          check=True, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def release(cluster):
+    """`helm install stoker charts/stoker`: the CRD from crds/, RBAC, the operator's
+    ServiceAccount and Deployment (a fake pod on kwok: the real operator runs below)."""
+    helm(cluster, "install", "stoker", str(REPO / "charts" / "stoker"),
+         "-n", RELEASE_NS, "--create-namespace", "--wait", "--timeout", "120s")
+    wait_until("the CRD to be established", lambda: "True" in cluster.kubectl(
+        "get", "crd", "datapipelines.stoker.dev", "-o",
+        "jsonpath={.status.conditions[?(@.type=='Established')].status}").stdout)
+    return "stoker"
+
+
+class Operator:
+    """`stoker operator` as a local process with the ServiceAccount's token."""
+
+    def __init__(self, kubeconfig: str, identity: str, log_dir: pathlib.Path) -> None:
+        self.port = free_port()
+        self.identity = identity
+        self.log = log_dir / f"operator-{identity}.log"
+        env = dict(os.environ, KUBECONFIG=kubeconfig, RUST_LOG="info,stoker_operator=debug")
+        self.proc = subprocess.Popen(
+            [stoker_bin(), "operator", "--metrics-listen", f"127.0.0.1:{self.port}",
+             "--lease-namespace", RELEASE_NS, "--identity", identity],
+            env=env, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"))
+        wait_until(f"operator {identity}'s /metrics", lambda: self.metrics() is not None, 30)
+
+    def metrics(self):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
+                return r.read().decode()
+        except OSError:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"operator {self.identity} exited: {self.log.read_text()[-2000:]}")
+            return None
+
+    def is_leader(self) -> bool:
+        m = self.metrics() or ""
+        return "stoker_operator_leader 1" in m
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def operator_kubeconfig(cluster, release, tmp_path_factory) -> str:
+    return cluster.token_kubeconfig(SA, RELEASE_NS, tmp_path_factory.mktemp("sa") / "kubeconfig")
+
+
+@pytest.fixture(scope="session")
+def logs(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def operator(cluster, operator_kubeconfig, logs):
+    op = Operator(operator_kubeconfig, "op-main", logs)
+    wait_until("the operator to lead", op.is_leader, 60)
+    yield op
+    op.kill(signal.SIGTERM)
+
+
+def restricted_namespace(cluster: Cluster, ns: str) -> None:
+    """A namespace that enforces the PodSecurity `restricted` level."""
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": ns, "labels": {
+            "pod-security.kubernetes.io/enforce": "restricted",
+            "pod-security.kubernetes.io/enforce-version": "latest"}}}))

@@ -1,0 +1,357 @@
+"""The operator end to end on a real control plane: the chart, RBAC, the example pipeline,
+placement by the real scheduler, autoscaling on trainer metrics, the scale subresource, CEL
+and operator-side validation, garbage collection, restarts and leader election.
+Tests run in file order and share one cluster and one operator (see conftest.py)."""
+
+import copy
+import http.server
+import json
+import pathlib
+import threading
+import time
+
+import pytest
+import yaml
+
+from conftest import (REPO, RELEASE_NS, SA, Operator, helm, restricted_namespace,
+                      wait_until)
+
+NS = "ml"
+EXAMPLE = yaml.safe_load((REPO / "examples" / "datapipeline.yaml").read_text())
+OWNED = ["deployment", "service", "poddisruptionbudget", "networkpolicy"]
+
+
+def pipeline(name: str, **spec) -> dict:
+    """A small DataPipeline: the example's source, no autoscaling, `spec` merged on top."""
+    dp = copy.deepcopy(EXAMPLE)
+    dp["metadata"] = {"name": name}
+    dp["spec"].pop("autoscaling")
+    dp["spec"]["placement"] = {"mode": "Spread"}
+    dp["spec"]["replicas"] = 1
+    dp["spec"]["worker"]["resources"] = {"requests": {"cpu": "1", "memory": "1Gi"}}
+    dp["spec"].update(spec)
+    return dp
+
+
+def apply(cluster, obj: dict, ns: str = NS, check: bool = True):
+    return cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj), check=check)
+
+
+def worker_pods(cluster, name: str, ns: str = NS) -> list:
+    pods = cluster.get("pods", ns=ns, check=True)["items"]
+    return [p for p in pods if p["metadata"]["labels"].get("app.kubernetes.io/instance") == name
+            and p["status"].get("phase") == "Running" and "deletionTimestamp" not in p["metadata"]]
+
+
+def deployment_replicas(cluster, name: str) -> int:
+    return cluster.get("deployment", f"{name}-workers", NS)["spec"]["replicas"]
+
+
+def status(cluster, name: str) -> dict:
+    return cluster.get("datapipeline", name, NS).get("status", {})
+
+
+def condition(cluster, name: str, type_: str) -> dict:
+    for c in status(cluster, name).get("conditions", []):
+        if c["type"] == type_:
+            return c
+    return {}
+
+
+def events(cluster, name: str, reason: str) -> list:
+    items = cluster.get("events.events.k8s.io", ns=NS)["items"]
+    return [e for e in items if e.get("reason") == reason and e["regarding"]["name"] == name]
+
+
+# --- the chart and least privilege ------------------------------------------------------------
+
+def test_the_operator_runs_with_the_charts_least_privilege(cluster, operator, operator_kubeconfig):
+    restricted_namespace(cluster, NS)
+    cluster.kubectl("create", "secret", "generic", "someone-elses", "-n", NS,
+                    "--from-literal=password=hunter2")
+    as_sa = dict(kubeconfig=operator_kubeconfig, check=False)
+    # It may create Secrets (the pipeline token) but read none, its own included.
+    for verb in ("get", "list", "watch"):
+        r = cluster.kubectl("auth", "can-i", verb, "secrets", "-n", NS, **as_sa)
+        assert r.stdout.strip() == "no", f"{verb} secrets: {r.stdout}"
+    r = cluster.kubectl("get", "secret", "someone-elses", "-n", NS, **as_sa)
+    assert r.returncode != 0 and "Forbidden" in r.stderr, r.stderr
+    assert cluster.kubectl("auth", "can-i", "create", "secrets", "-n", NS,
+                           **as_sa).stdout.strip() == "yes"
+    # Nothing it does not use: no deletes, no pods exec, no RBAC.
+    for verb, res in [("delete", "deployments"), ("create", "pods/exec"), ("create", "roles"),
+                      ("update", "datapipelines.stoker.dev")]:
+        r = cluster.kubectl("auth", "can-i", verb, res, "-n", NS, **as_sa)
+        assert r.stdout.strip() == "no", f"{verb} {res}"
+
+
+def test_watch_namespace_confines_the_operator_to_one_namespace(cluster, release, tmp_path):
+    cluster.kubectl("create", "namespace", "team-a")
+    cluster.kubectl("create", "namespace", "team-b")
+    helm(cluster, "install", "scoped", str(REPO / "charts" / "stoker"), "-n", "team-a",
+         "--set", "watchNamespace=team-a", "--skip-crds")
+    kubeconfig = cluster.token_kubeconfig("scoped-stoker", "team-a", tmp_path / "kc")
+    as_sa = dict(kubeconfig=kubeconfig, check=False)
+    can = lambda verb, res, ns: cluster.kubectl("auth", "can-i", verb, res, "-n", ns,
+                                                 **as_sa).stdout.strip()
+    assert can("patch", "deployments", "team-a") == "yes"
+    assert can("list", "datapipelines.stoker.dev", "team-a") == "yes"
+    for verb, res in [("patch", "deployments"), ("list", "datapipelines.stoker.dev"),
+                      ("create", "secrets"), ("create", "events.events.k8s.io")]:
+        assert can(verb, res, "team-b") == "no", f"{verb} {res} in team-b"
+    r = cluster.kubectl("get", "datapipelines", "-A", **as_sa)
+    assert r.returncode != 0 and "Forbidden" in r.stderr
+
+
+# --- the example pipeline, as written -----------------------------------------------------
+
+def test_the_example_pipeline_creates_owned_objects_and_spread_admitted_pods(cluster, operator):
+    cluster.kubectl("apply", "-n", NS, "-f", str(REPO / "examples" / "datapipeline.yaml"))
+    dp = cluster.get("datapipeline", "qwen-sft", NS)
+    uid = dp["metadata"]["uid"]
+    for kind in OWNED + ["secret"]:
+        name = "qwen-sft-token" if kind == "secret" else "qwen-sft-workers"
+        obj = wait_until(f"{kind} {name}", lambda: cluster.get(kind, name, NS, check=False)
+                         if cluster.kubectl("get", kind, name, "-n", NS, check=False).returncode == 0
+                         else None)
+        owners = obj["metadata"].get("ownerReferences", [])
+        assert [(o["kind"], o["uid"], o.get("controller")) for o in owners] == \
+            [("DataPipeline", uid, True)], f"{kind}: {owners}"
+    # PodSecurity `restricted` is enforced in the namespace, and the worker pods are admitted.
+    pods = wait_until("2 running worker pods", lambda: len(worker_pods(cluster, "qwen-sft")) == 2
+                      and worker_pods(cluster, "qwen-sft"), 90)
+    nodes = {p["spec"]["nodeName"] for p in pods}
+    assert len(nodes) == 2, f"spread placement put 2 workers on {nodes}"
+    assert all(p["status"]["podIP"].startswith("127.") for p in pods)
+    # The printer columns read the status.
+    st = wait_until("status.readyReplicas = 2",
+                    lambda: status(cluster, "qwen-sft").get("readyReplicas") == 2
+                    and status(cluster, "qwen-sft"), 60)
+    assert st["desiredReplicas"] == 2
+    row = cluster.kubectl("get", "dp", "qwen-sft", "-n", NS).stdout.splitlines()
+    assert row[0].split()[:4] == ["NAME", "READY", "DESIRED", "WAIT"], row
+    assert row[1].split()[:3] == ["qwen-sft", "2", "2"], row
+    # No trainer pods yet: the autoscaler holds and says why.
+    assert condition(cluster, "qwen-sft", "MetricsAvailable").get("reason") == "TrainerMetricsMissing"
+
+
+def test_pack_puts_workers_together(cluster, operator):
+    apply(cluster, pipeline("packed", replicas=3, placement={"mode": "Pack"}))
+    pods = wait_until("3 running packed workers",
+                      lambda: len(worker_pods(cluster, "packed")) == 3
+                      and worker_pods(cluster, "packed"), 90)
+    nodes = {p["spec"]["nodeName"] for p in pods}
+    assert len(nodes) == 1, f"pack placement used {nodes}"
+
+
+def test_max_workers_per_node_is_a_hard_cap(cluster, operator):
+    # 4 nodes x 2 per node: 10 asked, 8 run, at most 2 on any node, and the status says so.
+    apply(cluster, pipeline("capped", replicas=10,
+                            placement={"mode": "Spread", "maxWorkersPerNode": 2}))
+    wait_until("8 running capped workers", lambda: len(worker_pods(cluster, "capped")) == 8, 120)
+    per_node = {}
+    for p in worker_pods(cluster, "capped"):
+        per_node[p["spec"]["nodeName"]] = per_node.get(p["spec"]["nodeName"], 0) + 1
+    assert max(per_node.values()) <= 2, per_node
+    assert deployment_replicas(cluster, "capped") == 8
+    nic = wait_until("NICSaturationRisk", lambda: condition(cluster, "capped", "NICSaturationRisk"))
+    assert nic["status"] == "True" and "capped at 8" in nic["message"], nic
+    cluster.kubectl("delete", "dp", "capped", "-n", NS)
+
+
+# --- scaling ----------------------------------------------------------------------------------
+
+class Trainer(http.server.ThreadingHTTPServer):
+    """A simulated trainer rank's /metrics on loopback: counters that integrate a wait ratio
+    the test sets, as stoker's client exports them."""
+
+    def __init__(self) -> None:
+        self.wait_ratio, self.rate = 0.8, 20.0
+        self.counters = [0.0, 0.0, 0.0]
+        self.t = time.monotonic()
+        self.lock = threading.Lock()
+        trainer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = trainer.render().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def render(self) -> str:
+        with self.lock:
+            now = time.monotonic()
+            dt, self.t = now - self.t, now
+            self.counters[0] += self.wait_ratio * dt
+            self.counters[1] += (1 - self.wait_ratio) * dt
+            self.counters[2] += self.rate * dt
+            w, s, n = self.counters
+        labels = '{pipeline="scaler",rank="0"}'
+        return (f"stoker_trainer_wait_seconds_total{labels} {w}\n"
+                f"stoker_trainer_step_seconds_total{labels} {s}\n"
+                f"stoker_trainer_samples_total{labels} {n}\n")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/metrics"
+
+
+def test_autoscaling_follows_the_trainers_wait_ratio(cluster, operator):
+    trainer = Trainer()
+    rules = {"stabilizationWindowSeconds": 4, "periodSeconds": 2, "maxPods": 4, "maxPercent": 100}
+    apply(cluster, pipeline("scaler", replicas=1, autoscaling={
+        "minReplicas": 1, "maxReplicas": 4, "targetWaitRatio": 0.1, "intervalSeconds": 2,
+        "metrics": {"urls": [trainer.url]},
+        "behavior": {"scaleUp": rules, "scaleDown": rules}}))
+    # Starved trainer (wait 0.8): more workers.
+    up = wait_until("a scale-up", lambda: deployment_replicas(cluster, "scaler") > 1, 90)
+    wait_until("a ScaledUp event", lambda: events(cluster, "scaler", "ScaledUp"), 30)
+    st = wait_until("the wait ratio in the status",
+                    lambda: status(cluster, "scaler").get("waitRatio") and status(cluster, "scaler"))
+    assert st["waitRatio"]["worst"] > 0.5, st
+    assert st["lastScaleReason"].startswith("1 -> "), st
+    assert condition(cluster, "scaler", "MetricsAvailable")["status"] == "True"
+    row = cluster.kubectl("get", "dp", "scaler", "-n", NS).stdout.splitlines()[1].split()
+    assert float(row[3]) > 0.5, row  # WAIT column
+    peak = wait_until("the scale-up to settle", lambda: deployment_replicas(cluster, "scaler")
+                      if deployment_replicas(cluster, "scaler") >= up else None)
+    # Fed trainer (wait 0): fewer workers after stabilization.
+    trainer.wait_ratio = 0.0
+    wait_until("a scale-down", lambda: deployment_replicas(cluster, "scaler") < peak, 120)
+    wait_until("a ScaledDown event", lambda: events(cluster, "scaler", "ScaledDown"), 30)
+    note = events(cluster, "scaler", "ScaledDown")[0]["note"]
+    assert "workers" in note, note
+    assert 'stoker_operator_scale_decisions_total{direction="down",namespace="ml",pipeline="scaler"}' \
+        in operator.metrics()
+    trainer.shutdown()
+    cluster.kubectl("delete", "dp", "scaler", "-n", NS)
+
+
+def test_kubectl_scale_works_through_the_scale_subresource(cluster, operator):
+    apply(cluster, pipeline("fixed", replicas=1))
+    wait_until("1 worker", lambda: len(worker_pods(cluster, "fixed")) == 1, 90)
+    cluster.kubectl("scale", "dp/fixed", "-n", NS, "--replicas=3")
+    wait_until("3 workers", lambda: len(worker_pods(cluster, "fixed")) == 3, 90)
+    wait_until("status.replicas = 3", lambda: status(cluster, "fixed").get("replicas") == 3)
+    scale = json.loads(cluster.kubectl("get", "--raw",
+                                       f"/apis/stoker.dev/v1alpha1/namespaces/{NS}/datapipelines/fixed/scale").stdout)
+    assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 3, scale
+
+
+# --- validation ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda s: s["autoscaling"].update(minReplicas=20), "minReplicas must not exceed maxReplicas"),
+    (lambda s: s.update(trainerSelector={}), "trainerSelector must name at least one label"),
+    (lambda s: s.pop("trainerSelector"), "trainerSelector: Required value"),
+    (lambda s: s["plan"].update(worldSize=1000), "globalBatchSize must be at least plan.worldSize"),
+    (lambda s: s["source"]["s3"].update(uri="https://x"), "must look like s3://bucket/prefix"),
+    (lambda s: s["placement"].update(mode="Pack", maxWorkersPerNode=2),
+     "maxWorkersPerNode needs mode Spread"),
+])
+def test_the_api_server_rejects_invalid_pipelines_with_their_messages(cluster, release, mutate, message):
+    dp = copy.deepcopy(EXAMPLE)
+    dp["metadata"] = {"name": "bad"}
+    mutate(dp["spec"])
+    r = apply(cluster, dp, check=False)
+    assert r.returncode != 0, "admitted"
+    assert message in r.stderr, r.stderr
+
+
+def test_a_spec_the_operator_cannot_honour_gets_a_condition_and_an_event(cluster, operator):
+    dp = pipeline("unhonourable", autoscaling={
+        "minReplicas": 1, "maxReplicas": 2, "metrics": {"urls": ["https://rank-0:9400/metrics"]}})
+    apply(cluster, dp)
+    ready = wait_until("Ready=False/InvalidSpec",
+                       lambda: condition(cluster, "unhonourable", "Ready").get("reason") == "InvalidSpec"
+                       and condition(cluster, "unhonourable", "Ready"))
+    assert ready["status"] == "False" and "is not an http:// URL" in ready["message"], ready
+    ev = wait_until("an InvalidSpec event", lambda: events(cluster, "unhonourable", "InvalidSpec"))
+    assert ev[0]["type"] == "Warning" and "autoscaling.metrics.urls" in ev[0]["note"]
+    assert cluster.kubectl("get", "deployment", "unhonourable-workers", "-n", NS,
+                           check=False).returncode != 0, "nothing is applied for an invalid spec"
+    assert 'stoker_operator_reconcile_errors_total{kind="invalid_spec"}' in operator.metrics()
+    cluster.kubectl("delete", "dp", "unhonourable", "-n", NS)
+
+
+# --- lifecycle ----------------------------------------------------------------------------
+
+def test_deleting_a_pipeline_collects_what_it_owned_and_its_autoscaler_state(cluster, operator):
+    trainer = Trainer()
+    apply(cluster, pipeline("doomed", autoscaling={
+        "minReplicas": 1, "maxReplicas": 2, "intervalSeconds": 2,
+        "metrics": {"urls": [trainer.url]}}))
+    series = 'stoker_operator_desired_workers{namespace="ml",pipeline="doomed"}'
+    wait_until("the pipeline's series", lambda: series in operator.metrics(), 60)
+    wait_until("its Deployment", lambda: cluster.kubectl(
+        "get", "deployment", "doomed-workers", "-n", NS, check=False).returncode == 0)
+    cluster.kubectl("delete", "dp", "doomed", "-n", NS)
+    for kind in OWNED + ["secret"]:
+        name = "doomed-token" if kind == "secret" else "doomed-workers"
+        wait_until(f"{kind} {name} to be collected", lambda: cluster.kubectl(
+            "get", kind, name, "-n", NS, check=False).returncode != 0, 90)
+    wait_until("the operator to forget the pipeline", lambda: series not in operator.metrics(), 60)
+    trainer.shutdown()
+
+
+def owned_counts(cluster, name: str) -> dict:
+    counts = {}
+    for kind in OWNED + ["secret"]:
+        items = cluster.get(kind, ns=NS)["items"]
+        counts[kind] = sum(1 for i in items if any(
+            o["name"] == name for o in i["metadata"].get("ownerReferences", [])))
+    return counts
+
+
+def test_restarting_the_operator_and_the_api_server_loses_and_duplicates_nothing(
+        cluster, operator, operator_kubeconfig, logs):
+    token = cluster.get("secret", "qwen-sft-token", NS)["data"]["token"]
+    before = owned_counts(cluster, "qwen-sft")
+    assert before == {k: 1 for k in OWNED + ["secret"]}, before
+    # The API server goes away and comes back while the operator runs.
+    cluster.restart_apiserver()
+    cluster.kubectl("scale", "dp/fixed", "-n", NS, "--replicas=2")
+    wait_until("the operator to reconcile after the API server restart",
+               lambda: deployment_replicas(cluster, "fixed") == 2, 120)
+    # The operator itself restarts (a new process, the same identity takes its Lease back).
+    operator.kill()
+    second = Operator(operator_kubeconfig, "op-main", logs)
+    try:
+        wait_until("the restarted operator to lead", second.is_leader, 60)
+        cluster.kubectl("scale", "dp/fixed", "-n", NS, "--replicas=1")
+        wait_until("the restarted operator to reconcile",
+                   lambda: deployment_replicas(cluster, "fixed") == 1, 90)
+        assert owned_counts(cluster, "qwen-sft") == before
+        assert cluster.get("secret", "qwen-sft-token", NS)["data"]["token"] == token
+        names = [d["metadata"]["name"] for d in cluster.get("deployments", ns=NS)["items"]]
+        assert len(names) == len(set(names))
+    finally:
+        operator.proc, operator.port = second.proc, second.port
+
+
+def test_two_replicas_elect_one_leader_and_the_standby_takes_over(
+        cluster, operator, operator_kubeconfig, logs):
+    standby = Operator(operator_kubeconfig, "op-standby", logs)
+    try:
+        time.sleep(6)  # a renew period: the standby has tried and must not lead
+        assert operator.is_leader() and not standby.is_leader()
+        lease = cluster.get("lease", "stoker-operator", RELEASE_NS)
+        assert lease["spec"]["holderIdentity"] == "op-main"
+        operator.kill()  # SIGKILL: no goodbye, the Lease must expire
+        wait_until("the standby to take over", standby.is_leader, 60)
+        lease = cluster.get("lease", "stoker-operator", RELEASE_NS)
+        assert lease["spec"]["holderIdentity"] == "op-standby"
+        assert lease["spec"]["leaseTransitions"] >= 1
+        cluster.kubectl("scale", "dp/fixed", "-n", NS, "--replicas=2")
+        wait_until("the new leader to reconcile",
+                   lambda: deployment_replicas(cluster, "fixed") == 2, 90)
+    finally:
+        standby.kill()

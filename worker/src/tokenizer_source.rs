@@ -1,0 +1,66 @@
+//! A tokenizer from the object store: `--tokenizer s3://bucket/path/tokenizer.json` (or a
+//! prefix holding `tokenizer.json`), so a worker image needs no tokenizer baked in. Fetched
+//! once at start with the dataset's S3 settings, checked (it must parse and know the Qwen-VL
+//! vision tokens), and cached on local disk under a name derived from the URI, so a restart
+//! in the same pod reuses it (re-checked before use).
+
+use crate::source::{S3Options, Store};
+use std::path::{Path, PathBuf};
+
+/// Tokens every Qwen-VL chat format needs; a tokenizer without them is the wrong file.
+const REQUIRED_TOKENS: [&str; 3] = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"];
+
+/// True when `--tokenizer` names an object-store location rather than a local path.
+pub fn is_remote(tokenizer: &Path) -> bool {
+    tokenizer.to_str().is_some_and(|s| s.starts_with("s3://"))
+}
+
+/// Fetches the tokenizer at `uri` into `cache_dir` (unless a checked copy is there) and
+/// returns the folder that holds `tokenizer.json`.
+pub async fn fetch(uri: &str, s3: &S3Options, cache_dir: &Path) -> anyhow::Result<PathBuf> {
+    let (folder, file) = match uri.rsplit_once('/') {
+        Some((folder, file)) if file.ends_with(".json") => (folder, file),
+        _ => (uri.trim_end_matches('/'), "tokenizer.json"),
+    };
+    let dir = cache_dir.join(format!("{:016x}", fnv1a(uri.as_bytes())));
+    let cached = dir.join("tokenizer.json");
+    if cached.exists() && check(&std::fs::read(&cached)?).is_ok() {
+        return Ok(dir);
+    }
+    let store = Store::open(folder, s3).await?;
+    let bytes = store
+        .get(file)
+        .await
+        .map_err(|e| anyhow::anyhow!("tokenizer {uri}: {e}"))?;
+    check(&bytes).map_err(|e| anyhow::anyhow!("tokenizer {uri}: {e}"))?;
+    std::fs::create_dir_all(&dir)?;
+    let tmp = dir.join(format!("tokenizer.json.{}", std::process::id()));
+    std::fs::write(&tmp, &bytes)?;
+    std::fs::rename(&tmp, &cached)?;
+    tracing::info!(
+        "tokenizer {uri}: {} bytes, cached at {}",
+        bytes.len(),
+        cached.display()
+    );
+    Ok(dir)
+}
+
+/// The bytes are a tokenizer.json with the Qwen-VL vision tokens.
+fn check(bytes: &[u8]) -> anyhow::Result<()> {
+    let t = tokenizers::Tokenizer::from_bytes(bytes)
+        .map_err(|e| anyhow::anyhow!("not a tokenizer.json: {e}"))?;
+    for token in REQUIRED_TOKENS {
+        anyhow::ensure!(
+            t.token_to_id(token).is_some(),
+            "has no {token} token (not a Qwen-VL tokenizer)"
+        );
+    }
+    Ok(())
+}
+
+/// A stable name for a URI's cache folder (not a security boundary: the content is checked).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
