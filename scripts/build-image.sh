@@ -17,7 +17,7 @@ TAG="${1:-ghcr.io/stoker-dev/stoker:$VERSION}"
 OUT="$CACHE/image"
 . scripts/podman-env.sh
 
-cargo build --release --bin stoker
+./scripts/build.sh
 BINARY="$CARGO_TARGET_DIR/release/stoker"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT

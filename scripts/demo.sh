@@ -6,6 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export STOKER_CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$STOKER_CACHE/target}"
-./scripts/setup-build-deps.sh
+./scripts/build.sh
 ./scripts/setup-test-deps.sh
-exec cargo run --release --bin stoker -- demo "$@"
+exec "$CARGO_TARGET_DIR/release/stoker" demo "$@"

@@ -20,7 +20,7 @@ cargo clippy --release --workspace --all-targets -- -D warnings
 cargo clippy --release --manifest-path python/Cargo.toml -- -D warnings
 
 echo "== cargo test"
-cargo build --release --workspace
+./scripts/build.sh
 cargo test --release --workspace
 
 echo "== Python package (pip install ./python) and pytest"

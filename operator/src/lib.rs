@@ -125,12 +125,11 @@ async fn control(client: kube::Client, cfg: Config, metrics: Arc<metrics::Operat
     let store = controller.store();
     let sweeper = ctx.clone();
     tokio::spawn(async move {
-        // Only once the store is filled: an empty store would forget everything.
-        if store.wait_until_ready().await.is_err() {
-            return;
-        }
         loop {
             tokio::time::sleep(SWEEP_EVERY).await;
+            // Only pipelines that were reconciled are tracked, and the controller reconciles
+            // only once its cache is filled: the cache is complete whenever anything is
+            // tracked. (Not `Store::wait_until_ready`: it wakes one waiter, the controller.)
             let live = store.state().iter().map(|dp| reconcile::key(dp)).collect();
             sweeper.forget_deleted(&live);
         }

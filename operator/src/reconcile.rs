@@ -44,7 +44,8 @@ impl Error {
     }
 }
 
-/// What the autoscaler remembers per pipeline between reconciles.
+/// What the operator remembers per reconciled pipeline between reconciles (the autoscaler's
+/// part stays empty without autoscaling).
 #[derive(Default)]
 struct ScalerState {
     autoscaler: Autoscaler,
@@ -74,8 +75,8 @@ impl Context {
         }
     }
 
-    /// Drops the autoscaler state and metric series of pipelines that no longer exist
-    /// (`live` holds the "namespace/name" keys of those that do).
+    /// Drops the state and metric series of pipelines that no longer exist (`live` holds
+    /// the "namespace/name" keys of those that do).
     pub fn forget_deleted(&self, live: &std::collections::HashSet<String>) {
         let mut scalers = self.scalers.lock().expect("scaler state");
         scalers.retain(|k, _| {
@@ -87,16 +88,6 @@ impl Context {
             }
             keep
         });
-    }
-
-    /// Pipelines with autoscaler state (for tests and the deletion sweep).
-    pub fn tracked(&self) -> Vec<String> {
-        self.scalers
-            .lock()
-            .expect("scaler state")
-            .keys()
-            .cloned()
-            .collect()
     }
 }
 
@@ -349,6 +340,12 @@ async fn publish_scale(dp: &DataPipeline, ctx: &Context, ns: &str, from: i32, sc
 }
 
 fn record_gauges(dp: &DataPipeline, ctx: &Context, ns: &str, scale: &Scale, ready: i32) {
+    // Tracked, so that its series go when it does.
+    ctx.scalers
+        .lock()
+        .expect("scaler state")
+        .entry(key(dp))
+        .or_default();
     let a = dp.spec.autoscaling.as_ref();
     ctx.metrics
         .scaler

@@ -143,7 +143,7 @@ class Operator:
     def __init__(self, kubeconfig: str, identity: str, log_dir: pathlib.Path) -> None:
         self.port = free_port()
         self.identity = identity
-        self.log = log_dir / f"operator-{identity}.log"
+        self.log = log_dir / f"operator-{identity}-{len(list(log_dir.iterdir()))}.log"
         env = dict(os.environ, KUBECONFIG=kubeconfig, RUST_LOG="info,stoker_operator=debug")
         self.proc = subprocess.Popen(
             [stoker_bin(), "operator", "--metrics-listen", f"127.0.0.1:{self.port}",
@@ -153,7 +153,7 @@ class Operator:
 
     def metrics(self):
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
                 return r.read().decode()
         except OSError:
             if self.proc.poll() is not None:
@@ -161,7 +161,8 @@ class Operator:
             return None
 
     def is_leader(self) -> bool:
-        m = self.metrics() or ""
+        # A slow answer on a loaded machine is not a "no": read the page, then decide.
+        m = wait_until(f"operator {self.identity}'s /metrics", self.metrics, 30)
         return "stoker_operator_leader 1" in m
 
     def kill(self, sig=signal.SIGKILL) -> None:
