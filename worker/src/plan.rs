@@ -43,10 +43,11 @@ impl Plan {
         self.num_samples.div_ceil(self.global_batch_size as u64)
     }
 
-    /// The epoch's sample order: our own Fisher–Yates shuffle over ChaCha8's u64 stream
-    /// seeded from (seed, epoch). rand_chacha keeps that stream's values stable, and the
-    /// shuffle is ours (rand may change `shuffle`'s values in a minor release), so a plan
-    /// never changes under a running job with a dependency upgrade.
+    /// The epoch's sample order: a Fisher–Yates shuffle over ChaCha8's u32 stream seeded from
+    /// (seed, epoch). rand_chacha keeps that stream's values stable; the shuffle and its
+    /// bounded sampling are written out here (the values rand 0.8's `shuffle` gave, pinned by
+    /// a test), since rand may change `shuffle`'s values in any release: a dependency
+    /// upgrade never changes a plan under a stored resume state.
     pub fn permutation(&self, epoch: u64) -> Arc<Vec<u32>> {
         let mut cache = self.perms.lock().expect("plan cache");
         if let Some((_, p)) = cache.iter().find(|(e, _)| *e == epoch) {
@@ -59,7 +60,7 @@ impl Plan {
         let mut rng = rand_chacha::ChaCha8Rng::from_seed(seed);
         let mut perm: Vec<u32> = (0..self.num_samples as u32).collect();
         for i in (1..perm.len()).rev() {
-            perm.swap(i, below(&mut rng, i as u64 + 1) as usize);
+            perm.swap(i, below(&mut rng, i as u32 + 1) as usize);
         }
         let perm = Arc::new(perm);
         if cache.len() >= CACHED_EPOCHS {
@@ -101,13 +102,14 @@ impl Plan {
     }
 }
 
-/// Uniform in `0..n` (n > 0): rejection sampling, so no value is favoured.
-fn below(rng: &mut rand_chacha::ChaCha8Rng, n: u64) -> u64 {
-    let limit = u64::MAX - u64::MAX % n;
+/// Uniform in `0..n` (n > 0): Lemire's widening multiply with rand 0.8's rejection zone, so
+/// no value is favoured and the values are those of rand 0.8's `gen_range(0..n)` on u32.
+fn below(rng: &mut rand_chacha::ChaCha8Rng, n: u32) -> u32 {
+    let zone = (n << n.leading_zeros()).wrapping_sub(1);
     loop {
-        let x = rng.next_u64();
-        if x < limit {
-            return x % n;
+        let m = u64::from(rng.next_u32()) * u64::from(n);
+        if m as u32 <= zone {
+            return (m >> 32) as u32;
         }
     }
 }
