@@ -163,7 +163,8 @@ class Operator:
     def is_leader(self) -> bool:
         # A slow answer on a loaded machine is not a "no": read the page, then decide.
         m = wait_until(f"operator {self.identity}'s /metrics", self.metrics, 30)
-        return "stoker_operator_leader 1" in m
+        # The sample line itself (its HELP text starts with "1 while ...").
+        return "stoker_operator_leader 1" in m.splitlines()
 
     def kill(self, sig=signal.SIGKILL) -> None:
         if self.proc.poll() is None:
