@@ -9,10 +9,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use stoker_client::{Depth, Discovery, Loader, LoaderConfig, WorkerSet};
+use stoker_control::exposition::metric_value;
 use stoker_worker::dataset::synth::{generate, SynthFormat, SynthOptions};
 use stoker_worker::embedded_s3::EmbeddedS3;
 use stoker_worker::plan::Plan;
-use stoker_worker::process::LocalWorker;
+use stoker_worker::process::{http_get, LocalWorker};
 
 const STOKER: &str = env!("CARGO_BIN_EXE_stoker");
 const SAMPLES: usize = 48;
@@ -115,7 +116,17 @@ fn random_worker_kills_lose_and_duplicate_no_sample() {
                 }
                 std::thread::sleep(Duration::from_millis(rng.gen_range(0..30)));
                 let mut ws = workers.lock().unwrap();
-                let victim = rng.gen_range(0..ws.len());
+                // A worker with a request in flight, where there is one: a kill of an idle
+                // worker tests nothing (and left the retry assertion to chance).
+                let busy = |w: &LocalWorker| {
+                    http_get(&w.metrics_addr, "/metrics")
+                        .ok()
+                        .and_then(|m| metric_value(&m, "stoker_worker_requests_in_flight"))
+                        .is_some_and(|n| n > 0.0)
+                };
+                let victim = (0..ws.len())
+                    .find(|&i| busy(&ws[i]))
+                    .unwrap_or_else(|| rng.gen_range(0..ws.len()));
                 ws[victim].kill();
                 ws[victim] = spawn().unwrap();
                 set_tx.send_replace(addrs(&ws));
