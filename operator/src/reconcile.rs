@@ -494,6 +494,18 @@ mod tests {
         }
     }
 
+    /// The node list (for the per-node cap): nodes of these names.
+    async fn serve_nodes(h: &mut Handle, names: &[&str]) {
+        let (_, send) = expect(h, Method::GET, "/api/v1/nodes").await;
+        let items: Vec<Value> = names
+            .iter()
+            .map(|n| json!({"metadata": {"name": n}}))
+            .collect();
+        send.send_response(ok(
+            &json!({"kind": "NodeList", "apiVersion": "v1", "metadata": {}, "items": items}),
+        ));
+    }
+
     /// The status apply; returns what the operator sent.
     async fn serve_status_patch(h: &mut Handle) -> Value {
         let path = "/apis/stoker.dev/v1alpha1/namespaces/ml/datapipelines/qwen-sft/status";
@@ -526,11 +538,7 @@ mod tests {
             .await;
             send.send_response(not_found());
             // The bandwidth budget allows 5 per node; 1 node fits 2 workers.
-            let (_, send) = expect(&mut h, Method::GET, "/api/v1/nodes").await;
-            send.send_response(ok(
-                &json!({"kind": "NodeList", "apiVersion": "v1", "metadata": {},
-                "items": [{"metadata": {"name": "n1"}}]}),
-            ));
+            serve_nodes(&mut h, &["n1"]).await;
             let (d, send) = expect(
                 &mut h,
                 Method::PATCH,
@@ -592,12 +600,7 @@ mod tests {
                 "spec": {"replicas": 2, "selector": {}, "template": {}},
                 "status": {"replicas": 2, "readyReplicas": 2}})));
             // Three eligible nodes at one worker each: 4 wanted, capped at 3.
-            let (_, send) = expect(&mut h, Method::GET, "/api/v1/nodes").await;
-            let node = |n: &str| json!({"metadata": {"name": n}});
-            send.send_response(ok(
-                &json!({"kind": "NodeList", "apiVersion": "v1", "metadata": {},
-                    "items": [node("a"), node("b"), node("c")]}),
-            ));
+            serve_nodes(&mut h, &["a", "b", "c"]).await;
             let (d, send) = expect(
                 &mut h,
                 Method::PATCH,
