@@ -31,7 +31,7 @@ enum Command {
     #[command(subcommand)]
     Dataset(cmd::dataset::DatasetCommand),
     /// Serve preprocessed batches to trainer ranks over TCP.
-    Worker(cmd::worker::WorkerArgs),
+    Worker(stoker_config::WorkerConfig),
     /// The whole pipeline on this machine: embedded object store, worker processes, simulated
     /// trainer ranks through the real client; prints the ablation table.
     Demo(cmd::demo::DemoArgs),

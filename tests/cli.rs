@@ -1,13 +1,14 @@
 //! The `stoker` binary end to end: dataset commands against the embedded S3 server, and a
 //! worker process that serves, reports health, and drains on SIGTERM.
 
-use std::ffi::OsString;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::process::Command;
 use std::time::Duration;
+use stoker_config::WorkerConfig;
+use stoker_testkit::embedded_s3::EmbeddedS3;
+use stoker_testkit::http;
+use stoker_testkit::local_worker::LocalWorker;
 use stoker_worker::connection::{Answer, Connection};
-use stoker_worker::embedded_s3::EmbeddedS3;
-use stoker_worker::process::LocalWorker;
 
 const STOKER: &str = env!("CARGO_BIN_EXE_stoker");
 
@@ -19,30 +20,15 @@ fn stoker(s3: &EmbeddedS3, args: &[&str]) -> std::process::Output {
         .expect("run stoker")
 }
 
-/// `GET path` over plain HTTP/1.0; returns the status code and the whole response.
-fn http_get(addr: &str, path: &str) -> (u16, String) {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    (
-        resp.split_whitespace().nth(1).unwrap().parse().unwrap(),
-        resp,
-    )
-}
-
 fn spawn_worker(s3: &EmbeddedS3, token_file: &std::path::Path) -> LocalWorker {
-    let args = [
-        "--s3-path-style",
-        "--global-batch-size",
-        "6",
-        "--token-file",
-    ]
-    .map(OsString::from)
-    .into_iter()
-    .chain([token_file.as_os_str().to_owned()])
-    .collect::<Vec<_>>();
-    LocalWorker::spawn(STOKER.as_ref(), "s3://bucket/data", &args, &s3.env()).unwrap()
+    let mut cfg = WorkerConfig {
+        data: "s3://bucket/data".into(),
+        ..WorkerConfig::default()
+    };
+    cfg.s3.path_style = true;
+    cfg.sampling.global_batch_size = 6;
+    cfg.serving.token_file = Some(token_file.display().to_string());
+    LocalWorker::spawn(STOKER.as_ref(), &cfg, &s3.env()).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -124,14 +110,8 @@ async fn dataset_commands_and_worker_lifecycle_over_s3() {
     let token_file = root.path().join("token");
     std::fs::write(&token_file, "s3cret\n").unwrap();
     let mut w = spawn_worker(&s3, &token_file);
-    assert_eq!(http_get(&w.metrics_addr, "/healthz").0, 200);
-    // Ready follows the listen line by a moment (a loaded machine stretches it): wait for it,
-    // within a bound, rather than assert it at once.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while http_get(&w.metrics_addr, "/readyz").0 != 200 {
-        assert!(std::time::Instant::now() < deadline, "/readyz never 200");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    assert_eq!(http::get(&w.metrics_addr, "/healthz").unwrap().status, 200);
+    w.wait_ready(Duration::from_secs(30)).unwrap();
 
     let mut conn = Connection::open(&w.addr, "s3cret").await.unwrap().unwrap();
     assert_eq!(conn.welcome.num_samples, 12);
@@ -141,8 +121,8 @@ async fn dataset_commands_and_worker_lifecycle_over_s3() {
     // exits 0. (A request still unread in the socket gets end-of-stream, and the client
     // retries it elsewhere.)
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while !http_get(&w.metrics_addr, "/metrics")
-        .1
+    while !http::get_ok(&w.metrics_addr, "/metrics")
+        .unwrap()
         .lines()
         .any(|l| l.starts_with("stoker_worker_requests_in_flight{") && l.ends_with(" 1"))
     {

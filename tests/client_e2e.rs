@@ -4,16 +4,17 @@
 
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeSet;
-use std::ffi::OsString;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use stoker_client::{Depth, Discovery, Loader, LoaderConfig, WorkerSet};
+use stoker_config::WorkerConfig;
 use stoker_control::exposition::metric_value;
-use stoker_worker::dataset::synth::{generate, SynthFormat, SynthOptions};
-use stoker_worker::embedded_s3::EmbeddedS3;
+use stoker_testkit::embedded_s3::EmbeddedS3;
+use stoker_testkit::http;
+use stoker_testkit::local_worker::LocalWorker;
+use stoker_testkit::synth::{generate, SynthFormat, SynthOptions};
 use stoker_worker::plan::Plan;
-use stoker_worker::process::{http_get, LocalWorker};
 
 const STOKER: &str = env!("CARGO_BIN_EXE_stoker");
 const SAMPLES: usize = 48;
@@ -30,12 +31,7 @@ fn random_worker_kills_lose_and_duplicate_no_sample() {
         max_side: 300,
         ..SynthOptions::default()
     };
-    generate(
-        &root.path().join("bucket/data"),
-        &o,
-        &indicatif::ProgressBar::hidden(),
-    )
-    .unwrap();
+    generate(&root.path().join("bucket/data"), &o, &|| {}).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let s3 = rt
         .block_on(EmbeddedS3::start(
@@ -47,20 +43,16 @@ fn random_worker_kills_lose_and_duplicate_no_sample() {
         .unwrap();
     let token = root.path().join("token");
     std::fs::write(&token, "kill-test").unwrap();
-    let args: Vec<OsString> = [
-        "--s3-path-style",
-        "--global-batch-size",
-        &GLOBAL_BATCH.to_string(),
-        "--cpu-threads",
-        "1",
-        "--token-file",
-    ]
-    .iter()
-    .map(OsString::from)
-    .chain([token.as_os_str().to_owned()])
-    .collect();
+    let mut cfg = WorkerConfig {
+        data: "s3://bucket/data".into(),
+        ..WorkerConfig::default()
+    };
+    cfg.s3.path_style = true;
+    cfg.sampling.global_batch_size = GLOBAL_BATCH;
+    cfg.concurrency.cpu_threads = Some(1);
+    cfg.serving.token_file = Some(token.display().to_string());
     let env = s3.env();
-    let spawn = move || LocalWorker::spawn(STOKER.as_ref(), "s3://bucket/data", &args, &env);
+    let spawn = move || LocalWorker::spawn(STOKER.as_ref(), &cfg, &env);
     let workers = Arc::new(Mutex::new(
         (0..3).map(|_| spawn().unwrap()).collect::<Vec<_>>(),
     ));
@@ -119,7 +111,7 @@ fn random_worker_kills_lose_and_duplicate_no_sample() {
                 // A worker with a request in flight, where there is one: a kill of an idle
                 // worker tests nothing (and left the retry assertion to chance).
                 let busy = |w: &LocalWorker| {
-                    http_get(&w.metrics_addr, "/metrics")
+                    http::get_ok(&w.metrics_addr, "/metrics")
                         .ok()
                         .and_then(|m| metric_value(&m, "stoker_worker_requests_in_flight"))
                         .is_some_and(|n| n > 0.0)

@@ -4,22 +4,16 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 use stoker_client::{Depth, Discovery, HedgePolicy, Loader, LoaderConfig, LoaderState};
-use stoker_worker::dataset::synth::{generate, SynthFormat, SynthOptions};
-use stoker_worker::embedded_s3::{EmbeddedS3, StoreBehaviour};
+use stoker_config::WorkerConfig;
+use stoker_testkit::embedded_s3::{EmbeddedS3, StoreBehaviour};
+use stoker_testkit::http;
+use stoker_testkit::synth::{generate, SynthFormat, SynthOptions};
 use stoker_worker::metrics::Metrics;
-use stoker_worker::pipeline::{open_pipeline, PlanArgs, PreprocessArgs};
+use stoker_worker::pipeline::open_pipeline;
 use stoker_worker::server::{Server, ServerConfig};
 
 const TOKEN: &str = "client-test-token";
 const SAMPLES: usize = 40;
-
-#[derive(clap::Parser)]
-struct Knobs {
-    #[command(flatten)]
-    pre: PreprocessArgs,
-    #[command(flatten)]
-    plan: PlanArgs,
-}
 
 /// A dataset on disk.
 struct Fixture {
@@ -36,12 +30,7 @@ fn fixture() -> Fixture {
         max_side: 200,
         ..SynthOptions::default()
     };
-    generate(
-        &root.path().join("bucket/data"),
-        &o,
-        &indicatif::ProgressBar::hidden(),
-    )
-    .unwrap();
+    generate(&root.path().join("bucket/data"), &o, &|| {}).unwrap();
     Fixture { root }
 }
 
@@ -66,31 +55,26 @@ impl Drop for TestWorker {
     }
 }
 
-fn start_worker(f: &Fixture, args: &[&str], store: StoreBehaviour) -> TestWorker {
-    use clap::Parser;
+/// A worker with global batches of 8 on one thread; `seed` fixes its plan.
+fn start_worker(f: &Fixture, seed: u64, store: StoreBehaviour) -> TestWorker {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()
         .unwrap();
-    let knobs = Knobs::parse_from(
-        ["test", "--global-batch-size", "8", "--cpu-threads", "1"]
-            .iter()
-            .chain(args),
-    );
     let (addr, s3) = rt.block_on(async {
         let s3 = EmbeddedS3::start_with(f.root.path(), "127.0.0.1:0", store)
             .await
             .unwrap();
-        let pipeline = open_pipeline(
-            "s3://bucket/data",
-            &s3.s3_options(),
-            &knobs.pre,
-            &knobs.plan,
-            Metrics::new(),
-        )
-        .await
-        .unwrap();
+        let mut cfg = WorkerConfig {
+            data: "s3://bucket/data".into(),
+            s3: s3.s3_options(),
+            ..WorkerConfig::default()
+        };
+        cfg.sampling.global_batch_size = 8;
+        cfg.sampling.seed = seed;
+        cfg.concurrency.cpu_threads = Some(1);
+        let pipeline = open_pipeline(&cfg, Metrics::new()).await.unwrap();
         let server = Server::new(
             pipeline,
             ServerConfig {
@@ -113,7 +97,7 @@ fn start_worker(f: &Fixture, args: &[&str], store: StoreBehaviour) -> TestWorker
 }
 
 fn worker(f: &Fixture) -> TestWorker {
-    start_worker(f, &[], StoreBehaviour::default())
+    start_worker(f, 0, StoreBehaviour::default())
 }
 
 fn config(workers: &[&TestWorker], rank: u32, world: u32) -> LoaderConfig {
@@ -324,7 +308,7 @@ fn wrong_token_or_another_plan_fails_with_the_reason() {
 fn a_worker_serving_another_plan_is_never_used() {
     let f = fixture();
     let good = worker(&f);
-    let other = start_worker(&f, &["--seed", "7"], StoreBehaviour::default());
+    let other = start_worker(&f, 7, StoreBehaviour::default());
     let plan_id = Loader::new(config(&[&good], 0, 1)).unwrap().plan().plan_id;
     // Resuming pins the plan: the other worker's batches would break the order.
     let mut cfg = config(&[&good, &other], 0, 1);
@@ -390,7 +374,7 @@ fn a_straggler_is_hedged_on_another_worker() {
         ..StoreBehaviour::default()
     };
     let fast = worker(&f);
-    let slow = start_worker(&f, &[], slow_store);
+    let slow = start_worker(&f, 0, slow_store);
     // Learn normal latencies from the fast worker alone, then add the slow one: as the
     // worker with no latency yet, it gets the next request, which turns into a straggler.
     let (tx, rx) = tokio::sync::watch::channel(BTreeSet::from([fast.addr.clone()]));
@@ -443,7 +427,7 @@ fn workers_that_appear_are_used_and_metrics_are_served() {
     );
 
     let addr = loader.metrics_addr().unwrap();
-    let text = http_get(&addr.to_string(), "/metrics");
+    let text = http::get_ok(&addr.to_string(), "/metrics").unwrap();
     // (Label order in the exposition is not fixed.)
     let series = |name: &str| -> Option<String> {
         text.lines()
@@ -469,13 +453,4 @@ fn workers_that_appear_are_used_and_metrics_are_served() {
     ] {
         assert!(series(name).is_some(), "missing {name} in:\n{text}");
     }
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
 }

@@ -1,7 +1,7 @@
 //! Pure resource builders: a DataPipeline (and a few decided numbers) in, the objects the
 //! operator applies out. No I/O here, so every builder is unit-tested on its own.
 
-use crate::crd::{DataPipeline, PixelDtype, PlacementMode, Preset};
+use crate::crd::{DataPipeline, PlacementMode};
 use k8s_openapi::api::apps::v1::{
     Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment,
 };
@@ -23,6 +23,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
 use std::collections::BTreeMap;
+use stoker_config::{Concurrency, S3Connection, Serving, WorkerConfig};
 
 pub const BATCH_PORT: i32 = 7700;
 pub const METRICS_PORT: i32 = 9090;
@@ -153,71 +154,43 @@ pub fn replica_cap(dp: &DataPipeline, eligible_nodes: u32) -> Option<i32> {
     Some(eligible_nodes.saturating_mul(per_node).min(i32::MAX as u32) as i32)
 }
 
-/// The worker's command line: everything that defines the plan and the preprocessing.
-pub fn worker_args(dp: &DataPipeline) -> Vec<String> {
+/// What each worker is told: the dataset, its preprocessing and sampling exactly as the spec
+/// says (the same types), the pod's ports, token and CPU budget.
+pub fn worker_config(dp: &DataPipeline) -> WorkerConfig {
     let s = &dp.spec;
-    let data = match (&s.source.s3, &s.source.volume) {
-        (Some(s3), _) => s3.uri.clone(),
-        (None, Some(v)) => format!("{DATA_DIR}/{}", v.path.trim_start_matches('/')),
-        (None, None) => String::new(), // rejected at admission
+    let (data, s3) = match (&s.source.s3, &s.source.volume) {
+        (Some(s3), _) => (s3.uri.clone(), s3.connection.clone()),
+        (None, Some(v)) => (
+            format!("{DATA_DIR}/{}", v.path.trim_start_matches('/')),
+            S3Connection::default(),
+        ),
+        (None, None) => Default::default(), // rejected at admission
     };
-    let mut a: Vec<String> = vec![
-        "worker".into(),
-        "--data".into(),
-        data.trim_end_matches('/').into(),
-        "--listen".into(),
-        format!("0.0.0.0:{BATCH_PORT}"),
-        "--metrics-listen".into(),
-        format!("0.0.0.0:{METRICS_PORT}"),
-        "--token-file".into(),
-        format!("{TOKEN_DIR}/token"),
-        "--drain-timeout-s".into(),
-        DRAIN_SECONDS.to_string(),
-        "--pipeline".into(),
-        dp.name_any(),
-        "--seed".into(),
-        s.plan.seed.to_string(),
-        "--global-batch-size".into(),
-        s.plan.global_batch_size.to_string(),
-        "--preset".into(),
-        match s.preprocessing.preset {
-            Preset::Qwen2 => "qwen2-vl",
-            Preset::Qwen25 => "qwen2.5-vl",
-            Preset::Qwen3 => "qwen3-vl",
-        }
-        .into(),
-    ];
-    let mut opt = |flag: &str, v: Option<String>| {
-        if let Some(v) = v {
-            a.push(format!("--{flag}"));
-            a.push(v);
-        }
-    };
-    let p = &s.preprocessing;
-    opt("min-pixels", p.min_pixels.map(|v| v.to_string()));
-    opt("max-pixels", p.max_pixels.map(|v| v.to_string()));
-    opt("max-length", p.max_length.map(|v| v.to_string()));
-    opt(
-        "pixel-dtype",
-        p.pixel_dtype.map(|d| {
-            match d {
-                PixelDtype::F32 => "f32",
-                PixelDtype::Bf16 => "bf16",
-                PixelDtype::U8 => "u8",
-            }
-            .to_string()
-        }),
-    );
-    opt("tokenizer", p.tokenizer.clone());
-    opt("cpu-threads", cpu_threads(dp).map(|n| n.to_string()));
-    if let Some(s3) = &s.source.s3 {
-        opt("s3-endpoint", s3.endpoint.clone());
-        opt("s3-region", s3.region.clone());
-        if s3.path_style {
-            a.push("--s3-path-style".into());
-        }
+    WorkerConfig {
+        data: data.trim_end_matches('/').into(),
+        s3,
+        preprocessing: s.preprocessing.clone(),
+        sampling: s.plan.sampling.clone(),
+        concurrency: Concurrency {
+            cpu_threads: cpu_threads(dp).map(|n| n as usize),
+            ..Concurrency::default()
+        },
+        serving: Serving {
+            listen: format!("0.0.0.0:{BATCH_PORT}"),
+            metrics_listen: format!("0.0.0.0:{METRICS_PORT}"),
+            token_file: Some(format!("{TOKEN_DIR}/token")),
+            pipeline: dp.name_any(),
+            drain_timeout_s: DRAIN_SECONDS as u64,
+            ..Serving::default()
+        },
     }
-    a
+}
+
+/// The worker container's arguments.
+pub fn worker_args(dp: &DataPipeline) -> Vec<String> {
+    std::iter::once("worker".to_string())
+        .chain(worker_config(dp).to_args())
+        .collect()
 }
 
 fn secret_env(name: &str, secret: &str, key: &str) -> EnvVar {
@@ -638,6 +611,41 @@ mod tests {
             selector_string(&dp),
             "app.kubernetes.io/instance=qwen-sft,app.kubernetes.io/name=stoker-worker"
         );
+    }
+
+    /// The spec's preprocessing and sampling are the worker's own types; the container args
+    /// are `to_args()` of them; the worker's CLI parses those args back to the same values.
+    #[test]
+    fn the_worker_parses_its_container_args_back_to_the_spec() {
+        #[derive(clap::Parser)]
+        struct WorkerCli {
+            #[command(flatten)]
+            config: WorkerConfig,
+        }
+        let mut dp = example();
+        dp.spec.preprocessing = stoker_config::Preprocessing {
+            preset: stoker_config::PresetName::Qwen3Vl,
+            min_pixels: Some(4096),
+            max_pixels: Some(1 << 21),
+            pixel_dtype: Some(stoker_config::PixelDtype::U8),
+            max_length: Some(2048),
+            tokenizer: Some("s3://models/qwen3/tokenizer.json".into()),
+            template: Some("/etc/stoker/chat.jinja".into()),
+            max_image_side: 9000,
+            max_image_pixels: 1 << 25,
+        };
+        dp.spec.plan.sampling.on_error = stoker_config::OnError::Fail;
+        let d = deployment(&dp, 1);
+        let args = pod(&d).containers[0].args.clone().unwrap();
+        assert_eq!(args[0], "worker");
+        let argv = std::iter::once("stoker-worker".to_string()).chain(args[1..].iter().cloned());
+        let parsed = <WorkerCli as clap::Parser>::try_parse_from(argv)
+            .unwrap()
+            .config;
+        assert_eq!(parsed.preprocessing, dp.spec.preprocessing);
+        assert_eq!(parsed.sampling, dp.spec.plan.sampling);
+        assert_eq!(parsed.s3, dp.spec.source.s3.as_ref().unwrap().connection);
+        assert_eq!(parsed, worker_config(&dp));
     }
 
     #[test]

@@ -7,6 +7,7 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+pub use stoker_config::{PixelDtype, Preprocessing, PresetName, S3Connection, Sampling};
 
 /// A pool of Stoker workers that preprocesses one dataset for one training job and streams
 /// batches to its data-parallel ranks, scaled on the trainers' wait ratio.
@@ -36,7 +37,8 @@ use std::collections::BTreeMap;
 pub struct DataPipelineSpec {
     /// Where the dataset is: an S3 (or S3-compatible) prefix, or a volume.
     pub source: Source,
-    /// How samples are preprocessed (the model family's processor, with overrides).
+    /// How samples are preprocessed (the model family's processor, with overrides): the
+    /// worker's own configuration type, so the schema and the worker's flags agree.
     #[serde(default)]
     pub preprocessing: Preprocessing,
     /// The deterministic sample order and batch geometry.
@@ -87,15 +89,9 @@ pub struct S3Source {
     /// s3://bucket/prefix of the JSONL shards (images are found relative to them).
     #[x_kube(validation = Rule::new("self.startsWith('s3://') && size(self) > 5").message("source.s3.uri must look like s3://bucket/prefix"))]
     pub uri: String,
-    /// Endpoint of an S3-compatible store (MinIO, Ceph, R2); absent: AWS.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub endpoint: Option<String>,
-    /// Region; absent: from the environment.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub region: Option<String>,
-    /// Path-style addressing (most S3-compatible stores need it).
-    #[serde(default)]
-    pub path_style: bool,
+    /// Endpoint, region and addressing: the worker's own S3 settings.
+    #[serde(flatten)]
+    pub connection: S3Connection,
     /// Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; absent: the pod's identity
     /// (IRSA, instance profile).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -112,66 +108,14 @@ pub struct VolumeSource {
     pub path: String,
 }
 
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
-pub enum Preset {
-    #[default]
-    #[serde(rename = "qwen2-vl")]
-    Qwen2,
-    #[serde(rename = "qwen2.5-vl")]
-    Qwen25,
-    #[serde(rename = "qwen3-vl")]
-    Qwen3,
-}
-
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum PixelDtype {
-    F32,
-    Bf16,
-    U8,
-}
-
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, KubeSchema)]
-#[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("!has(self.minPixels) || !has(self.maxPixels) || self.minPixels <= self.maxPixels").message("preprocessing.minPixels must not exceed maxPixels"))]
-pub struct Preprocessing {
-    /// Model family: patch size, normalization, resize bounds and chat format.
-    #[serde(default)]
-    pub preset: Preset,
-    /// Lower bound on resized pixels per image; absent: the preset's.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
-    pub min_pixels: Option<i64>,
-    /// Upper bound on resized pixels per image; absent: the preset's.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
-    pub max_pixels: Option<i64>,
-    /// pixel_values dtype; u8 leaves normalization to the GPU (4x fewer bytes than f32).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pixel_dtype: Option<PixelDtype>,
-    /// Longest token sequence per sample (docs/preprocessing.md describes truncation).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 16))]
-    pub max_length: Option<i32>,
-    /// The model's tokenizer.json: s3://bucket/path/tokenizer.json (fetched by each worker at
-    /// start with the source's S3 settings, checked and cached; the image needs none), or a
-    /// path inside the worker container (an image or a mounted volume). Absent: the worker's
-    /// $STOKER_TOKENIZER.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tokenizer: Option<String>,
-}
-
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("self.globalBatchSize >= self.worldSize").message("plan.globalBatchSize must be at least plan.worldSize (every rank gets a sample)"))]
 pub struct PlanSpec {
-    /// Seed of the sample order (with the epoch, it fixes every batch).
-    #[serde(default)]
-    #[schemars(range(min = 0))]
-    pub seed: i64,
-    /// Samples per global batch, all ranks together.
-    #[schemars(range(min = 1))]
-    pub global_batch_size: i32,
+    /// Seed, global batch size and what to do with a sample that cannot be served: the
+    /// worker's own sampling settings.
+    #[serde(flatten)]
+    pub sampling: Sampling,
     /// Data-parallel ranks of the trainer.
     #[schemars(range(min = 1))]
     pub world_size: i32,

@@ -3,18 +3,19 @@
 //! Rates are "per core": samples per CPU-second spent by the process (or thread) doing the
 //! work, so that runs on a shared, noisy 2-core machine compare like with like.
 
-use super::local::{cache_root, ensure_dataset, http_get, spawn_worker};
+use super::local::{cache_root, ensure_dataset, spawn_worker};
 use clap::Subcommand;
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
+use stoker_config::{Preprocessing, Serving, WorkerConfig};
+use stoker_testkit::embedded_s3::EmbeddedS3;
+use stoker_testkit::http;
+use stoker_testkit::synth::{SynthFormat, SynthOptions};
 use stoker_worker::connection::Connection;
 use stoker_worker::dataset::sample::Conversation;
-use stoker_worker::dataset::synth::{SynthFormat, SynthOptions};
-use stoker_worker::embedded_s3::EmbeddedS3;
-use stoker_worker::pipeline::PreprocessArgs;
-use stoker_worker::preprocess::vision::{process_image, ImageTimings, PixelLut};
+use stoker_worker::preprocess::preset::Preset;
+use stoker_worker::preprocess::vision::{process_image, DecodeLimits, ImageTimings, PixelLut};
 use stoker_worker::source::resolve_relative;
 
 #[derive(Subcommand)]
@@ -72,7 +73,7 @@ pub struct PreprocessBench {
     #[arg(long)]
     python: Option<PathBuf>,
     #[command(flatten)]
-    pre: PreprocessArgs,
+    pre: Preprocessing,
 }
 
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
@@ -155,7 +156,7 @@ async fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
         ..SynthOptions::default()
     };
     ensure_dataset(&dir, &synth)?;
-    let tokenizer = b.pre.tokenizer_path()?;
+    let tokenizer = stoker_worker::tokenizer_source::local_path(&b.pre)?;
 
     let in_memory = ceiling_samples(&b, &dir)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -184,8 +185,8 @@ async fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
     println!();
     println!(
         "Preprocessing, {} preset, {:?} pixel_values, {cores} cores",
-        b.pre.preset().label(),
-        b.pre.preset().pixel_dtype
+        b.pre.preset.as_str(),
+        Preset::from_config(&b.pre).pixel_dtype
     );
     println!(
         "{:<44} {:>8} {:>9} {:>10} {:>12}  note",
@@ -234,16 +235,20 @@ async fn served_pipeline(
     bucket: &str,
 ) -> anyhow::Result<(Row, f64)> {
     let s3 = EmbeddedS3::start(root, "127.0.0.1:0", Duration::ZERO).await?;
-    let mut args: Vec<OsString> = ["--no-auth", "--s3-path-style", "--global-batch-size"]
-        .map(OsString::from)
-        .into();
-    args.push(b.global_batch_size.to_string().into());
-    args.extend(b.pre.to_args()?);
-    if let Some(n) = b.cpu_threads {
-        args.extend(["--cpu-threads".into(), n.to_string().into()]);
-    }
-    let (data, env) = (format!("s3://{bucket}"), s3.env());
-    let worker = tokio::task::spawn_blocking(move || spawn_worker(&data, &args, &env)).await??;
+    let mut config = WorkerConfig {
+        data: format!("s3://{bucket}"),
+        preprocessing: b.pre.clone(),
+        serving: Serving {
+            no_auth: true,
+            ..Serving::default()
+        },
+        ..WorkerConfig::default()
+    };
+    config.s3.path_style = true;
+    config.sampling.global_batch_size = b.global_batch_size;
+    config.concurrency.cpu_threads = b.cpu_threads;
+    let env = s3.env();
+    let worker = tokio::task::spawn_blocking(move || spawn_worker(&config, &env)).await??;
     let (addr, metrics_addr, pid) = (
         worker.addr.clone(),
         worker.metrics_addr.clone(),
@@ -297,7 +302,7 @@ async fn served_pipeline(
 /// inside the worker, so it shows where a sample's latency goes).
 async fn stage_means(metrics_addr: &str) -> anyhow::Result<String> {
     let addr = metrics_addr.to_string();
-    let text = tokio::task::spawn_blocking(move || http_get(&addr, "/metrics")).await??;
+    let text = tokio::task::spawn_blocking(move || http::get_ok(&addr, "/metrics")).await??;
     let value = |series: &str| -> Option<f64> {
         text.lines()
             .find_map(|l| l.strip_prefix(series))
@@ -350,7 +355,8 @@ fn ceiling_samples(b: &PreprocessBench, dir: &Path) -> anyhow::Result<Vec<Vec<Ve
 /// no IO, no tokenizing, no sending, on `threads` threads (each taking every n-th sample).
 /// CPU is the sum of those threads' CPU time.
 fn ceiling(b: &PreprocessBench, samples: &[Vec<Vec<u8>>], threads: usize) -> anyhow::Result<Row> {
-    let preset = b.pre.preset();
+    let preset = Preset::from_config(&b.pre);
+    let limits = DecodeLimits::from_config(&b.pre);
     let lut = PixelLut::new(&preset);
     let t0 = Instant::now();
     let per_thread: Vec<anyhow::Result<(f64, ImageTimings, usize)>> = std::thread::scope(|scope| {
@@ -363,7 +369,7 @@ fn ceiling(b: &PreprocessBench, samples: &[Vec<Vec<u8>>], threads: usize) -> any
                     let mut images = 0;
                     for imgs in samples.iter().skip(k).step_by(threads) {
                         for bytes in imgs {
-                            process_image(bytes, preset, lut, b.pre.limits(), &mut timings)?;
+                            process_image(bytes, preset, lut, limits, &mut timings)?;
                             images += 1;
                         }
                     }

@@ -2,11 +2,12 @@
 
 use clap::Subcommand;
 use std::path::PathBuf;
-use stoker_worker::dataset::index::{DatasetIndex, INDEX_KEY};
-use stoker_worker::dataset::synth::{generate, SynthOptions};
+use stoker_config::{Concurrency, OnError, Preprocessing, S3Connection, Sampling, WorkerConfig};
+use stoker_testkit::synth::{generate, SynthOptions};
+use stoker_worker::dataset::index::{DatasetIndex, Progress, INDEX_KEY};
 use stoker_worker::metrics::Metrics;
-use stoker_worker::pipeline::{collate, open_pipeline, PlanArgs, PreprocessArgs};
-use stoker_worker::source::{S3Options, Store};
+use stoker_worker::pipeline::{collate, open_pipeline};
+use stoker_worker::source::Store;
 
 #[derive(Subcommand)]
 pub enum DatasetCommand {
@@ -24,7 +25,7 @@ pub enum DatasetCommand {
         /// s3://bucket/prefix or a local folder.
         uri: String,
         #[command(flatten)]
-        s3: S3Options,
+        s3: S3Connection,
         /// Do not write the index back to the dataset.
         #[arg(long)]
         dry_run: bool,
@@ -38,9 +39,9 @@ pub enum DatasetCommand {
         #[arg(long)]
         sample: u64,
         #[command(flatten)]
-        s3: S3Options,
+        s3: S3Connection,
         #[command(flatten)]
-        pre: PreprocessArgs,
+        pre: Preprocessing,
         /// Write input_ids, labels, pixel_values and image_grid_thw as safetensors.
         #[arg(long)]
         out: Option<PathBuf>,
@@ -58,13 +59,26 @@ fn bar(msg: &str) -> indicatif::ProgressBar {
     pb
 }
 
+/// The index build's progress, as a bar of shard bytes.
+struct ByteBar(indicatif::ProgressBar);
+
+impl Progress for ByteBar {
+    fn total(&self, bytes: u64) {
+        self.0.set_length(bytes);
+    }
+    fn advance(&self, bytes: u64) {
+        self.0.inc(bytes);
+    }
+}
+
 pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
     match cmd {
         DatasetCommand::Synth { out, options: o } => {
             let samples = o.samples;
             let pb = bar("synth");
+            pb.set_length(samples as u64);
             tokio::task::spawn_blocking(move || {
-                generate(&out, &o, &pb)?;
+                generate(&out, &o, &|| pb.inc(1))?;
                 pb.finish();
                 anyhow::Ok(())
             })
@@ -84,8 +98,9 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
                 indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes}")
                     .expect("template"),
             );
-            let idx = DatasetIndex::build(&store, Some(&pb)).await?;
-            pb.finish_and_clear();
+            let bar = ByteBar(pb);
+            let idx = DatasetIndex::build(&store, &bar).await?;
+            bar.0.finish_and_clear();
             for b in &idx.bad_lines {
                 eprintln!("bad line {b}");
             }
@@ -111,26 +126,29 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
             s3,
             pre,
             out,
-        } => inspect(&uri, sample, &s3, &pre, out).await,
+        } => {
+            let cfg = WorkerConfig {
+                data: uri,
+                s3,
+                preprocessing: pre,
+                sampling: Sampling {
+                    global_batch_size: 1,
+                    on_error: OnError::Fail,
+                    ..Sampling::default()
+                },
+                concurrency: Concurrency {
+                    cpu_threads: Some(1),
+                    ..Concurrency::default()
+                },
+                ..WorkerConfig::default()
+            };
+            inspect(&cfg, sample, out).await
+        }
     }
 }
 
-async fn inspect(
-    uri: &str,
-    sample: u64,
-    s3: &S3Options,
-    pre: &PreprocessArgs,
-    out: Option<PathBuf>,
-) -> anyhow::Result<()> {
-    let plan = PlanArgs {
-        seed: 0,
-        global_batch_size: 1,
-        on_error: stoker_worker::pipeline::OnError::Fail,
-        max_fetches: 8,
-        cpu_threads: Some(1),
-        sample_parallelism: None,
-    };
-    let p = open_pipeline(uri, s3, pre, &plan, Metrics::new()).await?;
+async fn inspect(cfg: &WorkerConfig, sample: u64, out: Option<PathBuf>) -> anyhow::Result<()> {
+    let p = open_pipeline(cfg, Metrics::new()).await?;
     let (shard, line) = p.index.locate(sample).ok_or_else(|| {
         anyhow::anyhow!(
             "sample {sample} is beyond the {} samples",

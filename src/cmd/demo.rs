@@ -14,23 +14,22 @@
 //! 5. `+ autoscaled workers`: the autoscaler of the operator (stoker-control) adds worker
 //!    processes while the trainers' wait ratio is above target.
 
-use super::local::{cache_root, ensure_dataset, http_get, spawn_worker};
+use super::local::{cache_root, demo_preprocessing, ensure_dataset, spawn_worker};
 use std::collections::BTreeSet;
-use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use stoker_client::{Depth, Discovery, Loader, LoaderConfig, WorkerSet};
+use stoker_config::{Concurrency, Preprocessing, Serving, WorkerConfig};
 use stoker_control::autoscale::{Autoscaler, Observation, RankCounters, Rule, Rules, Spec};
 use stoker_control::exposition::rank_counters;
 use stoker_control::metrics::{PipelineGauges, ScalerMetrics};
-use stoker_worker::dataset::synth::{SynthFormat, SynthOptions};
-use stoker_worker::embedded_s3::{EmbeddedS3, StoreBehaviour};
-use stoker_worker::pipeline::PreprocessArgs;
-use stoker_worker::preprocess::preset::PixelDtype;
-use stoker_worker::process::LocalWorker;
+use stoker_testkit::embedded_s3::{EmbeddedS3, StoreBehaviour};
+use stoker_testkit::http;
+use stoker_testkit::local_worker::LocalWorker;
+use stoker_testkit::synth::{SynthFormat, SynthOptions};
 
 #[derive(clap::Args)]
 pub struct DemoArgs {
@@ -97,7 +96,7 @@ pub struct DemoArgs {
     /// Preprocessing (the demo defaults to --max-pixels 200704 and --pixel-dtype bf16, i.e.
     /// up to 256 vision tokens per image, to keep the run short).
     #[command(flatten)]
-    pre: PreprocessArgs,
+    pre: Preprocessing,
 }
 
 /// One row of the ablation.
@@ -177,8 +176,7 @@ pub async fn run(mut a: DemoArgs) -> anyhow::Result<()> {
         a.target_wait_ratio > 0.0 && a.target_wait_ratio < 1.0,
         "--target-wait-ratio must be in (0, 1)"
     );
-    a.pre.max_pixels.get_or_insert(200_704);
-    a.pre.pixel_dtype.get_or_insert(PixelDtype::Bf16);
+    demo_preprocessing(&mut a.pre);
     let root = a.cache.clone().unwrap_or_else(|| cache_root().join("demo"));
     let bucket = format!("demo-{}", a.samples);
     let synth = SynthOptions {
@@ -200,7 +198,7 @@ pub async fn run(mut a: DemoArgs) -> anyhow::Result<()> {
     let data = format!("s3://{bucket}");
     if !a.json {
         println!(
-            "Trainer: {} ranks x {} samples per step, {} ms compute per step. Object store: {} ms to first byte, {} MB/s per connection. Workers: {} CPU and {} object-store reads each, {} preset, {:?} pixels.",
+            "Trainer: {} ranks x {} samples per step, {} ms compute per step. Object store: {} ms to first byte, {} MB/s per connection. Workers: {} CPU and {} object-store reads each, {} preset, {} pixels.",
             a.ranks,
             a.batch_size,
             a.step_ms,
@@ -208,8 +206,8 @@ pub async fn run(mut a: DemoArgs) -> anyhow::Result<()> {
             a.bandwidth_mb_s,
             a.worker_cpus,
             a.worker_fetches,
-            a.pre.preset().label(),
-            a.pre.preset().pixel_dtype,
+            a.pre.preset.as_str(),
+            a.pre.pixel_dtype.expect("set above").as_str(),
         );
     }
     let observer = match &a.metrics_listen {
@@ -250,23 +248,27 @@ pub async fn run(mut a: DemoArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Flags every worker of the demo gets.
-fn worker_args(a: &DemoArgs, serial: bool) -> anyhow::Result<Vec<OsString>> {
-    let mut args: Vec<OsString> = vec![
-        "--no-auth".into(),
-        "--s3-path-style".into(),
-        "--global-batch-size".into(),
-        (a.ranks * a.batch_size).to_string().into(),
-        "--cpu-threads".into(),
-        a.worker_cpus.to_string().into(),
-        "--pipeline".into(),
-        PIPELINE.into(),
-    ];
-    if !serial {
-        args.extend(["--max-fetches".into(), a.worker_fetches.to_string().into()]);
-    }
-    args.extend(a.pre.to_args()?);
-    Ok(args)
+/// The configuration of every worker of a stage (the serial baseline reads one object at a
+/// time and loads one sample after another).
+fn worker_config(a: &DemoArgs, data: &str, serial: bool) -> WorkerConfig {
+    let mut c = WorkerConfig {
+        data: data.to_string(),
+        preprocessing: a.pre.clone(),
+        concurrency: Concurrency {
+            max_fetches: if serial { 1 } else { a.worker_fetches },
+            cpu_threads: Some(a.worker_cpus),
+            sample_parallelism: serial.then_some(1),
+        },
+        serving: Serving {
+            no_auth: true,
+            pipeline: PIPELINE.into(),
+            ..Serving::default()
+        },
+        ..WorkerConfig::default()
+    };
+    c.s3.path_style = true;
+    c.sampling.global_batch_size = a.ranks * a.batch_size;
+    c
 }
 
 fn print_results(a: &DemoArgs, rows: &[StageResult]) {
@@ -307,8 +309,7 @@ struct RankStats {
 
 /// The workers of a stage and the address set the clients discover them by.
 struct Pool {
-    data: String,
-    args: Vec<OsString>,
+    config: WorkerConfig,
     env: Vec<(&'static str, String)>,
     workers: Vec<LocalWorker>,
     set: tokio::sync::watch::Sender<WorkerSet>,
@@ -317,8 +318,7 @@ struct Pool {
 impl Pool {
     fn resize(&mut self, n: usize) -> anyhow::Result<()> {
         while self.workers.len() < n {
-            self.workers
-                .push(spawn_worker(&self.data, &self.args, &self.env)?);
+            self.workers.push(spawn_worker(&self.config, &self.env)?);
         }
         // Newest first: the client retries whatever the removed worker had in flight.
         self.workers.truncate(n);
@@ -336,14 +336,9 @@ fn run_stage(
     progress: &indicatif::ProgressBar,
     observer: Option<&(Arc<ScalerMetrics>, String)>,
 ) -> anyhow::Result<StageResult> {
-    let mut args = worker_args(a, stage.serial_worker)?;
-    if stage.serial_worker {
-        args.extend(["--max-fetches", "1", "--sample-parallelism", "1"].map(OsString::from));
-    }
     let (set_tx, set_rx) = tokio::sync::watch::channel(WorkerSet::new());
     let mut pool = Pool {
-        data: data.to_string(),
-        args,
+        config: worker_config(a, data, stage.serial_worker),
         env: env.to_vec(),
         workers: Vec::new(),
         set: set_tx,
@@ -469,7 +464,7 @@ type Scrape = Vec<Option<RankCounters>>;
 fn scrape(addrs: &[String]) -> Scrape {
     addrs
         .iter()
-        .map(|addr| rank_counters(&http_get(addr, "/metrics").ok()?))
+        .map(|addr| rank_counters(&http::get_ok(addr, "/metrics").ok()?))
         .collect()
 }
 

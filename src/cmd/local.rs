@@ -1,19 +1,17 @@
 //! Local runs (demo, benchmarks): where generated datasets are cached, and `stoker worker`
 //! processes started from this very binary.
 
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use stoker_worker::dataset::synth::{generate, SynthOptions};
-pub use stoker_worker::process::http_get;
-use stoker_worker::process::LocalWorker;
+use stoker_config::{PixelDtype, Preprocessing, WorkerConfig};
+use stoker_testkit::local_worker::LocalWorker;
+use stoker_testkit::synth::{generate, SynthOptions};
 
 /// Starts a `stoker worker` of this binary.
 pub fn spawn_worker(
-    data: &str,
-    args: &[OsString],
+    config: &WorkerConfig,
     env: &[(&'static str, String)],
 ) -> anyhow::Result<LocalWorker> {
-    LocalWorker::spawn(&std::env::current_exe()?, data, args, env)
+    LocalWorker::spawn(&std::env::current_exe()?, config, env)
 }
 
 /// ~/.cache/stoker: datasets the demo and benchmarks generate once.
@@ -35,8 +33,15 @@ pub fn ensure_dataset(dir: &Path, o: &SynthOptions) -> anyhow::Result<()> {
     );
     let _ = std::fs::remove_dir_all(dir);
     let pb = indicatif::ProgressBar::new(o.samples as u64);
-    generate(dir, o, &pb)?;
+    generate(dir, o, &|| pb.inc(1))?;
     pb.finish_and_clear();
     std::fs::write(done, b"")?;
     Ok(())
+}
+
+/// The demo's preprocessing unless told otherwise: up to 256 vision tokens per image
+/// (max_pixels 200,704) and bf16 pixels, to keep a run on a laptop short.
+pub fn demo_preprocessing(pre: &mut Preprocessing) {
+    pre.max_pixels.get_or_insert(200_704);
+    pre.pixel_dtype.get_or_insert(PixelDtype::Bf16);
 }

@@ -12,15 +12,14 @@
 //! same workers packed on one node vs spread over K nodes, network-bound (a fast step) and
 //! not (a slow step), and the head-node hop (every batch relayed by one process on node 0).
 
-use super::local::{cache_root, ensure_dataset};
-use std::ffi::OsString;
+use super::local::{cache_root, demo_preprocessing, ensure_dataset};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
-use stoker_worker::dataset::synth::{SynthFormat, SynthOptions};
-use stoker_worker::pipeline::PreprocessArgs;
-use stoker_worker::preprocess::preset::PixelDtype;
-use stoker_worker::process::LocalWorker;
+use stoker_config::{Preprocessing, Serving, WorkerConfig};
+use stoker_testkit::embedded_s3::{client_env, EmbeddedS3};
+use stoker_testkit::local_worker::LocalWorker;
+use stoker_testkit::synth::{SynthFormat, SynthOptions};
 
 #[derive(clap::Args)]
 pub struct SpreadArgs {
@@ -57,7 +56,7 @@ pub struct SpreadArgs {
     #[arg(long)]
     json_out: Option<PathBuf>,
     #[command(flatten)]
-    pre: PreprocessArgs,
+    pre: Preprocessing,
 }
 
 const PREFIX: &str = "stk-";
@@ -280,8 +279,7 @@ fn run_blocking(mut a: SpreadArgs) -> anyhow::Result<()> {
     );
     ip(&["netns", "list"])
         .map_err(|e| anyhow::anyhow!("network namespaces are not available here: {e}"))?;
-    a.pre.max_pixels.get_or_insert(200_704);
-    a.pre.pixel_dtype.get_or_insert(PixelDtype::Bf16);
+    demo_preprocessing(&mut a.pre);
     let root = cache_root().join("demo");
     let bucket = format!("demo-{}", a.samples);
     ensure_dataset(
@@ -307,18 +305,7 @@ fn run_blocking(mut a: SpreadArgs) -> anyhow::Result<()> {
         ],
     )?;
     listening(&mut store)?;
-    let env = vec![
-        ("AWS_ENDPOINT_URL", format!("http://{STORE_IP}:9000")),
-        ("AWS_REGION", "us-east-1".to_string()),
-        (
-            "AWS_ACCESS_KEY_ID",
-            stoker_worker::embedded_s3::ACCESS_KEY.to_string(),
-        ),
-        (
-            "AWS_SECRET_ACCESS_KEY",
-            stoker_worker::embedded_s3::SECRET_KEY.to_string(),
-        ),
-    ];
+    let env = client_env(&format!("http://{STORE_IP}:9000"));
     let runs = [
         (Placement::Pack, "network-bound", a.fast_step_ms, false),
         (Placement::Spread, "network-bound", a.fast_step_ms, false),
@@ -375,20 +362,19 @@ fn one_run(
     relay: bool,
 ) -> anyhow::Result<RunResult> {
     let exe = std::env::current_exe()?;
-    let mut args: Vec<OsString> = [
-        "--no-auth",
-        "--s3-path-style",
-        "--cpu-threads",
-        "1",
-        "--pipeline",
-        "spread",
-        "--global-batch-size",
-    ]
-    .map(OsString::from)
-    .into();
-    args.push((a.ranks * a.batch_size).to_string().into());
-    args.extend(a.pre.to_args()?);
-    let data = format!("s3://{bucket}");
+    let mut config = WorkerConfig {
+        data: format!("s3://{bucket}"),
+        preprocessing: a.pre.clone(),
+        serving: Serving {
+            no_auth: true,
+            pipeline: "spread".into(),
+            ..Serving::default()
+        },
+        ..WorkerConfig::default()
+    };
+    config.s3.path_style = true;
+    config.sampling.global_batch_size = a.ranks * a.batch_size;
+    config.concurrency.cpu_threads = Some(1);
     let mut workers = Vec::new();
     for w in 0..a.workers {
         let node = match placement {
@@ -399,8 +385,7 @@ fn one_run(
             &node_ns(node),
             &exe,
             &node_ip(node),
-            &data,
-            &args,
+            &config,
             env,
         )?);
     }
@@ -632,7 +617,7 @@ pub struct S3ServerArgs {
 }
 
 pub async fn s3_server(a: S3ServerArgs) -> anyhow::Result<()> {
-    let s3 = stoker_worker::embedded_s3::EmbeddedS3::start(
+    let s3 = EmbeddedS3::start(
         Path::new(&a.root),
         &a.listen,
         Duration::from_millis(a.first_byte_latency_ms),

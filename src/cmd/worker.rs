@@ -1,58 +1,19 @@
 //! `stoker worker`: serve batches of one plan over TCP, with /metrics, /healthz and /readyz.
 
-use std::path::PathBuf;
 use std::time::Duration;
+use stoker_config::WorkerConfig;
 use stoker_worker::metrics::{serve_http, Metrics};
-use stoker_worker::pipeline::{open_pipeline, PlanArgs, PreprocessArgs};
+use stoker_worker::pipeline::open_pipeline;
 use stoker_worker::server::{Server, ServerConfig};
-use stoker_worker::source::S3Options;
-
-#[derive(clap::Args)]
-pub struct WorkerArgs {
-    /// The dataset: s3://bucket/prefix or a local folder.
-    #[arg(long)]
-    pub data: String,
-    /// Address for batch requests.
-    #[arg(long, default_value = "0.0.0.0:7700")]
-    pub listen: String,
-    /// Address for /metrics, /healthz and /readyz.
-    #[arg(long, default_value = "0.0.0.0:9090")]
-    pub metrics_listen: String,
-    /// File holding the pipeline token clients must present.
-    #[arg(long, conflicts_with = "no_auth")]
-    pub token_file: Option<PathBuf>,
-    /// Run without a token (only on a trusted, local network).
-    #[arg(long)]
-    pub no_auth: bool,
-    /// Batch requests prepared at once per connection.
-    #[arg(long, default_value_t = 8)]
-    pub max_inflight_per_conn: usize,
-    /// Samples prepared or waiting to be sent at once, across connections: bounds the memory
-    /// batches take [default: 8 per preprocessing thread, at least 32].
-    #[arg(long)]
-    pub max_inflight_samples: Option<usize>,
-    /// The pipeline this worker belongs to (the `pipeline` label of its metrics).
-    #[arg(long, env = "STOKER_PIPELINE", default_value = "default")]
-    pub pipeline: String,
-    /// On SIGTERM, how long to wait for in-flight requests.
-    #[arg(long, default_value_t = 30)]
-    pub drain_timeout_s: u64,
-    #[command(flatten)]
-    pub s3: S3Options,
-    #[command(flatten)]
-    pub pre: PreprocessArgs,
-    #[command(flatten)]
-    pub plan: PlanArgs,
-}
 
 /// The token from --token-file, else $STOKER_TOKEN; none only with --no-auth.
-fn load_token(a: &WorkerArgs) -> anyhow::Result<Option<String>> {
+fn load_token(a: &stoker_config::Serving) -> anyhow::Result<Option<String>> {
     if a.no_auth {
         return Ok(None);
     }
     let token = match &a.token_file {
         Some(p) => std::fs::read_to_string(p)
-            .map_err(|e| anyhow::anyhow!("reading token file {}: {e}", p.display()))?
+            .map_err(|e| anyhow::anyhow!("reading token file {p}: {e}"))?
             .trim()
             .to_string(),
         None => std::env::var("STOKER_TOKEN").map_err(|_| {
@@ -63,8 +24,9 @@ fn load_token(a: &WorkerArgs) -> anyhow::Result<Option<String>> {
     Ok(Some(token))
 }
 
-pub async fn run(a: WorkerArgs) -> anyhow::Result<()> {
-    let token = load_token(&a)?;
+pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
+    let a = &cfg.serving;
+    let token = load_token(a)?;
     let metrics = Metrics::for_pipeline(&a.pipeline);
     // Health first: liveness holds while the index loads; readiness waits for the server.
     let http = tokio::net::TcpListener::bind(&a.metrics_listen).await?;
@@ -73,7 +35,7 @@ pub async fn run(a: WorkerArgs) -> anyhow::Result<()> {
     println!("metrics {}", http.local_addr()?);
     tokio::spawn(serve_http(http, metrics.clone()));
 
-    let pipeline = open_pipeline(&a.data, &a.s3, &a.pre, &a.plan, metrics).await?;
+    let pipeline = open_pipeline(&cfg, metrics).await?;
     let cpu_threads = pipeline.config.cpu_threads;
     let server = Server::new(
         pipeline,

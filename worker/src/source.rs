@@ -7,24 +7,7 @@
 use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata};
 use bytes::Bytes;
 use std::path::{Path, PathBuf};
-
-/// Connection settings for S3-compatible stores; the credentials come from the standard chain
-/// (environment, profile, web identity, instance metadata).
-#[derive(Debug, Clone, Default, clap::Args)]
-pub struct S3Options {
-    /// S3 endpoint URL (for MinIO, Ceph, an embedded server, …); default: AWS.
-    #[arg(long, env = "AWS_ENDPOINT_URL")]
-    pub s3_endpoint: Option<String>,
-    /// Region [default: us-east-1].
-    #[arg(long, env = "AWS_REGION")]
-    pub s3_region: Option<String>,
-    /// Use path-style addressing (http://host/bucket/key), needed by most non-AWS stores.
-    #[arg(long)]
-    pub s3_path_style: bool,
-    /// Static (access key, secret key), for in-process use; otherwise the standard chain.
-    #[arg(skip)]
-    pub static_credentials: Option<(String, String)>,
-}
+use stoker_config::S3Connection;
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum FetchError {
@@ -102,7 +85,7 @@ pub enum Store {
 
 impl Store {
     /// Opens `s3://bucket/prefix`, `file:///path` or a plain path.
-    pub async fn open(uri: &str, s3: &S3Options) -> anyhow::Result<Store> {
+    pub async fn open(uri: &str, s3: &S3Connection) -> anyhow::Result<Store> {
         if let Some(rest) = uri.strip_prefix("s3://") {
             let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
             anyhow::ensure!(!bucket.is_empty(), "{uri}: no bucket name");
@@ -111,10 +94,10 @@ impl Store {
                 prefix.push('/');
             }
             let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest());
-            if let Some(e) = &s3.s3_endpoint {
+            if let Some(e) = &s3.endpoint {
                 loader = loader.endpoint_url(e);
             }
-            let region = s3.s3_region.clone().unwrap_or_else(|| "us-east-1".into());
+            let region = s3.region.clone().unwrap_or_else(|| "us-east-1".into());
             loader = loader.region(aws_config::Region::new(region));
             if let Some((ak, sk)) = &s3.static_credentials {
                 loader = loader.credentials_provider(aws_sdk_s3::config::Credentials::new(
@@ -123,7 +106,7 @@ impl Store {
             }
             let conf = loader.load().await;
             let s3conf = aws_sdk_s3::config::Builder::from(&conf)
-                .force_path_style(s3.s3_path_style)
+                .force_path_style(s3.path_style)
                 // A CRC over every image body costs CPU the preprocessing needs, and a
                 // corrupt body fails decoding anyway (reported, never served). Checksums are
                 // still validated when an object requires it.

@@ -1,23 +1,64 @@
-//! A tokenizer from the object store: `--tokenizer s3://bucket/path/tokenizer.json` (or a
-//! prefix holding `tokenizer.json`), so a worker image needs no tokenizer baked in. Fetched
+//! Where the tokenizer comes from: a local path, `$STOKER_TOKENIZER`, the cache
+//! `scripts/setup-test-deps.sh` fills, or the object store.
+//!
+//! From the object store (`--tokenizer s3://bucket/path/tokenizer.json`, or a prefix holding
+//! `tokenizer.json`) a worker image needs no tokenizer baked in. Fetched
 //! once at start with the dataset's S3 settings, checked (it must parse and know the Qwen-VL
 //! vision tokens), and cached on local disk under a name derived from the URI, so a restart
 //! in the same pod reuses it (re-checked before use).
 
-use crate::source::{S3Options, Store};
+use crate::preprocess::preset::Preset;
+use crate::preprocess::text::TextProcessor;
+use crate::source::Store;
 use std::path::{Path, PathBuf};
+use stoker_config::{Preprocessing, S3Connection};
 
 /// Tokens every Qwen-VL chat format needs; a tokenizer without them is the wrong file.
 const REQUIRED_TOKENS: [&str; 3] = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"];
 
 /// True when `--tokenizer` names an object-store location rather than a local path.
-pub fn is_remote(tokenizer: &Path) -> bool {
-    tokenizer.to_str().is_some_and(|s| s.starts_with("s3://"))
+pub fn is_remote(tokenizer: &str) -> bool {
+    tokenizer.starts_with("s3://")
+}
+
+/// The local tokenizer `pre` names: `--tokenizer`, else `$STOKER_TOKENIZER`, else the cache
+/// `scripts/setup-test-deps.sh` fills.
+pub fn local_path(pre: &Preprocessing) -> anyhow::Result<PathBuf> {
+    if let Some(p) = &pre.tokenizer {
+        return Ok(p.into());
+    }
+    if let Ok(p) = std::env::var("STOKER_TOKENIZER") {
+        return Ok(p.into());
+    }
+    let home = std::env::var("HOME").unwrap_or_else(|_| ".".into());
+    let p = PathBuf::from(home).join(".cache/stoker/qwen-tokenizer");
+    anyhow::ensure!(
+        p.join("tokenizer.json").exists(),
+        "no tokenizer given and none at {}: pass --tokenizer PATH, set STOKER_TOKENIZER, or run scripts/setup-test-deps.sh",
+        p.display()
+    );
+    Ok(p)
+}
+
+/// The text processor `pre` describes, fetching a remote tokenizer first.
+pub async fn text_processor(
+    pre: &Preprocessing,
+    s3: &S3Connection,
+) -> anyhow::Result<TextProcessor> {
+    let tokenizer = match &pre.tokenizer {
+        Some(uri) if is_remote(uri) => {
+            let cache = std::env::temp_dir().join("stoker-tokenizers");
+            fetch(uri, s3, &cache).await?
+        }
+        _ => local_path(pre)?,
+    };
+    let template = pre.template.as_deref().map(Path::new);
+    TextProcessor::load(&tokenizer, template, &Preset::from_config(pre))
 }
 
 /// Fetches the tokenizer at `uri` into `cache_dir` (unless a checked copy is there) and
 /// returns the folder that holds `tokenizer.json`.
-pub async fn fetch(uri: &str, s3: &S3Options, cache_dir: &Path) -> anyhow::Result<PathBuf> {
+pub async fn fetch(uri: &str, s3: &S3Connection, cache_dir: &Path) -> anyhow::Result<PathBuf> {
     let (folder, file) = match uri.rsplit_once('/') {
         Some((folder, file)) if file.ends_with(".json") => (folder, file),
         _ => (uri.trim_end_matches('/'), "tokenizer.json"),

@@ -6,9 +6,9 @@ use stoker_control::exposition::{metric_value, metric_value_with};
 
 use common::*;
 use std::time::Duration;
+use stoker_testkit::embedded_s3::EmbeddedS3;
 use stoker_wire::ErrorCode;
 use stoker_worker::dataset::index::{DatasetIndex, INDEX_KEY};
-use stoker_worker::embedded_s3::EmbeddedS3;
 use stoker_worker::source::Store;
 
 fn crc32(data: &[u8]) -> u32 {
@@ -129,7 +129,7 @@ async fn bad_dataset() -> BadDataset {
     let store = Store::open("s3://bucket/data", &s3.s3_options())
         .await
         .unwrap();
-    let idx = DatasetIndex::build(&store, None).await.unwrap();
+    let idx = DatasetIndex::build(&store, &()).await.unwrap();
     store.put(INDEX_KEY, idx.to_json()).await.unwrap();
     // Missing object: present when indexed, gone when served.
     std::fs::remove_file(dir.join("img/deleted.png")).unwrap();
@@ -145,7 +145,7 @@ async fn bad_dataset() -> BadDataset {
 async fn index_reports_each_bad_line_as_shard_line_with_reason() {
     let b = bad_dataset().await;
     let store = Store::open(&b.ds.uri, &b.ds.s3.s3_options()).await.unwrap();
-    let idx = DatasetIndex::build(&store, None).await.unwrap();
+    let idx = DatasetIndex::build(&store, &()).await.unwrap();
     let report: Vec<String> = idx.bad_lines.iter().map(|l| l.to_string()).collect();
     assert_eq!(idx.num_samples(), 5, "{report:?}"); // deleted.png now fails at index time too
     let expect = [
@@ -167,7 +167,9 @@ async fn index_reports_each_bad_line_as_shard_line_with_reason() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn skip_policy_serves_the_rest_and_names_every_skipped_sample() {
     let b = bad_dataset().await;
-    let w = start_worker(&b.ds, &["--global-batch-size", "6", "--on-error", "skip"]).await;
+    let mut cfg = b.ds.config(6);
+    cfg.sampling.on_error = stoker_config::OnError::Skip;
+    let w = start_worker(&cfg).await;
     let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
     assert_eq!(welcome.num_samples, 6);
     let (head, payload) = c.get(request(&welcome, 0, 0, 0, 1)).await.batch();
@@ -213,7 +215,9 @@ async fn skip_policy_serves_the_rest_and_names_every_skipped_sample() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_policy_fails_the_request_naming_the_sample() {
     let b = bad_dataset().await;
-    let w = start_worker(&b.ds, &["--global-batch-size", "6", "--on-error", "fail"]).await;
+    let mut cfg = b.ds.config(6);
+    cfg.sampling.on_error = stoker_config::OnError::Fail;
+    let w = start_worker(&cfg).await;
     let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
     let e = c.get(request(&welcome, 0, 0, 0, 1)).await.error();
     assert_eq!(e.code, ErrorCode::Failed);

@@ -4,13 +4,13 @@ mod common;
 use stoker_control::exposition::{metric_value, metric_value_with};
 
 use common::*;
+use stoker_testkit::synth::SynthFormat;
 use stoker_wire::{DType, ErrorCode};
-use stoker_worker::dataset::synth::SynthFormat;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serves_planned_slices_with_consistent_tensors() {
     let ds = synth_dataset(24, SynthFormat::Llava).await;
-    let w = start_worker(&ds, &["--global-batch-size", "8"]).await;
+    let w = start_worker(&ds.config(8)).await;
     let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
     assert_eq!(welcome.num_samples, 24);
     assert_eq!(welcome.batches_per_epoch, 3);
@@ -71,8 +71,10 @@ async fn serves_planned_slices_with_consistent_tensors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn same_request_gives_same_bytes_on_any_worker() {
     let ds = synth_dataset(12, SynthFormat::Messages).await;
-    let a = start_worker(&ds, &["--global-batch-size", "4", "--seed", "5"]).await;
-    let b = start_worker(&ds, &["--global-batch-size", "4", "--seed", "5"]).await;
+    let mut cfg = ds.config(4);
+    cfg.sampling.seed = 5;
+    let a = start_worker(&cfg).await;
+    let b = start_worker(&cfg).await;
     let (mut ca, wa) = Client::connect(a.addr, TOKEN).await.unwrap();
     let (mut cb, wb) = Client::connect(b.addr, TOKEN).await.unwrap();
     assert_eq!(wa, wb);
@@ -84,7 +86,8 @@ async fn same_request_gives_same_bytes_on_any_worker() {
         assert_eq!(pa, pa2, "batch {g} differs between calls");
     }
     // Another seed is another plan: refused with a clear error, not silently served.
-    let c = start_worker(&ds, &["--global-batch-size", "4", "--seed", "6"]).await;
+    cfg.sampling.seed = 6;
+    let c = start_worker(&cfg).await;
     let (mut cc, _) = Client::connect(c.addr, TOKEN).await.unwrap();
     let e = cc.get(request(&wa, 0, 0, 0, 1)).await.error();
     assert_eq!(e.code, ErrorCode::PlanMismatch);
@@ -98,7 +101,7 @@ async fn same_request_gives_same_bytes_on_any_worker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_or_missing_token_is_refused() {
     let ds = synth_dataset(4, SynthFormat::Llava).await;
-    let w = start_worker(&ds, &[]).await;
+    let w = start_worker(&ds.config(32)).await;
     let e = Client::connect(w.addr, "nope").await.err().unwrap();
     assert_eq!(e.code, ErrorCode::Unauthorized);
     assert_eq!(e.message, "wrong pipeline token");
@@ -119,7 +122,7 @@ async fn wrong_or_missing_token_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pipelined_requests_and_out_of_range_batches() {
     let ds = synth_dataset(10, SynthFormat::Llava).await;
-    let w = start_worker(&ds, &["--global-batch-size", "5"]).await;
+    let w = start_worker(&ds.config(5)).await;
     let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
     for g in 0..2 {
         c.send(request(&welcome, 0, g, 0, 1)).await;
@@ -144,8 +147,10 @@ async fn pipelined_requests_and_out_of_range_batches() {
 async fn pixel_dtypes_shrink_the_payload() {
     let ds = synth_dataset(4, SynthFormat::Llava).await;
     let mut sizes = Vec::new();
-    for dtype in ["f32", "bf16", "u8"] {
-        let w = start_worker(&ds, &["--global-batch-size", "4", "--pixel-dtype", dtype]).await;
+    for dtype in [PixelDtype::F32, PixelDtype::Bf16, PixelDtype::U8] {
+        let mut cfg = ds.config(4);
+        cfg.preprocessing.pixel_dtype = Some(dtype);
+        let w = start_worker(&cfg).await;
         let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
         let (head, _) = c.get(request(&welcome, 0, 0, 0, 1)).await.batch();
         sizes.push(head.tensor("pixel_values").unwrap().nbytes);
@@ -157,7 +162,7 @@ async fn pixel_dtypes_shrink_the_payload() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_in_flight_requests_then_refuses() {
     let ds = synth_dataset(8, SynthFormat::Llava).await;
-    let mut w = start_worker(&ds, &["--global-batch-size", "8"]).await;
+    let mut w = start_worker(&ds.config(8)).await;
     let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
     c.send(request(&welcome, 0, 0, 0, 1)).await;
     // Let the request start, then terminate: it must still complete.
@@ -177,10 +182,10 @@ async fn sigterm_drains_in_flight_requests_then_refuses() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_object_delays_only_its_own_batch() {
     use std::time::Duration;
-    use stoker_worker::embedded_s3::{EmbeddedS3, StoreBehaviour};
+    use stoker_testkit::embedded_s3::{EmbeddedS3, StoreBehaviour};
     let mut ds = synth_dataset(8, SynthFormat::Llava).await;
     // Find a sample of batch 0 and make its first image a straggler.
-    let probe = start_worker(&ds, &["--global-batch-size", "4"]).await;
+    let probe = start_worker(&ds.config(4)).await;
     let victim = probe.server.pipeline.plan.rank_slice(0, 0, 0, 1).unwrap()[0];
     let (shard, line) = probe.server.pipeline.index.locate(victim).unwrap();
     let text = std::fs::read(ds.dir().join(&shard.key)).unwrap();
@@ -195,7 +200,9 @@ async fn a_slow_object_delays_only_its_own_batch() {
         .await
         .unwrap();
 
-    let w = start_worker(&ds, &["--global-batch-size", "4", "--max-fetches", "2"]).await;
+    let mut cfg = ds.config(4);
+    cfg.concurrency.max_fetches = 2;
+    let w = start_worker(&cfg).await;
     let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
     c.send(request(&welcome, 0, 0, 0, 1)).await;
     c.send(request(&welcome, 0, 1, 0, 1)).await;
@@ -213,7 +220,9 @@ async fn a_slow_object_delays_only_its_own_batch() {
 async fn sample_budget_smaller_than_a_batch_still_serves_everything() {
     let ds = synth_dataset(12, SynthFormat::Llava).await;
     // Slices of 4 samples against a budget of 3: each takes the whole budget, one at a time.
-    let w = start_worker_with_budget(&ds, &["--global-batch-size", "4"], 3).await;
+    let mut cfg = ds.config(4);
+    cfg.serving.max_inflight_samples = Some(3);
+    let w = start_worker(&cfg).await;
     let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
     for g in 0..3 {
         c.send(request(&welcome, 0, g, 0, 1)).await;
@@ -231,7 +240,7 @@ async fn sample_budget_smaller_than_a_batch_still_serves_everything() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fetches_its_tokenizer_from_the_object_store() {
     let ds = synth_dataset(8, SynthFormat::Llava).await;
-    let local = stoker_worker::pipeline::PreprocessArgs::tokenizer_path(&knobs(&[]).pre).unwrap();
+    let local = stoker_worker::tokenizer_source::local_path(&ds.config(4).preprocessing).unwrap();
     let local = if local.is_dir() {
         local.join("tokenizer.json")
     } else {
@@ -242,31 +251,18 @@ async fn fetches_its_tokenizer_from_the_object_store() {
     std::fs::copy(&local, tok_dir.join("tokenizer.json")).unwrap();
     std::fs::write(tok_dir.join("wrong.json"), br#"{"version": "1.0"}"#).unwrap();
 
-    let w = start_worker(
-        &ds,
-        &[
-            "--global-batch-size",
-            "4",
-            "--tokenizer",
-            "s3://bucket/models/qwen/tokenizer.json",
-        ],
-    )
-    .await;
+    let mut cfg = ds.config(4);
+    cfg.preprocessing.tokenizer = Some("s3://bucket/models/qwen/tokenizer.json".into());
+    let w = start_worker(&cfg).await;
     let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
     let (head, _) = c.get(request(&welcome, 0, 0, 0, 1)).await.batch();
     assert_eq!(head.sample_ids.len(), 4);
 
-    let k = knobs(&["--tokenizer", "s3://bucket/models/qwen/wrong.json"]);
-    let e = stoker_worker::pipeline::open_pipeline(
-        &ds.uri,
-        &ds.s3.s3_options(),
-        &k.pre,
-        &k.plan,
-        stoker_worker::metrics::Metrics::new(),
-    )
-    .await
-    .err()
-    .expect("a JSON that is no tokenizer is refused");
+    cfg.preprocessing.tokenizer = Some("s3://bucket/models/qwen/wrong.json".into());
+    let e = stoker_worker::pipeline::open_pipeline(&cfg, stoker_worker::metrics::Metrics::new())
+        .await
+        .err()
+        .expect("a JSON that is no tokenizer is refused");
     let msg = format!("{e:#}");
     assert!(
         msg.contains("tokenizer s3://bucket/models/qwen/wrong.json: not a tokenizer.json"),

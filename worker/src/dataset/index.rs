@@ -16,6 +16,16 @@ const FORMAT: u32 = 1;
 /// Shards read at once while indexing.
 const SHARD_FETCH_CONCURRENCY: usize = 8;
 
+/// Where a long index build reports how far it got (the CLI draws a bar; `()` ignores it).
+pub trait Progress: Sync {
+    /// The amount of work there is.
+    fn total(&self, _amount: u64) {}
+    /// `amount` more is done.
+    fn advance(&self, _amount: u64) {}
+}
+
+impl Progress for () {}
+
 /// A valid line: 1-based line number, byte offset and length (without the newline).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LineRef(pub u32, pub u64, pub u32);
@@ -108,11 +118,9 @@ impl DatasetIndex {
         Ok(idx.finish())
     }
 
-    /// Reads and validates every shard of the store.
-    pub async fn build(
-        store: &Store,
-        progress: Option<&indicatif::ProgressBar>,
-    ) -> anyhow::Result<Self> {
+    /// Reads and validates every shard of the store, telling `progress` how many shard bytes
+    /// there are and each shard's size once it is read.
+    pub async fn build(store: &Store, progress: &dyn Progress) -> anyhow::Result<Self> {
         let objects = store.list().await?;
         let keys: HashSet<&str> = objects.iter().map(|o| o.key.as_str()).collect();
         let shards: Vec<&ObjectInfo> = objects
@@ -124,16 +132,12 @@ impl DatasetIndex {
             "no .jsonl shards under {}",
             store.describe("")
         );
-        if let Some(p) = progress {
-            p.set_length(shards.iter().map(|s| s.size).sum());
-        }
+        progress.total(shards.iter().map(|s| s.size).sum());
         let results: Vec<(ShardIndex, Vec<BadLine>)> = futures::stream::iter(shards)
             .map(|obj| async {
                 let data = store.get(&obj.key).await?;
                 let out = index_shard(obj, &data, &keys);
-                if let Some(p) = progress {
-                    p.inc(obj.size);
-                }
+                progress.advance(obj.size);
                 anyhow::Ok(out)
             })
             .buffered(SHARD_FETCH_CONCURRENCY)
@@ -176,7 +180,7 @@ impl DatasetIndex {
                 store.describe(INDEX_KEY)
             );
         }
-        Self::build(store, None).await
+        Self::build(store, &()).await
     }
 }
 

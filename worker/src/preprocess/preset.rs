@@ -1,35 +1,11 @@
 //! Model-family presets: the constants of the Qwen-VL image processors and chat formats.
 
 use serde::{Deserialize, Serialize};
+pub use stoker_config::{PixelDtype, PresetName};
 
 const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
 // transformers: OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711), written at f32 precision.
 const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_6, 0.275_777_1];
-
-/// How the worker turns pixels into `pixel_values` bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum PixelDtype {
-    /// Normalized float32, what transformers returns.
-    F32,
-    /// Normalized bfloat16: half the bytes.
-    Bf16,
-    /// Raw resized pixels; normalization is left to the GPU: a quarter of the bytes.
-    U8,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-pub enum PresetName {
-    #[value(name = "qwen2-vl")]
-    #[serde(rename = "qwen2-vl")]
-    Qwen2Vl,
-    #[value(name = "qwen2.5-vl")]
-    #[serde(rename = "qwen2.5-vl")]
-    Qwen25Vl,
-    #[value(name = "qwen3-vl")]
-    #[serde(rename = "qwen3-vl")]
-    Qwen3Vl,
-}
 
 /// Everything that determines the bytes of a preprocessed sample.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -93,10 +69,24 @@ impl Preset {
     }
 
     pub fn label(&self) -> &'static str {
-        match self.name {
-            PresetName::Qwen2Vl => "qwen2-vl",
-            PresetName::Qwen25Vl => "qwen2.5-vl",
-            PresetName::Qwen3Vl => "qwen3-vl",
+        self.name.as_str()
+    }
+
+    /// The preset a configuration names, with its overrides applied.
+    pub fn from_config(c: &stoker_config::Preprocessing) -> Self {
+        let mut p = Preset::new(c.preset);
+        if let Some(d) = c.pixel_dtype {
+            p.pixel_dtype = d;
         }
+        if let Some(v) = c.min_pixels {
+            p.min_pixels = v;
+        }
+        if let Some(v) = c.max_pixels {
+            p.max_pixels = v;
+        }
+        if let Some(v) = c.max_length {
+            p.max_length = v as usize;
+        }
+        p
     }
 }

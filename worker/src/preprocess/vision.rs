@@ -14,9 +14,15 @@ pub struct DecodeLimits {
 
 impl Default for DecodeLimits {
     fn default() -> Self {
+        DecodeLimits::from_config(&stoker_config::Preprocessing::default())
+    }
+}
+
+impl DecodeLimits {
+    pub fn from_config(c: &stoker_config::Preprocessing) -> Self {
         DecodeLimits {
-            max_side: 16_384,
-            max_pixels: 64 << 20,
+            max_side: c.max_image_side,
+            max_pixels: c.max_image_pixels,
         }
     }
 }

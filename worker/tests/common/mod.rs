@@ -1,32 +1,20 @@
 //! Shared fixtures: a synthetic dataset behind the embedded S3 server, a worker on loopback,
 //! and a minimal protocol client.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
-use clap::Parser;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+pub use stoker_config::{PixelDtype, WorkerConfig};
+use stoker_testkit::embedded_s3::EmbeddedS3;
+use stoker_testkit::synth::{generate, SynthFormat, SynthOptions};
 use stoker_wire::{BatchHead, BatchRequest, ErrorFrame, Welcome};
 pub use stoker_worker::connection::{Answer, Connection};
-use stoker_worker::dataset::synth::{generate, SynthFormat, SynthOptions};
-use stoker_worker::embedded_s3::EmbeddedS3;
 use stoker_worker::metrics::Metrics;
-use stoker_worker::pipeline::{open_pipeline, PlanArgs, PreprocessArgs};
+use stoker_worker::pipeline::open_pipeline;
 use stoker_worker::server::{Server, ServerConfig};
 
 pub const TOKEN: &str = "test-token";
-
-#[derive(Parser)]
-pub struct Knobs {
-    #[command(flatten)]
-    pub pre: PreprocessArgs,
-    #[command(flatten)]
-    pub plan: PlanArgs,
-}
-
-pub fn knobs(args: &[&str]) -> Knobs {
-    Knobs::parse_from(std::iter::once("test").chain(args.iter().copied()))
-}
 
 /// A dataset in `root/bucket/data/`, served by an embedded S3 server.
 pub struct Dataset {
@@ -38,6 +26,17 @@ pub struct Dataset {
 impl Dataset {
     pub fn dir(&self) -> std::path::PathBuf {
         self.root.path().join("bucket/data")
+    }
+
+    /// A worker configuration for this dataset with global batches of `global_batch_size`.
+    pub fn config(&self, global_batch_size: u32) -> WorkerConfig {
+        let mut c = WorkerConfig {
+            data: self.uri.clone(),
+            s3: self.s3.s3_options(),
+            ..WorkerConfig::default()
+        };
+        c.sampling.global_batch_size = global_batch_size;
+        c
     }
 }
 
@@ -52,7 +51,7 @@ pub async fn synth_dataset(samples: usize, format: SynthFormat) -> Dataset {
         max_side: 360,
         ..SynthOptions::default()
     };
-    generate(&dir, &o, &indicatif::ProgressBar::hidden()).unwrap();
+    generate(&dir, &o, &|| {}).unwrap();
     let s3 = EmbeddedS3::start(root.path(), "127.0.0.1:0", Duration::ZERO)
         .await
         .unwrap();
@@ -80,29 +79,16 @@ impl Worker {
     }
 }
 
-pub async fn start_worker(ds: &Dataset, args: &[&str]) -> Worker {
-    start_worker_with_budget(ds, args, 64).await
-}
-
-/// A worker whose sample budget (`max_inflight_samples`) is `budget`.
-pub async fn start_worker_with_budget(ds: &Dataset, args: &[&str], budget: usize) -> Worker {
-    let k = knobs(args);
+/// A worker serving `cfg` on loopback (its sample budget: `max_inflight_samples`, else 64).
+pub async fn start_worker(cfg: &WorkerConfig) -> Worker {
     let metrics = Metrics::new();
-    let pipeline = open_pipeline(
-        &ds.uri,
-        &ds.s3.s3_options(),
-        &k.pre,
-        &k.plan,
-        metrics.clone(),
-    )
-    .await
-    .unwrap();
+    let pipeline = open_pipeline(cfg, metrics.clone()).await.unwrap();
     let server = Server::new(
         pipeline,
         ServerConfig {
             token: Some(TOKEN.into()),
             max_inflight_per_conn: 4,
-            max_inflight_samples: budget,
+            max_inflight_samples: cfg.serving.max_inflight_samples.unwrap_or(64),
             drain_timeout: Duration::from_secs(30),
         },
     );

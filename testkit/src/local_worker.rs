@@ -1,11 +1,10 @@
 //! `stoker worker` as a child process on loopback: the local backend of the demo, the
-//! benchmarks and the end-to-end tests (the operator runs the same binary in pods), plus the
-//! plain-HTTP scraping they use to read its metrics.
+//! benchmarks and the end-to-end tests (the operator runs the same binary in pods).
 
-use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use stoker_config::WorkerConfig;
 
 /// A running `stoker worker`; killed when dropped.
 pub struct LocalWorker {
@@ -17,15 +16,14 @@ pub struct LocalWorker {
 }
 
 impl LocalWorker {
-    /// Starts `EXE worker --data DATA ARGS…` (EXE: the `stoker` binary) on loopback ports and
-    /// waits until it listens.
+    /// Starts `EXE worker` (EXE: the `stoker` binary) with `config` on free loopback ports
+    /// and waits until it listens.
     pub fn spawn(
         exe: &Path,
-        data: &str,
-        args: &[OsString],
+        config: &WorkerConfig,
         env: &[(&'static str, String)],
     ) -> anyhow::Result<LocalWorker> {
-        Self::start(Command::new(exe), "127.0.0.1", data, args, env)
+        Self::start(Command::new(exe), "127.0.0.1", config, env)
     }
 
     /// The same inside network namespace `netns`, listening on `host` (an address of that
@@ -34,30 +32,27 @@ impl LocalWorker {
         netns: &str,
         exe: &Path,
         host: &str,
-        data: &str,
-        args: &[OsString],
+        config: &WorkerConfig,
         env: &[(&'static str, String)],
     ) -> anyhow::Result<LocalWorker> {
         let mut cmd = Command::new("ip");
         // `ip netns exec` execs the program: the child's pid is the worker's.
         cmd.args(["netns", "exec", netns]).arg(exe);
-        Self::start(cmd, host, data, args, env)
+        Self::start(cmd, host, config, env)
     }
 
     fn start(
         mut cmd: Command,
         host: &str,
-        data: &str,
-        args: &[OsString],
+        config: &WorkerConfig,
         env: &[(&'static str, String)],
     ) -> anyhow::Result<LocalWorker> {
+        let mut config = config.clone();
+        config.serving.listen = format!("{host}:0");
+        config.serving.metrics_listen = format!("{host}:0");
         let mut child = cmd
-            .args(["worker", "--data", data])
-            .arg("--listen")
-            .arg(format!("{host}:0"))
-            .arg("--metrics-listen")
-            .arg(format!("{host}:0"))
-            .args(args)
+            .arg("worker")
+            .args(config.to_args())
             .envs(env.iter().map(|(k, v)| (k, v)))
             .env(
                 "RUST_LOG",
@@ -86,6 +81,21 @@ impl LocalWorker {
             addr,
             metrics_addr,
         })
+    }
+
+    /// Waits until /readyz answers 200 (the index is loaded and the server accepts), at most
+    /// `timeout`: readiness follows the listen line by a moment, longer on a loaded machine.
+    pub fn wait_ready(&self, timeout: std::time::Duration) -> anyhow::Result<()> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            match crate::http::get(&self.metrics_addr, "/readyz") {
+                Ok(r) if r.status == 200 => return Ok(()),
+                _ if std::time::Instant::now() >= deadline => {
+                    anyhow::bail!("worker {} not ready after {timeout:?}", self.addr)
+                }
+                _ => std::thread::sleep(std::time::Duration::from_millis(20)),
+            }
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -117,19 +127,4 @@ impl Drop for LocalWorker {
     fn drop(&mut self) {
         self.kill();
     }
-}
-
-/// GETs a path over plain HTTP/1.0 (metrics scraping on loopback).
-pub fn http_get(addr: &str, path: &str) -> anyhow::Result<String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-    let mut out = String::new();
-    s.read_to_string(&mut out)?;
-    let body = out
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .ok_or_else(|| anyhow::anyhow!("{addr}{path}: not an HTTP response"))?;
-    Ok(body)
 }

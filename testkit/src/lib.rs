@@ -1,0 +1,8 @@
+//! What Stoker's demo, benchmarks and tests run against, kept out of the data-plane library:
+//! an S3-compatible server in-process, a synthetic VLM dataset, `stoker worker` as a child
+//! process, and the one plain-HTTP GET they scrape metrics with.
+
+pub mod embedded_s3;
+pub mod http;
+pub mod local_worker;
+pub mod synth;
