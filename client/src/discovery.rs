@@ -20,13 +20,20 @@ pub enum Discovery {
 
 impl Discovery {
     /// `dns:HOST:PORT` (re-resolved every 5 s) or a comma-separated list of `HOST:PORT`.
-    pub fn parse(spec: &str) -> anyhow::Result<Discovery> {
+    pub fn parse(spec: &str) -> crate::Result<Discovery> {
+        let ensure = |ok: bool, why: String| {
+            if ok {
+                Ok(())
+            } else {
+                Err(crate::Error::Config(why))
+            }
+        };
         if let Some(name) = spec.strip_prefix("dns:") {
-            anyhow::ensure!(
+            ensure(
                 name.rsplit_once(':')
                     .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok()),
-                "worker discovery {spec:?}: expected dns:HOST:PORT"
-            );
+                format!("worker discovery {spec:?}: expected dns:HOST:PORT"),
+            )?;
             return Ok(Discovery::Dns {
                 name: name.into(),
                 every: Duration::from_secs(5),
@@ -38,16 +45,16 @@ impl Discovery {
             .filter(|s| !s.is_empty())
             .map(String::from)
             .collect();
-        anyhow::ensure!(
+        ensure(
             !list.is_empty(),
-            "worker discovery: no worker addresses given"
-        );
+            "worker discovery: no worker addresses given".into(),
+        )?;
         for a in &list {
-            anyhow::ensure!(
+            ensure(
                 a.rsplit_once(':')
                     .is_some_and(|(_, p)| p.parse::<u16>().is_ok()),
-                "worker address {a:?}: expected HOST:PORT"
-            );
+                format!("worker address {a:?}: expected HOST:PORT"),
+            )?;
         }
         Ok(Discovery::Static(list))
     }

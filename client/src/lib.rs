@@ -9,7 +9,7 @@
 //!     // ... train on it ...
 //! }
 //! let state = loader.state(); // resume exactly from here with Loader::load_state
-//! # anyhow::Ok(())
+//! # Ok::<(), stoker_client::Error>(())
 //! ```
 //!
 //! [`Loader::next_batch`] is blocking (a trainer loop is synchronous); the network side runs
@@ -18,6 +18,7 @@
 mod batch;
 mod buffer;
 mod discovery;
+mod error;
 mod link;
 mod metrics;
 pub mod policy;
@@ -26,6 +27,7 @@ mod scheduler;
 pub use batch::{Batch, TensorView};
 pub use buffer::{AlignedBuf, BufferPool};
 pub use discovery::{Discovery, WorkerSet};
+pub use error::{Error, Result};
 pub use metrics::ClientMetrics;
 pub use policy::{Depth, HedgePolicy};
 pub use scheduler::PlanIdentity;
@@ -132,25 +134,27 @@ const RECENT_WINDOW: Duration = Duration::from_secs(30);
 impl Loader {
     /// Connects to the workers and learns their plan; fails with the reason per worker if
     /// none serves (wrong token, unreachable, another plan than `cfg.state`'s).
-    pub fn new(cfg: LoaderConfig) -> anyhow::Result<Loader> {
-        anyhow::ensure!(
-            cfg.world_size > 0 && cfg.rank < cfg.world_size,
-            "rank {} is not in a world of size {}",
-            cfg.rank,
-            cfg.world_size
-        );
+    pub fn new(cfg: LoaderConfig) -> Result<Loader> {
+        if cfg.world_size == 0 || cfg.rank >= cfg.world_size {
+            return Err(Error::Config(format!(
+                "rank {} is not in a world of size {}",
+                cfg.rank, cfg.world_size
+            )));
+        }
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("stoker-client")
             .enable_all()
-            .build()?;
+            .build()
+            .map_err(|e| Error::Internal(format!("starting the loader's runtime: {e}")))?;
         let metrics = ClientMetrics::new(&cfg.pipeline, cfg.rank);
         let metrics_addr = match &cfg.metrics_listen {
             Some(addr) => {
+                let metrics_error = |e| Error::Config(format!("metrics endpoint on {addr}: {e}"));
                 let listener = runtime
                     .block_on(tokio::net::TcpListener::bind(addr))
-                    .map_err(|e| anyhow::anyhow!("metrics endpoint on {addr}: {e}"))?;
-                let local = listener.local_addr()?;
+                    .map_err(metrics_error)?;
+                let local = listener.local_addr().map_err(metrics_error)?;
                 runtime.spawn(metrics::serve(listener, metrics.clone()));
                 Some(local)
             }
@@ -184,9 +188,11 @@ impl Loader {
                 tokio::time::timeout(no_worker_timeout + Duration::from_secs(1), handles.identity)
                     .await
             })
-            .map_err(|_| anyhow::anyhow!("no worker answered within {no_worker_timeout:?}"))?
-            .map_err(|_| anyhow::anyhow!("the scheduler stopped"))?
-            .map_err(anyhow::Error::msg)?;
+            .map_err(|_| Error::NoWorker {
+                timeout: no_worker_timeout,
+                why: "no worker answered".into(),
+            })?
+            .map_err(|_| Error::Internal("the loader's scheduler stopped".into()))??;
         let mut loader = Loader {
             runtime,
             shared,
@@ -227,7 +233,7 @@ impl Loader {
 
     /// The next batch in plan order, blocking until it is here; `Ok(None)` once at the end
     /// of each epoch (the call after that starts the next epoch).
-    pub fn next_batch(&mut self) -> anyhow::Result<Option<Batch>> {
+    pub fn next_batch(&mut self) -> Result<Option<Batch>> {
         let entered = Instant::now();
         if let Some(prev) = self.last_return {
             let step = entered.duration_since(prev);
@@ -244,15 +250,15 @@ impl Loader {
             self.shared.wake.notify_one();
             let d = self.deliveries.blocking_recv();
             self.shared.asking.store(false, Ordering::Release);
-            let d = d.ok_or_else(|| anyhow::anyhow!("the loader's scheduler stopped"))?;
+            let d = d.ok_or_else(|| Error::Internal("the loader's scheduler stopped".into()))?;
             if d.generation != self.generation {
                 continue; // from before a load_state
             }
             match d.result {
                 Ok(b) => break b,
-                Err(msg) => {
+                Err(e) => {
                     self.record_wait(entered, 0);
-                    anyhow::bail!(msg)
+                    return Err(e);
                 }
             }
         };
@@ -325,34 +331,35 @@ impl Loader {
     }
 
     /// Continues from `state` (of this or any other world size: positions are global).
-    pub fn load_state(&mut self, state: LoaderState) -> anyhow::Result<()> {
+    pub fn load_state(&mut self, state: LoaderState) -> Result<()> {
         self.check_state(&state)?;
         let bpe = self.identity.batches_per_epoch;
         self.position = state.epoch * bpe + state.next_batch;
         self.generation += 1;
         self.epoch_end_pending = false;
         self.shared.consumed.store(self.position, Ordering::Release);
-        self.control.blocking_send(Control::Seek {
-            position: self.position,
-            generation: self.generation,
-        })?;
-        Ok(())
+        self.control
+            .blocking_send(Control::Seek {
+                position: self.position,
+                generation: self.generation,
+            })
+            .map_err(|_| Error::Internal("the loader's scheduler stopped".into()))
     }
 
-    fn check_state(&self, state: &LoaderState) -> anyhow::Result<()> {
-        anyhow::ensure!(
-            state.plan_id == self.identity.plan_id,
-            "the state is for plan {:016x}, the workers serve plan {:016x} ({}): same dataset, seed, batch size and preprocessing are needed to resume",
-            state.plan_id,
-            self.identity.plan_id,
-            self.identity.description
-        );
+    fn check_state(&self, state: &LoaderState) -> Result<()> {
+        if state.plan_id != self.identity.plan_id {
+            return Err(Error::PlanMismatch(format!(
+                "the state is for plan {:016x}, the workers serve plan {:016x} ({}): same dataset, seed, batch size and preprocessing are needed to resume",
+                state.plan_id, self.identity.plan_id, self.identity.description
+            )));
+        }
         let bpe = self.identity.batches_per_epoch;
-        anyhow::ensure!(
-            state.next_batch < bpe,
-            "the state names batch {} but an epoch has {bpe}",
-            state.next_batch
-        );
+        if state.next_batch >= bpe {
+            return Err(Error::PlanMismatch(format!(
+                "the state names batch {} but an epoch has {bpe}",
+                state.next_batch
+            )));
+        }
         Ok(())
     }
 

@@ -5,8 +5,10 @@
 
 use crate::buffer::{AlignedBuf, BufferPool};
 use std::time::Duration;
-use stoker_wire::io::{read_frame, read_header, write_frame};
-use stoker_wire::{BatchHead, BatchRequest, ErrorFrame, Hello, Kind, Welcome};
+use stoker_wire::io::{read_frame, read_header, write_frame, ReadError};
+use stoker_wire::{
+    BatchHead, BatchRequest, ErrorFrame, Hello, Kind, Welcome, WireError, MAX_CONTROL_PAYLOAD,
+};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -36,6 +38,19 @@ pub enum Event {
     Down { link: LinkId, error: String },
 }
 
+/// Why a connection ended (the reason the scheduler records for the worker).
+#[derive(Debug, thiserror::Error)]
+enum LinkError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Read(#[from] ReadError),
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    #[error("{0}")]
+    Protocol(String),
+}
+
 /// Runs one connection until it fails or the scheduler drops its request sender.
 pub async fn run(
     link: LinkId,
@@ -57,18 +72,29 @@ async fn session(
     token: &str,
     events: &mpsc::Sender<Event>,
     pool: &BufferPool,
-) -> anyhow::Result<()> {
+) -> Result<(), LinkError> {
     let mut stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
         .await
-        .map_err(|_| anyhow::anyhow!("connect timed out after {CONNECT_TIMEOUT:?}"))??;
+        .map_err(|_| {
+            LinkError::Protocol(format!("connect timed out after {CONNECT_TIMEOUT:?}"))
+        })??;
     stream.set_nodelay(true)?;
     let hello = Hello {
         token: token.into(),
         client: format!("stoker-client/{}", env!("CARGO_PKG_VERSION")),
     };
     write_frame(&mut stream, Kind::Hello, &hello.encode()).await?;
-    let welcome = match tokio::time::timeout(CONNECT_TIMEOUT, read_frame(&mut stream)).await {
-        Err(_) => anyhow::bail!("no answer to the handshake after {CONNECT_TIMEOUT:?}"),
+    let welcome = match tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        read_frame(&mut stream, MAX_CONTROL_PAYLOAD),
+    )
+    .await
+    {
+        Err(_) => {
+            return Err(LinkError::Protocol(format!(
+                "no answer to the handshake after {CONNECT_TIMEOUT:?}"
+            )))
+        }
         Ok(r) => match r? {
             Some((Kind::Welcome, p)) => Welcome::decode(&p)?,
             Some((Kind::Error, p)) => {
@@ -76,8 +102,16 @@ async fn session(
                 let _ = events.send(Event::Refused { link, error }).await;
                 return Ok(());
             }
-            Some((k, _)) => anyhow::bail!("unexpected {k:?} frame during the handshake"),
-            None => anyhow::bail!("connection closed during the handshake"),
+            Some((k, _)) => {
+                return Err(LinkError::Protocol(format!(
+                    "unexpected {k:?} frame during the handshake"
+                )))
+            }
+            None => {
+                return Err(LinkError::Protocol(
+                    "connection closed during the handshake".into(),
+                ))
+            }
         },
     };
     let (tx, mut rx) = mpsc::channel::<BatchRequest>(LINK_QUEUE);
@@ -98,12 +132,12 @@ async fn session(
             write_frame(&mut wr, Kind::Request, &req.encode()).await?;
         }
         // The scheduler let go of this worker.
-        anyhow::Ok(())
+        Ok::<(), LinkError>(())
     };
     let reader = async {
         loop {
             let Some(header) = read_header(&mut rd).await? else {
-                return anyhow::Ok(());
+                return Ok::<(), LinkError>(());
             };
             let answer = match header.kind {
                 Kind::Batch => {
@@ -118,7 +152,11 @@ async fn session(
                     let e = ErrorFrame::decode(&p)?;
                     (e.request_id, Err(e))
                 }
-                k => anyhow::bail!("unexpected {k:?} frame from a worker"),
+                k => {
+                    return Err(LinkError::Protocol(format!(
+                        "unexpected {k:?} frame from a worker"
+                    )))
+                }
             };
             let (request_id, answer) = answer;
             let event = Event::Answer {

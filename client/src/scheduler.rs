@@ -10,6 +10,7 @@
 
 use crate::batch::Batch;
 use crate::discovery::WorkerSet;
+use crate::error::Error;
 use crate::link::{self, Event, LinkId};
 use crate::metrics::ClientMetrics;
 use crate::policy::{auto_depth, Depth, HedgePolicy, LatencyWindow};
@@ -39,7 +40,7 @@ pub struct Shared {
 /// What the scheduler hands the trainer side, tagged with the seek generation it belongs to.
 pub struct Delivery {
     pub generation: u64,
-    pub result: Result<Batch, String>,
+    pub result: Result<Batch, Error>,
 }
 
 pub enum Control {
@@ -96,12 +97,12 @@ pub struct Scheduler {
     shared: Arc<Shared>,
     metrics: Arc<ClientMetrics>,
     identity: Option<PlanIdentity>,
-    identity_tx: Option<oneshot::Sender<Result<PlanIdentity, String>>>,
+    identity_tx: Option<oneshot::Sender<Result<PlanIdentity, Error>>>,
     links: HashMap<LinkId, WorkerLink>,
     next_link: LinkId,
     wanted: WorkerSet,
     /// Why each address is not serving, for error messages.
-    problems: BTreeMap<String, String>,
+    problems: BTreeMap<String, Error>,
     reconnect_at: BTreeMap<String, (Instant, Duration)>,
     events_tx: mpsc::Sender<Event>,
     next_request: u64,
@@ -109,7 +110,7 @@ pub struct Scheduler {
     pending: BTreeMap<u64, Pending>,
     /// Answered positions waiting for their turn: a batch, or why it could not be had
     /// (delivered in plan order too, so an error never overtakes an earlier batch).
-    ready: BTreeMap<u64, Result<Batch, String>>,
+    ready: BTreeMap<u64, Result<Batch, Error>>,
     next_issue: u64,
     next_deliver: u64,
     generation: u64,
@@ -125,7 +126,7 @@ const RECONNECT_MIN: Duration = Duration::from_millis(200);
 const RECONNECT_MAX: Duration = Duration::from_secs(5);
 
 pub struct Handles {
-    pub identity: oneshot::Receiver<Result<PlanIdentity, String>>,
+    pub identity: oneshot::Receiver<Result<PlanIdentity, Error>>,
     pub deliveries: mpsc::Receiver<Delivery>,
     pub control: mpsc::Sender<Control>,
 }
@@ -379,11 +380,11 @@ impl Scheduler {
         }
     }
 
-    fn fail_trainer(&mut self, message: String) {
-        tracing::error!("{message}");
+    fn fail_trainer(&mut self, error: Error) {
+        tracing::error!("{error}");
         let _ = self.out.try_send(Delivery {
             generation: self.generation,
-            result: Err(message),
+            result: Err(error),
         });
     }
 
@@ -416,12 +417,15 @@ impl Scheduler {
                 };
                 let addr = l.addr.clone();
                 self.metrics.errors.with_label_values(&["refused"]).inc();
-                let msg = format!("worker {addr} refused the connection: {}", error.message);
-                self.problems.insert(addr, msg.clone());
+                let refusal = Error::Unauthorized {
+                    worker: addr.clone(),
+                    reason: error.message,
+                };
+                self.problems.insert(addr, refusal.clone());
                 if error.code == ErrorCode::Unauthorized {
                     // Retrying cannot fix a token; say so at once.
-                    self.fail_identity(&msg);
-                    self.fail_trainer(msg);
+                    self.fail_identity(refusal.clone());
+                    self.fail_trainer(refusal);
                 }
             }
             Event::Answer {
@@ -433,9 +437,9 @@ impl Scheduler {
         }
     }
 
-    fn fail_identity(&mut self, msg: &str) {
+    fn fail_identity(&mut self, error: Error) {
         if let Some(tx) = self.identity_tx.take() {
-            let _ = tx.send(Err(msg.to_string()));
+            let _ = tx.send(Err(error));
         }
     }
 
@@ -460,7 +464,8 @@ impl Scheduler {
                 .errors
                 .with_label_values(&["plan_mismatch"])
                 .inc();
-            self.problems.insert(l.addr.clone(), msg);
+            self.problems
+                .insert(l.addr.clone(), Error::PlanMismatch(msg));
             l.task.abort();
             return;
         }
@@ -565,15 +570,16 @@ impl Scheduler {
     fn give_up(&mut self, position: u64, addr: &str, message: &str) {
         self.pending.remove(&position);
         let bpe = self.identity.as_ref().map_or(1, |i| i.batches_per_epoch);
-        let msg = format!(
-            "epoch {} batch {} (rank {}/{}): worker {addr}: {message}",
-            position / bpe,
-            position % bpe,
-            self.cfg.rank,
-            self.cfg.world_size
-        );
-        tracing::error!("{msg}");
-        self.ready.insert(position, Err(msg));
+        let error = Error::BatchFailed {
+            epoch: position / bpe,
+            batch: position % bpe,
+            rank: self.cfg.rank,
+            world_size: self.cfg.world_size,
+            worker: addr.to_string(),
+            reason: message.to_string(),
+        };
+        tracing::error!("{error}");
+        self.ready.insert(position, Err(error));
     }
 
     fn on_down(&mut self, link: LinkId, error: String) {
@@ -609,7 +615,7 @@ impl Scheduler {
         }
         self.problems
             .entry(l.addr.clone())
-            .or_insert_with(|| format!("worker {}: {error}", l.addr));
+            .or_insert_with(|| Error::Internal(format!("worker {}: {error}", l.addr)));
         if self.wanted.contains(&l.addr) {
             let backoff = self
                 .reconnect_at
@@ -694,22 +700,36 @@ impl Scheduler {
             return;
         }
         self.no_worker_since = Some(Instant::now());
-        let why = if self.problems.is_empty() {
-            "discovery lists no workers".to_string()
-        } else {
-            self.problems
-                .values()
-                .cloned()
-                .collect::<Vec<_>>()
-                .join("; ")
-        };
-        let msg = format!(
-            "no usable worker for {:?}: {why}",
-            self.cfg.no_worker_timeout
-        );
-        self.fail_identity(&msg);
+        let error = self.no_worker_error();
+        self.fail_identity(error.clone());
         if self.identity.is_some() && !self.pending.is_empty() {
-            self.fail_trainer(msg);
+            self.fail_trainer(error);
+        }
+    }
+
+    /// Why no worker can be used: a plan mismatch when that is every worker's problem (a
+    /// misconfiguration to fix, not an outage to wait out), else each worker's problem.
+    fn no_worker_error(&self) -> Error {
+        let why = |problems: Vec<String>| problems.join("; ");
+        let all_mismatched = !self.problems.is_empty()
+            && self
+                .problems
+                .values()
+                .all(|p| matches!(p, Error::PlanMismatch(_)));
+        if all_mismatched {
+            return Error::PlanMismatch(why(self
+                .problems
+                .values()
+                .map(Error::to_string)
+                .collect()));
+        }
+        Error::NoWorker {
+            timeout: self.cfg.no_worker_timeout,
+            why: if self.problems.is_empty() {
+                "discovery lists no workers".to_string()
+            } else {
+                why(self.problems.values().map(Error::to_string).collect())
+            },
         }
     }
 }

@@ -129,7 +129,7 @@ impl Machine {
     }
 
     /// Deliveries so far: the sample ids (= the request that won) or the error.
-    fn delivered(&mut self) -> Vec<Result<u64, String>> {
+    fn delivered(&mut self) -> Vec<Result<u64, Error>> {
         let mut out = Vec::new();
         while let Ok(d) = self.handles.deliveries.try_recv() {
             out.push(d.result.map(|b| b.sample_ids[0]));
@@ -242,9 +242,10 @@ async fn a_failed_request_reaches_the_trainer_naming_the_batch_and_the_worker() 
     let got = m.delivered();
     assert_eq!(got[0], Ok(asked[0].0));
     let err = got[1].as_ref().unwrap_err();
-    assert!(
-        err.contains("epoch 0 batch 1 (rank 1/2): worker a: object x.jpg: corrupt"),
-        "{err}"
+    assert_eq!(err.kind(), "batch_failed");
+    assert_eq!(
+        err.to_string(),
+        "epoch 0 batch 1 (rank 1/2): worker a: object x.jpg: corrupt"
     );
 }
 
@@ -266,7 +267,11 @@ async fn repeated_draining_refusals_give_up_after_max_attempts() {
     m.s.step();
     let got = m.delivered();
     assert_eq!(got.len(), 1);
-    assert!(got[0].as_ref().unwrap_err().contains("epoch 0 batch 0"));
+    assert!(got[0]
+        .as_ref()
+        .unwrap_err()
+        .to_string()
+        .contains("epoch 0 batch 0"));
 }
 
 #[tokio::test]
@@ -277,7 +282,9 @@ async fn a_worker_of_another_plan_is_never_asked() {
     m.s.step();
     assert_eq!(m.asked(a).len(), 2);
     assert!(m.asked(stranger).is_empty());
-    assert!(m.s.problems["stranger"].contains("serves plan 0000000000000008"));
+    let problem = &m.s.problems["stranger"];
+    assert_eq!(problem.kind(), "plan_mismatch");
+    assert!(problem.to_string().contains("serves plan 0000000000000008"));
 }
 
 #[tokio::test]
@@ -352,4 +359,42 @@ async fn a_straggler_at_the_head_is_hedged_on_another_worker_and_the_first_answe
     m.answer(slow, first); // the loser: dropped
     m.s.step();
     assert_eq!(m.delivered(), [Ok(hedge[0].0)]);
+}
+
+#[tokio::test]
+async fn with_only_workers_of_another_plan_the_loader_fails_with_a_plan_mismatch() {
+    let mut cfg = config(2);
+    cfg.expect_plan = Some(7);
+    cfg.no_worker_timeout = Duration::ZERO;
+    let mut m = Machine::new(cfg);
+    m.worker_up("other", plan(9));
+    m.s.step();
+    let err = m.handles.identity.try_recv().unwrap().unwrap_err();
+    assert_eq!(err.kind(), "plan_mismatch", "{err}");
+    assert!(err
+        .to_string()
+        .contains("worker other serves plan 0000000000000009"));
+}
+
+#[tokio::test]
+async fn a_refused_token_fails_the_loader_as_unauthorized_at_once() {
+    let mut m = Machine::new(config(2));
+    let link = m.s.next_link;
+    m.s.connect("a".into());
+    m.s.on_event(Event::Refused {
+        link,
+        error: ErrorFrame {
+            request_id: 0,
+            code: ErrorCode::Unauthorized,
+            message: "wrong pipeline token".into(),
+        },
+    });
+    let err = m.handles.identity.try_recv().unwrap().unwrap_err();
+    assert_eq!(
+        err,
+        Error::Unauthorized {
+            worker: "a".into(),
+            reason: "wrong pipeline token".into()
+        }
+    );
 }

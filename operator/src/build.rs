@@ -273,9 +273,8 @@ fn spread(dp: &DataPipeline) -> Option<Vec<TopologySpreadConstraint>> {
     })
 }
 
-/// The worker Deployment at `replicas`.
-pub fn deployment(dp: &DataPipeline, replicas: i32) -> Deployment {
-    let n = names(dp);
+/// The worker's environment: log filter, node name, store credentials, the user's extras.
+fn worker_env(dp: &DataPipeline) -> Vec<EnvVar> {
     let s = &dp.spec;
     let mut env = vec![
         EnvVar {
@@ -310,6 +309,13 @@ pub fn deployment(dp: &DataPipeline, replicas: i32) -> Deployment {
         ));
     }
     env.extend(s.worker.env.iter().cloned());
+    env
+}
+
+/// The token (always), a scratch /tmp (the root filesystem is read-only) and the dataset
+/// volume (read-only) when the source is one: (mounts, volumes).
+fn worker_volumes(dp: &DataPipeline) -> (Vec<VolumeMount>, Vec<Volume>) {
+    let (n, s) = (names(dp), &dp.spec);
     let mut mounts = vec![
         VolumeMount {
             name: "token".into(),
@@ -355,7 +361,14 @@ pub fn deployment(dp: &DataPipeline, replicas: i32) -> Deployment {
             ..Volume::default()
         });
     }
-    let container = Container {
+    (mounts, volumes)
+}
+
+/// The worker container: args from the spec, ports, probes, a drain on stop, least privilege.
+fn worker_container(dp: &DataPipeline) -> Container {
+    let s = &dp.spec;
+    let (mounts, _) = worker_volumes(dp);
+    Container {
         name: "worker".into(),
         image: Some(s.worker.image.clone()),
         args: Some(worker_args(dp)),
@@ -371,7 +384,7 @@ pub fn deployment(dp: &DataPipeline, replicas: i32) -> Deployment {
                 ..ContainerPort::default()
             },
         ]),
-        env: Some(env),
+        env: Some(worker_env(dp)),
         resources: s.worker.resources.clone(),
         readiness_probe: Some(http_probe("/readyz", 2, 1)),
         liveness_probe: Some(http_probe("/healthz", 10, 3)),
@@ -398,9 +411,16 @@ pub fn deployment(dp: &DataPipeline, replicas: i32) -> Deployment {
         }),
         volume_mounts: Some(mounts),
         ..Container::default()
-    };
-    let pod = PodSpec {
-        containers: vec![container],
+    }
+}
+
+/// The worker pod: restricted security context, a grace period covering the drain, and
+/// placement (node selector, tolerations, affinity, spread).
+fn worker_pod(dp: &DataPipeline) -> PodSpec {
+    let s = &dp.spec;
+    let (_, volumes) = worker_volumes(dp);
+    PodSpec {
+        containers: vec![worker_container(dp)],
         volumes: Some(volumes),
         security_context: Some(PodSecurityContext {
             run_as_non_root: Some(true),
@@ -420,7 +440,12 @@ pub fn deployment(dp: &DataPipeline, replicas: i32) -> Deployment {
         affinity: affinity(dp),
         topology_spread_constraints: spread(dp),
         ..PodSpec::default()
-    };
+    }
+}
+
+/// The worker Deployment at `replicas`.
+pub fn deployment(dp: &DataPipeline, replicas: i32) -> Deployment {
+    let n = names(dp);
     Deployment {
         metadata: meta(dp, &n.workers),
         spec: Some(DeploymentSpec {
@@ -443,7 +468,7 @@ pub fn deployment(dp: &DataPipeline, replicas: i32) -> Deployment {
                     labels: Some(labels(dp)),
                     ..ObjectMeta::default()
                 }),
-                spec: Some(pod),
+                spec: Some(worker_pod(dp)),
             },
             ..DeploymentSpec::default()
         }),

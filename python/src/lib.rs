@@ -2,7 +2,8 @@
 //! (`stoker/__init__.py`) turns each batch's payload into numpy views; nothing is copied
 //! between the socket and the arrays.
 
-use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyStopIteration, PyValueError};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyStopIteration};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::os::raw::{c_int, c_void};
@@ -85,7 +86,7 @@ impl NativeLoader {
         no_worker_timeout_s: f64,
         state: Option<(u64, u64, u64)>,
     ) -> PyResult<Self> {
-        let discovery = Discovery::parse(workers).map_err(value_error)?;
+        let discovery = Discovery::parse(workers).map_err(py_error)?;
         let mut cfg = LoaderConfig::new(discovery, rank, world_size);
         cfg.token = token;
         cfg.depth = match prefetch {
@@ -104,7 +105,7 @@ impl NativeLoader {
         });
         let inner = py
             .allow_threads(|| stoker_client::Loader::new(cfg))
-            .map_err(runtime_error)?;
+            .map_err(py_error)?;
         Ok(NativeLoader { inner })
     }
 
@@ -112,9 +113,7 @@ impl NativeLoader {
     /// raises StopIteration at the end of each epoch. The GIL is released while waiting.
     fn next_batch(&mut self, py: Python<'_>) -> PyResult<PyObject> {
         let inner = &mut self.inner;
-        let batch = py
-            .allow_threads(|| inner.next_batch())
-            .map_err(runtime_error)?;
+        let batch = py.allow_threads(|| inner.next_batch()).map_err(py_error)?;
         let Some(batch) = batch else {
             return Err(PyStopIteration::new_err(()));
         };
@@ -172,7 +171,7 @@ impl NativeLoader {
                 next_batch,
             })
         })
-        .map_err(value_error)
+        .map_err(py_error)
     }
 
     /// The plan the workers serve.
@@ -206,17 +205,69 @@ impl NativeLoader {
     }
 }
 
-fn runtime_error(e: anyhow::Error) -> PyErr {
-    PyRuntimeError::new_err(format!("{e:#}"))
-}
+// One exception class per kind of client error, so a training script can tell a
+// misconfiguration (fix and restart) from an outage (wait, or let the job restart).
+create_exception!(
+    _native,
+    StokerError,
+    PyRuntimeError,
+    "Base of every error the Stoker client raises."
+);
+create_exception!(
+    _native,
+    ConfigError,
+    StokerError,
+    "The loader was configured wrongly (rank outside the world, a bad worker list)."
+);
+create_exception!(
+    _native,
+    Unauthorized,
+    StokerError,
+    "A worker refused the pipeline token."
+);
+create_exception!(
+    _native,
+    PlanMismatch,
+    StokerError,
+    "The workers serve another plan than the loader (or its saved state) needs."
+);
+create_exception!(
+    _native,
+    NoWorker,
+    StokerError,
+    "No worker could be used within no_worker_timeout_s; the message names each one's problem."
+);
+create_exception!(
+    _native,
+    BatchFailed,
+    StokerError,
+    "A batch could not be served; the message names the epoch, batch, rank and worker."
+);
 
-fn value_error(e: anyhow::Error) -> PyErr {
-    PyValueError::new_err(format!("{e:#}"))
+/// The Python exception of a client error's kind.
+fn py_error(e: stoker_client::Error) -> PyErr {
+    use stoker_client::Error as E;
+    let message = e.to_string();
+    match e {
+        E::Config(_) => ConfigError::new_err(message),
+        E::Unauthorized { .. } => Unauthorized::new_err(message),
+        E::PlanMismatch(_) => PlanMismatch::new_err(message),
+        E::NoWorker { .. } => NoWorker::new_err(message),
+        E::BatchFailed { .. } => BatchFailed::new_err(message),
+        E::Internal(_) => StokerError::new_err(message),
+    }
 }
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeLoader>()?;
     m.add_class::<Payload>()?;
+    let py = m.py();
+    m.add("StokerError", py.get_type::<StokerError>())?;
+    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    m.add("Unauthorized", py.get_type::<Unauthorized>())?;
+    m.add("PlanMismatch", py.get_type::<PlanMismatch>())?;
+    m.add("NoWorker", py.get_type::<NoWorker>())?;
+    m.add("BatchFailed", py.get_type::<BatchFailed>())?;
     Ok(())
 }

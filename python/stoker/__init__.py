@@ -21,8 +21,26 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _native
+from ._native import (
+    BatchFailed,
+    ConfigError,
+    NoWorker,
+    PlanMismatch,
+    StokerError,
+    Unauthorized,
+)
 
-__all__ = ["Loader", "Batch", "bfloat16_dtype"]
+__all__ = [
+    "Loader",
+    "Batch",
+    "bfloat16_dtype",
+    "StokerError",
+    "ConfigError",
+    "Unauthorized",
+    "PlanMismatch",
+    "NoWorker",
+    "BatchFailed",
+]
 
 _STATE_VERSION = 1
 

@@ -94,7 +94,7 @@ def test_resume_is_exact_and_keeps_global_order_on_another_world_size(worker):
     for g, (a, b) in enumerate(zip(*ranks)):
         assert a.sample_ids + b.sample_ids == reference_ids[2 + g]
 
-    with pytest.raises(ValueError, match="plan"):
+    with pytest.raises(stoker.PlanMismatch, match="plan"):
         loader.load_state_dict({**state, "plan_id": state["plan_id"] ^ 1})
 
 
@@ -128,7 +128,7 @@ def test_the_gil_is_released_while_waiting(worker):
     t = threading.Thread(target=count)
     t.start()
     try:
-        with pytest.raises(RuntimeError, match="127.0.0.1:9"):
+        with pytest.raises(stoker.NoWorker, match="127.0.0.1:9"):
             stoker.Loader("127.0.0.1:9", no_worker_timeout_s=1.0)
     finally:
         stop.set()
@@ -138,8 +138,13 @@ def test_the_gil_is_released_while_waiting(worker):
 
 def test_wrong_token_is_refused_with_the_reason(worker):
     w = worker(token="right")
-    with pytest.raises(RuntimeError, match="refused"):
+    with pytest.raises(stoker.Unauthorized, match="refused"):
         stoker.Loader(w.addr, token="wrong", no_worker_timeout_s=5.0)
+    # Every kind is a StokerError, and a RuntimeError for code written before the kinds.
+    assert issubclass(stoker.Unauthorized, stoker.StokerError)
+    assert issubclass(stoker.StokerError, RuntimeError)
+    with pytest.raises(stoker.ConfigError, match="rank 3"):
+        stoker.Loader(w.addr, token="right", rank=3, world_size=2)
     assert next(stoker.Loader(w.addr, token="right")).sample_ids
 
 

@@ -381,42 +381,21 @@ fn run_stage(
         }));
     }
 
-    let mut workers_measured = 1;
-    if stage.autoscale {
-        let mut scaler = LocalScaler::new(a, &metrics_addrs, observer);
-        scaler.record(&pool, None);
-        scaler.publish(&pool)?;
-        if a.observe_s.is_some() {
-            // Let scrapers record the starting count, so the first decision shows as a change.
-            std::thread::sleep(Duration::from_secs(5));
-        }
-        // Until the count holds for 4 evaluations (or the timeout), then measure.
-        let t0 = Instant::now();
-        let mut unchanged = 0;
-        while a.observe_s.is_none()
-            && unchanged < 4
-            && t0.elapsed() < Duration::from_secs(a.settle_timeout_s)
-        {
-            unchanged = if scaler.step(&mut pool)? {
-                0
-            } else {
-                unchanged + 1
-            };
-        }
-        measuring.store(true, Ordering::Release);
-        let deadline = a.observe_s.map(|s| Instant::now() + Duration::from_secs(s));
-        while done.load(Ordering::Acquire) < a.ranks as u64 {
-            scaler.step(&mut pool)?;
-            workers_measured = workers_measured.max(pool.workers.len() as u32);
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                stop.store(true, Ordering::Release);
-            }
-        }
-    }
+    let workers_measured = if stage.autoscale {
+        let flags = (&*measuring, &*stop, &*done);
+        autoscale_while_training(a, &mut pool, &metrics_addrs, observer, flags)?
+    } else {
+        1
+    };
     let mut stats = Vec::new();
     for r in ranks {
         stats.push(r.join().expect("rank thread")?);
     }
+    Ok(summarize(stage.name, &stats, workers_measured))
+}
+
+/// The stage's row: the worst rank's wait, everyone's throughput.
+fn summarize(stage: &'static str, stats: &[RankStats], workers: u32) -> StageResult {
     let worst = stats
         .iter()
         .max_by(|x, y| (x.wait_s / x.wall_s).total_cmp(&(y.wait_s / y.wall_s)))
@@ -424,13 +403,52 @@ fn run_stage(
         .unwrap_or_default();
     let samples: u64 = stats.iter().map(|s| s.samples).sum();
     let wall = stats.iter().map(|s| s.wall_s).fold(0.0, f64::max);
-    Ok(StageResult {
-        stage: stage.name,
+    StageResult {
+        stage,
         wait_ratio: worst.wait_s / worst.wall_s,
         samples_per_s: samples as f64 / wall,
         data_s_per_batch: worst.wait_s / worst.steps.max(1) as f64,
-        workers: workers_measured,
-    })
+        workers,
+    }
+}
+
+/// Scales the pool with the operator's policy until the count settles, then starts the
+/// measurement and keeps scaling until every rank is done (or `--observe-s` ends the run);
+/// the most workers used while measuring.
+fn autoscale_while_training(
+    a: &DemoArgs,
+    pool: &mut Pool,
+    rank_metrics: &[String],
+    observer: Option<&(Arc<ScalerMetrics>, String)>,
+    (measuring, stop, done): (&AtomicBool, &AtomicBool, &AtomicU64),
+) -> anyhow::Result<u32> {
+    let mut scaler = LocalScaler::new(a, rank_metrics, observer);
+    scaler.record(pool, None);
+    scaler.publish(pool)?;
+    if a.observe_s.is_some() {
+        // Let scrapers record the starting count, so the first decision shows as a change.
+        std::thread::sleep(Duration::from_secs(5));
+    }
+    // Until the count holds for 4 evaluations (or the timeout), then measure.
+    let t0 = Instant::now();
+    let mut unchanged = 0;
+    while a.observe_s.is_none()
+        && unchanged < 4
+        && t0.elapsed() < Duration::from_secs(a.settle_timeout_s)
+    {
+        unchanged = if scaler.step(pool)? { 0 } else { unchanged + 1 };
+    }
+    measuring.store(true, Ordering::Release);
+    let deadline = a.observe_s.map(|s| Instant::now() + Duration::from_secs(s));
+    let mut workers_measured = 1;
+    while done.load(Ordering::Acquire) < a.ranks as u64 {
+        scaler.step(pool)?;
+        workers_measured = workers_measured.max(pool.workers.len() as u32);
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            stop.store(true, Ordering::Release);
+        }
+    }
+    Ok(workers_measured)
 }
 
 /// The demo's autoscaler settings: quick to act (a short demo), same policy as the operator.

@@ -7,7 +7,9 @@
 
 use std::sync::Arc;
 use stoker_wire::io::{read_frame, write_frame};
-use stoker_wire::{encode_batch, BatchRequest, DType, FrameHeader, Kind, TensorRef, Welcome};
+use stoker_wire::{
+    encode_batch, BatchRequest, DType, FrameHeader, Kind, TensorRef, Welcome, MAX_CONTROL_PAYLOAD,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[derive(clap::Args)]
@@ -88,7 +90,10 @@ async fn serve(mut sock: tokio::net::TcpStream, payload: &[u8]) -> anyhow::Resul
     }
     let (mut rd, mut wr) = sock.into_split();
     anyhow::ensure!(
-        matches!(read_frame(&mut rd).await?, Some((Kind::Hello, _))),
+        matches!(
+            read_frame(&mut rd, MAX_CONTROL_PAYLOAD).await?,
+            Some((Kind::Hello, _))
+        ),
         "expected Hello"
     );
     let welcome = Welcome {
@@ -100,7 +105,7 @@ async fn serve(mut sock: tokio::net::TcpStream, payload: &[u8]) -> anyhow::Resul
         description: "transport benchmark".into(),
     };
     write_frame(&mut wr, Kind::Welcome, &welcome.encode()).await?;
-    while let Some((kind, p)) = read_frame(&mut rd).await? {
+    while let Some((kind, p)) = read_frame(&mut rd, MAX_CONTROL_PAYLOAD).await? {
         anyhow::ensure!(kind == Kind::Request, "expected Request, got {kind:?}");
         let req = BatchRequest::decode(&p)?;
         let header = FrameHeader {

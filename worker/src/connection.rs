@@ -3,7 +3,9 @@
 //! adds discovery, retries and hedging on top of the same frames.
 
 use stoker_wire::io::{read_frame, read_frame_into, write_frame};
-use stoker_wire::{BatchHead, BatchRequest, ErrorFrame, Hello, Kind, Welcome};
+use stoker_wire::{
+    BatchHead, BatchRequest, ErrorFrame, Hello, Kind, Welcome, MAX_CONTROL_PAYLOAD, MAX_PAYLOAD,
+};
 use tokio::net::TcpStream;
 
 /// An answer to a request: the batch head and its whole payload, or an error frame.
@@ -27,7 +29,7 @@ impl Connection {
             client: format!("stoker/{}", env!("CARGO_PKG_VERSION")),
         };
         write_frame(&mut stream, Kind::Hello, &hello.encode()).await?;
-        match read_frame(&mut stream).await? {
+        match read_frame(&mut stream, MAX_CONTROL_PAYLOAD).await? {
             Some((Kind::Welcome, p)) => Ok(Ok(Connection {
                 stream,
                 welcome: Welcome::decode(&p)?,
@@ -68,7 +70,7 @@ impl Connection {
         &mut self,
         payload: &mut Vec<u8>,
     ) -> anyhow::Result<Result<BatchHead, ErrorFrame>> {
-        match read_frame_into(&mut self.stream, payload).await? {
+        match read_frame_into(&mut self.stream, payload, MAX_PAYLOAD).await? {
             Some(Kind::Batch) => Ok(Ok(BatchHead::decode(payload, payload.len() as u64)?)),
             Some(Kind::Error) => Ok(Err(ErrorFrame::decode(payload)?)),
             Some(k) => anyhow::bail!("unexpected {k:?} frame"),
@@ -77,7 +79,7 @@ impl Connection {
     }
 
     pub async fn recv(&mut self) -> anyhow::Result<Answer> {
-        match read_frame(&mut self.stream).await? {
+        match read_frame(&mut self.stream, MAX_PAYLOAD).await? {
             Some((Kind::Batch, p)) => Ok(Answer::Batch(BatchHead::decode(&p, p.len() as u64)?, p)),
             Some((Kind::Error, p)) => Ok(Answer::Error(ErrorFrame::decode(&p)?)),
             Some((k, _)) => anyhow::bail!("unexpected {k:?} frame"),

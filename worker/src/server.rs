@@ -16,10 +16,15 @@ use stoker_wire::{
     HEADER_LEN,
 };
 use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// The largest Hello accepted (a token and a client name), before authentication.
+pub const MAX_HELLO_BYTES: u64 = 4 << 10;
+/// The largest frame accepted after it: a Request is 40 bytes.
+pub const MAX_REQUEST_BYTES: u64 = 1 << 10;
 /// Answers waiting for the socket, per connection.
 const OUTBOX_CAPACITY: usize = 4;
 
@@ -252,115 +257,129 @@ impl Server {
         stream.set_nodelay(true)?;
         let (mut rd, wr) = stream.into_split();
         let mut wr = BufWriter::with_capacity(64 << 10, wr);
+        if let Err(refusal) = self.handshake(&mut rd).await {
+            write_frame(&mut wr, Kind::Error, &refusal.encode()).await?;
+            wr.flush().await?;
+            return Ok(());
+        }
+        write_frame(&mut wr, Kind::Welcome, &self.welcome.encode()).await?;
+        wr.flush().await?;
+        let (tx, rx) = mpsc::channel::<(Outgoing, Option<InflightGuard>)>(OUTBOX_CAPACITY);
+        let writer = tokio::spawn(self.clone().write_answers(wr, rx));
+        self.read_requests(&mut rd, tx).await;
+        writer.await??;
+        Ok(())
+    }
 
-        let hello = tokio::time::timeout(HELLO_TIMEOUT, read_frame(&mut rd)).await;
-        let hello = match hello {
-            Ok(Ok(Some((Kind::Hello, p)))) => Hello::decode(&p)?,
-            _ => {
-                self.refuse("no_hello");
-                let e = ErrorFrame {
-                    request_id: 0,
-                    code: ErrorCode::BadRequest,
-                    message: "expected a Hello frame first".into(),
-                };
-                write_frame(&mut wr, Kind::Error, &e.encode()).await?;
-                wr.flush().await?;
-                return Ok(());
-            }
+    /// Reads the client's Hello (bounded in size and time) and checks its token; the Error
+    /// frame to send back when the client is refused.
+    async fn handshake(&self, rd: &mut OwnedReadHalf) -> Result<(), ErrorFrame> {
+        let refusal = |code, message: String| ErrorFrame {
+            request_id: 0,
+            code,
+            message,
         };
-        if let Some(expected) = &self.config.token {
-            if !token_matches(expected, &hello.token) {
+        let hello = tokio::time::timeout(HELLO_TIMEOUT, read_frame(rd, MAX_HELLO_BYTES)).await;
+        let hello = match hello {
+            Ok(Ok(Some((Kind::Hello, p)))) => Hello::decode(&p).map_err(|e| e.to_string()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no Hello within {HELLO_TIMEOUT:?}")),
+            Ok(Ok(_)) => Err("expected a Hello frame first".to_string()),
+        };
+        let hello = hello.map_err(|why| {
+            self.refuse("no_hello");
+            refusal(ErrorCode::BadRequest, why)
+        })?;
+        match &self.config.token {
+            Some(expected) if !token_matches(expected, &hello.token) => {
                 self.refuse("unauthorized");
                 let message = if hello.token.is_empty() {
                     "this worker requires a pipeline token and none was sent"
                 } else {
                     "wrong pipeline token"
                 };
-                let e = ErrorFrame {
-                    request_id: 0,
-                    code: ErrorCode::Unauthorized,
-                    message: message.into(),
-                };
-                write_frame(&mut wr, Kind::Error, &e.encode()).await?;
-                wr.flush().await?;
-                return Ok(());
+                Err(refusal(ErrorCode::Unauthorized, message.into()))
             }
+            _ => Ok(()),
         }
-        write_frame(&mut wr, Kind::Welcome, &self.welcome.encode()).await?;
-        wr.flush().await?;
+    }
 
-        let (tx, mut rx) = mpsc::channel::<(Outgoing, Option<InflightGuard>)>(OUTBOX_CAPACITY);
+    /// Writes answers as they become ready; each request's in-flight guard (and sample
+    /// budget) is released once its answer is on the socket.
+    async fn write_answers(
+        self: Arc<Self>,
+        mut wr: BufWriter<OwnedWriteHalf>,
+        mut rx: mpsc::Receiver<(Outgoing, Option<InflightGuard>)>,
+    ) -> anyhow::Result<()> {
         let pixel_dtype = self.pipeline.pixel_dtype();
-        let metrics = self.pipeline.metrics.clone();
-        let writer = tokio::spawn(async move {
-            // The guard is dropped once its answer has been written.
-            while let Some((out, _guard)) = rx.recv().await {
-                match out {
-                    Outgoing::Error(e) => write_frame(&mut wr, Kind::Error, &e.encode()).await?,
-                    Outgoing::Batch(ready) => {
-                        // `_budget` stays bound (held) until the batch is written.
-                        let Ready {
-                            request,
-                            batch,
-                            started,
-                            _budget,
-                        } = *ready;
-                        let t = Instant::now();
-                        let n = write_batch(&mut wr, request, &batch, pixel_dtype).await?;
-                        wr.flush().await?;
-                        metrics.observe_stage("send", t.elapsed());
-                        metrics
-                            .request_seconds
-                            .observe(started.elapsed().as_secs_f64());
-                        metrics.bytes_sent_total.inc_by(n);
-                        metrics.batches_total.inc();
-                        metrics.samples_total.inc_by(batch.sample_ids.len() as u64);
-                        continue;
-                    }
+        let metrics = &self.pipeline.metrics;
+        while let Some((out, _guard)) = rx.recv().await {
+            match out {
+                Outgoing::Error(e) => write_frame(&mut wr, Kind::Error, &e.encode()).await?,
+                Outgoing::Batch(ready) => {
+                    // `_budget` stays bound (held) until the batch is written.
+                    let Ready {
+                        request,
+                        batch,
+                        started,
+                        _budget,
+                    } = *ready;
+                    let t = Instant::now();
+                    let n = write_batch(&mut wr, request, &batch, pixel_dtype).await?;
+                    metrics.observe_stage("send", t.elapsed());
+                    metrics
+                        .request_seconds
+                        .observe(started.elapsed().as_secs_f64());
+                    metrics.bytes_sent_total.inc_by(n);
+                    metrics.batches_total.inc();
+                    metrics.samples_total.inc_by(batch.sample_ids.len() as u64);
                 }
-                wr.flush().await?;
             }
-            anyhow::Ok(())
-        });
+            wr.flush().await?;
+        }
+        Ok(())
+    }
 
+    /// Reads Requests (each at most [`MAX_REQUEST_BYTES`]) and prepares each as its own task,
+    /// at most `max_inflight_per_conn` at once; anything else ends the connection with an
+    /// Error frame naming it.
+    async fn read_requests(
+        self: &Arc<Self>,
+        rd: &mut OwnedReadHalf,
+        tx: mpsc::Sender<(Outgoing, Option<InflightGuard>)>,
+    ) {
         let slots = Arc::new(Semaphore::new(self.config.max_inflight_per_conn.max(1)));
-        while let Some((kind, payload)) = read_frame(&mut rd).await? {
-            if kind != Kind::Request {
-                self.refuse("bad_request");
-                let e = ErrorFrame {
-                    request_id: 0,
-                    code: ErrorCode::BadRequest,
-                    message: format!("unexpected {kind:?} frame"),
-                };
-                let _ = tx.send((Outgoing::Error(e), None)).await;
-                break;
-            }
-            let req = match BatchRequest::decode(&payload) {
+        loop {
+            let req = match read_frame(rd, MAX_REQUEST_BYTES).await {
+                Ok(None) => return,
+                Ok(Some((Kind::Request, payload))) => {
+                    BatchRequest::decode(&payload).map_err(|e| e.to_string())
+                }
+                Ok(Some((kind, _))) => Err(format!("unexpected {kind:?} frame")),
+                Err(e) => Err(e.to_string()),
+            };
+            let req = match req {
                 Ok(r) => r,
-                Err(e) => {
+                Err(message) => {
                     self.refuse("bad_request");
                     let e = ErrorFrame {
                         request_id: 0,
                         code: ErrorCode::BadRequest,
-                        message: e.to_string(),
+                        message,
                     };
                     let _ = tx.send((Outgoing::Error(e), None)).await;
-                    break;
+                    return;
                 }
             };
             let permit = slots.clone().acquire_owned().await.expect("never closed");
             let guard = InflightGuard::new(self.clone());
-            let this = self.clone();
-            let tx = tx.clone();
+            let (this, tx) = (self.clone(), tx.clone());
             tokio::spawn(async move {
                 let out = this.answer(req).await;
                 let _ = tx.send((out, Some(guard))).await;
                 drop(permit);
             });
         }
-        drop(tx);
-        writer.await??;
-        Ok(())
     }
 
     async fn answer(&self, req: BatchRequest) -> Outgoing {
