@@ -60,16 +60,17 @@ impl Discovery {
     }
 
     /// Starts the source on the current runtime; the receiver sees every change.
-    pub(crate) fn start(self) -> watch::Receiver<WorkerSet> {
+    pub(crate) fn start(&self) -> watch::Receiver<WorkerSet> {
         match self {
             Discovery::Static(list) => {
-                let (tx, rx) = watch::channel(list.into_iter().collect());
+                let (tx, rx) = watch::channel(list.iter().cloned().collect());
                 // Keep the sender alive: a closed watch would read as "no workers".
                 tokio::spawn(async move { tx.closed().await });
                 rx
             }
-            Discovery::Watch(rx) => rx,
+            Discovery::Watch(rx) => rx.clone(),
             Discovery::Dns { name, every } => {
+                let (name, every) = (name.clone(), *every);
                 let (tx, rx) = watch::channel(WorkerSet::new());
                 tokio::spawn(async move {
                     loop {

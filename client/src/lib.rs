@@ -32,7 +32,7 @@ pub use metrics::ClientMetrics;
 pub use policy::{Depth, HedgePolicy};
 pub use scheduler::PlanIdentity;
 
-use scheduler::{Control, Delivery, Scheduler, SchedulerConfig, Shared};
+use scheduler::{Control, Delivery, Scheduler, Shared};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -166,22 +166,12 @@ impl Loader {
             asking: Default::default(),
             wake: Default::default(),
         });
-        let no_worker_timeout = cfg.no_worker_timeout;
-        let sched_cfg = SchedulerConfig {
-            token: cfg.token,
-            rank: cfg.rank,
-            world_size: cfg.world_size,
-            depth: cfg.depth,
-            hedge: cfg.hedge,
-            max_attempts: cfg.max_attempts.max(1),
-            no_worker_timeout,
-            expect_plan: cfg.state.map(|s| s.plan_id),
-            start: cfg.state.map_or((0, 0), |s| (s.epoch, s.next_batch)),
-        };
+        let (no_worker_timeout, rank, world_size, state) =
+            (cfg.no_worker_timeout, cfg.rank, cfg.world_size, cfg.state);
         let handles = {
             let _guard = runtime.enter();
             let workers = cfg.workers.start();
-            Scheduler::spawn(sched_cfg, workers, shared.clone(), metrics.clone())
+            Scheduler::spawn(cfg, workers, shared.clone(), metrics.clone())
         };
         let identity = runtime
             .block_on(async {
@@ -201,8 +191,8 @@ impl Loader {
             identity,
             metrics,
             metrics_addr,
-            rank: cfg.rank,
-            world_size: cfg.world_size,
+            rank,
+            world_size,
             position: 0,
             generation: 0,
             epoch_end_pending: false,
@@ -210,7 +200,7 @@ impl Loader {
             stats: WaitStats::default(),
             recent: Default::default(),
         };
-        if let Some(s) = cfg.state {
+        if let Some(s) = state {
             // The scheduler already starts there; this validates and sets our side.
             loader.check_state(&s)?;
             loader.position = s.epoch * loader.identity.batches_per_epoch + s.next_batch;

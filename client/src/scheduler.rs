@@ -13,7 +13,8 @@ use crate::discovery::WorkerSet;
 use crate::error::Error;
 use crate::link::{self, Event, LinkId};
 use crate::metrics::ClientMetrics;
-use crate::policy::{auto_depth, Depth, HedgePolicy, LatencyWindow};
+use crate::policy::{auto_depth, Depth, LatencyWindow};
+use crate::LoaderConfig;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -48,22 +49,6 @@ pub enum Control {
     Seek { position: u64, generation: u64 },
 }
 
-pub struct SchedulerConfig {
-    pub token: String,
-    pub rank: u32,
-    pub world_size: u32,
-    pub depth: Depth,
-    pub hedge: Option<HedgePolicy>,
-    /// Attempts per position before the trainer gets an error.
-    pub max_attempts: u32,
-    /// With no usable worker for this long, the trainer gets an error naming why.
-    pub no_worker_timeout: Duration,
-    /// Plan the workers must serve (from a loaded state); `None` = the first one seen.
-    pub expect_plan: Option<u64>,
-    /// (epoch, global batch) to start from; positions need the plan's batches per epoch.
-    pub start: (u64, u64),
-}
-
 struct WorkerLink {
     addr: String,
     /// Set once the handshake succeeded and the plan matched; `None` while connecting.
@@ -93,7 +78,7 @@ struct InFlight {
 }
 
 pub struct Scheduler {
-    cfg: SchedulerConfig,
+    cfg: LoaderConfig,
     shared: Arc<Shared>,
     metrics: Arc<ClientMetrics>,
     identity: Option<PlanIdentity>,
@@ -134,7 +119,7 @@ pub struct Handles {
 impl Scheduler {
     /// Spawns the scheduler on the current runtime.
     pub fn spawn(
-        cfg: SchedulerConfig,
+        cfg: LoaderConfig,
         workers: watch::Receiver<WorkerSet>,
         shared: Arc<Shared>,
         metrics: Arc<ClientMetrics>,
@@ -147,7 +132,7 @@ impl Scheduler {
     /// The scheduler and its channels, not yet running (the state-machine tests drive it
     /// event by event).
     fn new(
-        cfg: SchedulerConfig,
+        cfg: LoaderConfig,
         shared: Arc<Shared>,
         metrics: Arc<ClientMetrics>,
     ) -> (
@@ -447,7 +432,7 @@ impl Scheduler {
         let Some(l) = self.links.get_mut(&link) else {
             return;
         };
-        let mismatch = match (&self.identity, self.cfg.expect_plan) {
+        let mismatch = match (&self.identity, self.cfg.state.map(|s| s.plan_id)) {
             (Some(have), _) if *have != offered => Some(have.plan_id),
             (None, Some(want)) if want != offered.plan_id => Some(want),
             _ => None,
@@ -474,7 +459,7 @@ impl Scheduler {
         self.problems.remove(&l.addr);
         self.reconnect_at.remove(&l.addr);
         if self.identity.is_none() {
-            let (epoch, batch) = self.cfg.start;
+            let (epoch, batch) = self.cfg.state.map_or((0, 0), |s| (s.epoch, s.next_batch));
             self.next_issue = epoch * offered.batches_per_epoch + batch;
             self.next_deliver = self.next_issue;
             self.shared
@@ -552,7 +537,7 @@ impl Scheduler {
                             "plan_mismatch"
                         };
                         self.metrics.retries.with_label_values(&[reason]).inc();
-                        if failures >= self.cfg.max_attempts {
+                        if failures >= self.cfg.max_attempts.max(1) {
                             self.give_up(position, &addr, &e.message);
                         }
                     }

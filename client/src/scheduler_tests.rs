@@ -3,6 +3,7 @@
 //! sockets and no timing: links are channels the test holds.
 
 use super::*;
+use crate::policy::HedgePolicy;
 use stoker_wire::BatchHead;
 
 const BATCHES_PER_EPOCH: u64 = 4;
@@ -18,18 +19,23 @@ fn plan(plan_id: u64) -> Welcome {
     }
 }
 
-fn config(depth: usize) -> SchedulerConfig {
-    SchedulerConfig {
-        token: "t".into(),
-        rank: 1,
-        world_size: 2,
-        depth: Depth::Fixed(depth),
-        hedge: None,
-        max_attempts: 3,
-        no_worker_timeout: Duration::from_secs(3600),
-        expect_plan: None,
-        start: (0, 0),
-    }
+fn config(depth: usize) -> LoaderConfig {
+    let mut c = LoaderConfig::new(crate::Discovery::Static(Vec::new()), 1, 2);
+    c.token = "t".into();
+    c.depth = Depth::Fixed(depth);
+    c.hedge = None;
+    c.max_attempts = 3;
+    c.no_worker_timeout = Duration::from_secs(3600);
+    c
+}
+
+/// A loaded state: resume plan `plan_id` at (epoch, batch).
+fn resume_at(plan_id: u64, epoch: u64, next_batch: u64) -> Option<crate::LoaderState> {
+    Some(crate::LoaderState {
+        plan_id,
+        epoch,
+        next_batch,
+    })
 }
 
 struct Machine {
@@ -40,7 +46,7 @@ struct Machine {
 }
 
 impl Machine {
-    fn new(cfg: SchedulerConfig) -> Machine {
+    fn new(cfg: LoaderConfig) -> Machine {
         let shared = Arc::new(Shared {
             consumed: AtomicU64::new(0),
             interval_ns: AtomicU64::new(0),
@@ -290,8 +296,7 @@ async fn a_worker_of_another_plan_is_never_asked() {
 #[tokio::test]
 async fn a_loaded_state_starts_at_its_epoch_and_batch_and_refuses_other_plans() {
     let mut cfg = config(2);
-    cfg.start = (2, 3);
-    cfg.expect_plan = Some(7);
+    cfg.state = resume_at(7, 2, 3);
     let mut m = Machine::new(cfg);
     let other = m.worker_up("other", plan(9));
     m.s.step();
@@ -364,7 +369,7 @@ async fn a_straggler_at_the_head_is_hedged_on_another_worker_and_the_first_answe
 #[tokio::test]
 async fn with_only_workers_of_another_plan_the_loader_fails_with_a_plan_mismatch() {
     let mut cfg = config(2);
-    cfg.expect_plan = Some(7);
+    cfg.state = resume_at(7, 0, 0);
     cfg.no_worker_timeout = Duration::ZERO;
     let mut m = Machine::new(cfg);
     m.worker_up("other", plan(9));

@@ -583,6 +583,11 @@ mod tests {
         d.spec.as_ref().unwrap().template.spec.as_ref().unwrap()
     }
 
+    fn anti_affinity(d: &Deployment) -> &k8s_openapi::api::core::v1::PodAntiAffinity {
+        let affinity = pod(d).affinity.as_ref().unwrap();
+        affinity.pod_anti_affinity.as_ref().unwrap()
+    }
+
     #[test]
     fn deployment_runs_the_worker_with_the_plan_and_preprocessing() {
         let dp = example();
@@ -727,13 +732,7 @@ mod tests {
         dp.spec.placement.worker_egress_gbps = Some(15.0);
         assert_eq!(max_workers_per_node(&dp), Some(1));
         let p = deployment(&dp, 4);
-        let anti = pod(&p)
-            .affinity
-            .as_ref()
-            .unwrap()
-            .pod_anti_affinity
-            .as_ref()
-            .unwrap();
+        let anti = anti_affinity(&p);
         assert!(anti
             .required_during_scheduling_ignored_during_execution
             .is_some());
@@ -790,13 +789,7 @@ mod tests {
         // One worker per node: required anti-affinity plus the spread constraint, which is
         // the experiment's spread placement (worker i on node i).
         let d = deployment(&dp, number("workers") as i32);
-        let anti = pod(&d)
-            .affinity
-            .as_ref()
-            .unwrap()
-            .pod_anti_affinity
-            .as_ref()
-            .unwrap();
+        let anti = anti_affinity(&d);
         let term = &anti
             .required_during_scheduling_ignored_during_execution
             .as_ref()

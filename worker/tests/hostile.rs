@@ -1,0 +1,136 @@
+//! Hostile peers on the batch port: headers announcing huge frames before and after
+//! authentication, random bytes, many connections at once. The worker never sizes memory from
+//! a header it has not bounded, answers each with an Error frame naming what it refused,
+//! counts it, and keeps serving an honest client meanwhile.
+
+mod common;
+
+use common::*;
+use stoker_control::exposition::metric_value_with;
+use stoker_testkit::synth::SynthFormat;
+use stoker_wire::{ErrorCode, ErrorFrame, FrameHeader, Hello, Kind};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Hostile connections of each kind, all open at once.
+const PER_KIND: usize = 32;
+/// What the attack may add to the process's resident memory (the dataset, the tokenizer and
+/// the honest client's batches are loaded before the first measurement).
+const RSS_BOUND: u64 = 64 << 20;
+
+fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib << 10
+}
+
+fn header(kind: Kind, len: u64) -> Vec<u8> {
+    FrameHeader { kind, len }.encode().to_vec()
+}
+
+fn hello(token: &str) -> Vec<u8> {
+    let p = Hello {
+        token: token.into(),
+        client: "hostile".into(),
+    }
+    .encode();
+    let mut out = header(Kind::Hello, p.len() as u64);
+    out.extend_from_slice(&p);
+    out
+}
+
+/// Sends `bytes`, then reads what the worker answers until it closes: the Error frame.
+async fn attack(addr: std::net::SocketAddr, bytes: Vec<u8>) -> ErrorFrame {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(&bytes).await.unwrap();
+    let mut got = Vec::new();
+    // The worker closes after its answer; a reset after it is fine too.
+    let _ = s.read_to_end(&mut got).await;
+    let welcome_len = if got.get(5) == Some(&(Kind::Welcome as u8)) {
+        let h = FrameHeader::decode(got[..16].try_into().unwrap()).unwrap();
+        16 + h.len as usize
+    } else {
+        0
+    };
+    let rest = &got[welcome_len..];
+    let h = FrameHeader::decode(rest[..16].try_into().unwrap()).unwrap();
+    assert_eq!(h.kind, Kind::Error);
+    ErrorFrame::decode(&rest[16..16 + h.len as usize]).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_headers_and_garbage_are_refused_without_memory_and_honest_clients_are_served() {
+    let ds = synth_dataset(8, SynthFormat::Llava).await;
+    let w = start_worker(&ds.config(4)).await;
+    let (mut honest, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+    assert_eq!(
+        honest
+            .get(request(&welcome, 0, 0, 0, 1))
+            .await
+            .batch()
+            .0
+            .sample_ids
+            .len(),
+        4
+    );
+    let before = rss_bytes();
+
+    let mut attacks = Vec::new();
+    for i in 0..PER_KIND {
+        // Before authentication: a batch-sized frame, a Hello far over its bound, garbage.
+        attacks.push(tokio::spawn(attack(w.addr, header(Kind::Batch, 8 << 30))));
+        attacks.push(tokio::spawn(attack(w.addr, header(Kind::Hello, 1 << 20))));
+        let garbage: Vec<u8> = (0..64u32).map(|b| (b * 31 + i as u32) as u8).collect();
+        attacks.push(tokio::spawn(attack(w.addr, garbage)));
+        // After authentication: a Request announcing half a MiB (under the protocol's 1 MiB
+        // control-frame limit, far over a Request's 40 bytes).
+        let mut authed = hello(TOKEN);
+        authed.extend(header(Kind::Request, 512 << 10));
+        attacks.push(tokio::spawn(attack(w.addr, authed)));
+    }
+    // The honest client is served while the attack is under way.
+    let (head, _) = honest.get(request(&welcome, 0, 1, 0, 1)).await.batch();
+    assert_eq!(head.sample_ids.len(), 4);
+    let mut messages = Vec::new();
+    for a in attacks {
+        let e = a.await.unwrap();
+        assert_eq!(e.code, ErrorCode::BadRequest, "{}", e.message);
+        messages.push(e.message);
+    }
+    let grew = rss_bytes().saturating_sub(before);
+    eprintln!(
+        "resident memory grew by {} KiB under {} hostile connections",
+        grew >> 10,
+        4 * PER_KIND
+    );
+    assert!(
+        grew < RSS_BOUND,
+        "resident memory grew by {} MiB under attack",
+        grew >> 20
+    );
+    let named = |what: &str| messages.iter().filter(|m| m.contains(what)).count();
+    assert_eq!(named("Batch frame of 8589934592 bytes"), PER_KIND);
+    assert_eq!(named("Hello frame of 1048576 bytes"), PER_KIND);
+    assert_eq!(named("Request frame of 524288 bytes"), PER_KIND);
+    assert_eq!(named("bad magic"), PER_KIND);
+
+    let metrics = w.metrics.render();
+    let refused = |reason| {
+        metric_value_with(
+            &metrics,
+            "stoker_worker_requests_refused_total",
+            &[("reason", reason)],
+        )
+        .unwrap_or(0.0)
+    };
+    assert_eq!(refused("no_hello"), (3 * PER_KIND) as f64);
+    assert_eq!(refused("bad_request"), PER_KIND as f64);
+    // And the worker still serves.
+    let (mut again, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+    let (head, _) = again.get(request(&welcome, 0, 1, 0, 1)).await.batch();
+    assert_eq!(head.sample_ids.len(), 4);
+}
