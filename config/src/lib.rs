@@ -16,6 +16,7 @@ pub const DEFAULT_MAX_IMAGE_PIXELS: u64 = 64 << 20;
 pub const DEFAULT_GLOBAL_BATCH_SIZE: u32 = 32;
 pub const DEFAULT_MAX_FETCHES: usize = 64;
 pub const DEFAULT_MAX_INFLIGHT_PER_CONN: usize = 8;
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 pub const DEFAULT_DRAIN_TIMEOUT_S: u64 = 30;
 
 /// Model family: patch size, normalization, resize bounds and chat format.
@@ -271,6 +272,10 @@ pub struct Serving {
     /// Batch requests prepared at once per connection.
     #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_INFLIGHT_PER_CONN))]
     pub max_inflight_per_conn: usize,
+    /// Connections open at once (authenticated or not); one more is refused with an Error
+    /// frame (Unavailable) naming the limit. A trainer rank holds one per worker.
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS))]
+    pub max_connections: usize,
     /// Samples prepared or waiting to be sent at once, across connections: bounds the memory
     /// batches take [default: 8 per preprocessing thread, at least 32].
     #[cfg_attr(feature = "clap", arg(long))]
@@ -294,6 +299,7 @@ impl Default for Serving {
             token_file: None,
             no_auth: false,
             max_inflight_per_conn: DEFAULT_MAX_INFLIGHT_PER_CONN,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
             max_inflight_samples: None,
             pipeline: "default".into(),
             drain_timeout_s: DEFAULT_DRAIN_TIMEOUT_S,
@@ -395,6 +401,7 @@ impl Serving {
         a.optional("token-file", self.token_file.as_ref());
         a.switch("no-auth", self.no_auth);
         a.value("max-inflight-per-conn", self.max_inflight_per_conn);
+        a.value("max-connections", self.max_connections);
         a.optional("max-inflight-samples", self.max_inflight_samples);
         a.value("pipeline", &self.pipeline);
         a.value("drain-timeout-s", self.drain_timeout_s);
@@ -468,6 +475,7 @@ mod tests {
                 token_file: Some("/var/run/stoker/token".into()),
                 no_auth: false,
                 max_inflight_per_conn: 3,
+                max_connections: 5,
                 max_inflight_samples: Some(99),
                 pipeline: "llava".into(),
                 drain_timeout_s: 7,
@@ -497,6 +505,7 @@ mod tests {
         assert_eq!(parsed.preprocessing, Preprocessing::default());
         assert_eq!(parsed.sampling, Sampling::default());
         assert_eq!(parsed.concurrency, Concurrency::default());
+        assert_eq!(parsed.serving, Serving::default());
         let from_spec: Preprocessing = serde_json::from_str("{}").unwrap();
         assert_eq!(from_spec, Preprocessing::default());
     }

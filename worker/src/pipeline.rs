@@ -48,6 +48,8 @@ enum Cause {
     Text(#[from] TextError),
     #[error("sample id is not in the index")]
     NoSuchSample,
+    #[error("preprocessing panicked: {0}")]
+    Panicked(String),
 }
 
 impl Cause {
@@ -68,6 +70,28 @@ impl Cause {
             Cause::Text(TextError::TooLong { .. }) => "too_long",
             Cause::Text(_) => "text",
             Cause::NoSuchSample => "no_such_sample",
+            Cause::Panicked(_) => "panic",
+        }
+    }
+}
+
+/// Runs `work` on the blocking pool. A panic there (a bug, or a decoder's) becomes this
+/// sample's failure, named and counted like any other, never a request left unanswered.
+async fn on_blocking_pool<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, Cause> + Send + 'static,
+) -> Result<T, Cause> {
+    match tokio::task::spawn_blocking(work).await {
+        Ok(out) => out,
+        Err(e) => {
+            let why = match e.try_into_panic() {
+                Ok(payload) => payload
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a non-text panic".into()),
+                Err(e) => e.to_string(),
+            };
+            Err(Cause::Panicked(why))
         }
     }
 }
@@ -243,13 +267,11 @@ impl Pipeline {
             .expect("never closed");
         queue.dec();
         let this = self.clone();
-        let out = tokio::task::spawn_blocking(move || {
+        on_blocking_pool(move || {
             let _permit = permit;
             this.preprocess(sample_id, conv, images)
         })
         .await
-        .expect("preprocessing never panics");
-        out
     }
 
     /// The CPU part: decode/resize/patchify every image, then tokenize.
@@ -393,4 +415,22 @@ pub async fn open_pipeline(
     Ok(Arc::new(Pipeline::new(
         store, index, plan, text, config, metrics,
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panic_in_preprocessing_becomes_the_samples_named_failure() {
+        let err = on_blocking_pool::<()>(|| panic!("decoder bug in x.jpg"))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), "panic");
+        assert_eq!(
+            err.to_string(),
+            "preprocessing panicked: decoder bug in x.jpg"
+        );
+        assert_eq!(on_blocking_pool(|| Ok(7)).await.unwrap(), 7);
+    }
 }

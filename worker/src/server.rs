@@ -32,6 +32,8 @@ pub struct ServerConfig {
     /// The pipeline token clients must present; `None` disables the check (local use only).
     pub token: Option<String>,
     pub max_inflight_per_conn: usize,
+    /// Connections open at once; one more is refused (Unavailable) and closed.
+    pub max_connections: usize,
     /// Samples prepared or waiting to be sent, across all connections: the bound on the
     /// memory batches take (a float32 Qwen2-VL sample is ~20 MB of pixels).
     pub max_inflight_samples: usize,
@@ -47,6 +49,7 @@ pub struct Server {
     inflight: AtomicUsize,
     idle: Notify,
     sample_budget: Arc<Semaphore>,
+    connections: Arc<Semaphore>,
 }
 
 /// Writes a batch frame: head, then each tensor's padding and chunks, with no staging copy.
@@ -189,6 +192,7 @@ impl Server {
         };
         Arc::new(Server {
             sample_budget: Arc::new(Semaphore::new(config.max_inflight_samples.max(1))),
+            connections: Arc::new(Semaphore::new(config.max_connections.max(1))),
             pipeline,
             welcome,
             config,
@@ -219,12 +223,7 @@ impl Server {
             tokio::select! {
                 r = listener.accept() => {
                     if let Ok((stream, peer)) = r {
-                        let this = self.clone();
-                        tokio::spawn(async move {
-                            if let Err(e) = this.handle(stream).await {
-                                tracing::debug!("connection from {peer}: {e:#}");
-                            }
-                        });
+                        tokio::spawn(self.clone().admit(stream, peer));
                     }
                 }
                 _ = &mut shutdown => break,
@@ -251,6 +250,28 @@ impl Server {
                 return;
             }
         }
+    }
+
+    /// Serves one connection within the connection limit; over it, the peer gets an Error
+    /// frame (Unavailable) naming the limit, and the refusal is counted.
+    async fn admit(self: Arc<Self>, mut stream: TcpStream, peer: std::net::SocketAddr) {
+        let Ok(slot) = self.connections.clone().try_acquire_owned() else {
+            self.refuse("connection_limit");
+            let e = ErrorFrame {
+                request_id: 0,
+                code: ErrorCode::Unavailable,
+                message: format!(
+                    "worker at its limit of {} connections; retry on another worker",
+                    self.config.max_connections
+                ),
+            };
+            let _ = write_frame(&mut stream, Kind::Error, &e.encode()).await;
+            return;
+        };
+        if let Err(e) = self.handle(stream).await {
+            tracing::debug!("connection from {peer}: {e:#}");
+        }
+        drop(slot);
     }
 
     async fn handle(self: Arc<Self>, stream: TcpStream) -> anyhow::Result<()> {

@@ -134,3 +134,45 @@ async fn huge_headers_and_garbage_are_refused_without_memory_and_honest_clients_
     let (head, _) = again.get(request(&welcome, 0, 1, 0, 1)).await.batch();
     assert_eq!(head.sample_ids.len(), 4);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_limit_are_refused_by_name_until_one_closes() {
+    let ds = synth_dataset(4, SynthFormat::Llava).await;
+    let mut cfg = ds.config(4);
+    cfg.serving.max_connections = 3;
+    let w = start_worker(&cfg).await;
+    // Three idle peers hold every slot (they never say Hello).
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        idle.push(TcpStream::connect(w.addr).await.unwrap());
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let e = attack(w.addr, Vec::new()).await;
+    assert_eq!(e.code, ErrorCode::Unavailable);
+    assert!(
+        e.message.contains("limit of 3 connections"),
+        "{}",
+        e.message
+    );
+    let refused = metric_value_with(
+        &w.metrics.render(),
+        "stoker_worker_requests_refused_total",
+        &[("reason", "connection_limit")],
+    );
+    assert_eq!(refused, Some(1.0));
+    // One idle peer leaves: its slot frees and an honest client is served.
+    drop(idle.pop());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let (mut c, welcome) = loop {
+        match Client::connect(w.addr, TOKEN).await {
+            Ok(c) => break c,
+            Err(e) => {
+                assert_eq!(e.code, ErrorCode::Unavailable);
+                assert!(std::time::Instant::now() < deadline, "the slot never freed");
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let (head, _) = c.get(request(&welcome, 0, 0, 0, 1)).await.batch();
+    assert_eq!(head.sample_ids.len(), 4);
+}
