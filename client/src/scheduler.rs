@@ -541,6 +541,13 @@ impl Scheduler {
                             self.give_up(position, &addr, &e.message);
                         }
                     }
+                    ErrorCode::Transient => {
+                        // The store failed, not the data: ask again (elsewhere first).
+                        self.metrics.retries.with_label_values(&["transient"]).inc();
+                        if failures >= self.cfg.max_attempts.max(1) {
+                            self.give_up(position, &addr, &e.message);
+                        }
+                    }
                     ErrorCode::Unauthorized | ErrorCode::BadRequest | ErrorCode::Failed => {
                         // Another worker would answer the same: tell the trainer.
                         self.metrics.errors.with_label_values(&["answer"]).inc();

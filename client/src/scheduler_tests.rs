@@ -403,3 +403,24 @@ async fn a_refused_token_fails_the_loader_as_unauthorized_at_once() {
         }
     );
 }
+
+#[tokio::test]
+async fn a_transient_failure_is_asked_again_elsewhere_and_never_reaches_the_trainer() {
+    let mut m = Machine::new(config(1));
+    let a = m.worker_up("a", plan(7));
+    m.s.step();
+    let first = m.asked(a);
+    let b = m.worker_up("b", plan(7));
+    m.fail(
+        a,
+        first[0].0,
+        ErrorCode::Transient,
+        "object x.jpg: connection reset",
+    );
+    m.s.step();
+    let retried = m.asked(b);
+    assert_eq!((retried[0].1, retried[0].2), (0, 0), "the same position");
+    m.answer(b, retried[0].0);
+    m.s.step();
+    assert_eq!(m.delivered(), [Ok(retried[0].0)]);
+}

@@ -211,6 +211,9 @@ pub enum ErrorCode {
     Unavailable = 4,
     /// A sample failed under `on_error: fail`, or an internal error.
     Failed = 5,
+    /// A transient fault (the object store failed after retries): another worker, or this
+    /// one later, may serve the request; it is never turned into a skipped sample.
+    Transient = 6,
 }
 
 impl ErrorCode {
@@ -221,6 +224,7 @@ impl ErrorCode {
             3 => ErrorCode::BadRequest,
             4 => ErrorCode::Unavailable,
             5 => ErrorCode::Failed,
+            6 => ErrorCode::Transient,
             c => return Err(WireError::Invalid(format!("unknown error code {c}"))),
         })
     }

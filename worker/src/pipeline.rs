@@ -32,6 +32,9 @@ pub struct SampleFailure {
     pub location: String,
     pub kind: &'static str,
     pub message: String,
+    /// The store failed, not the data: retrying may succeed, so the sample is never skipped
+    /// for it (two workers would serve different bytes for one request).
+    pub transient: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -233,6 +236,7 @@ impl Pipeline {
             location,
             kind,
             message: cause.to_string(),
+            transient: matches!(cause, Cause::Fetch(FetchError::Io(..))),
         }
     }
 
@@ -310,7 +314,8 @@ impl Pipeline {
     }
 
     /// Loads `ids` (concurrently, in order) and collates them. Under `OnError::Skip` failed
-    /// samples are listed in `skipped`; under `Fail` the first failure is returned.
+    /// samples are listed in `skipped`; under `Fail`, and for a transient store failure
+    /// always, the first failure is returned.
     pub async fn build_batch(self: &Arc<Self>, ids: &[u64]) -> Result<Batch, SampleFailure> {
         let results: Vec<Result<PreparedSample, SampleFailure>> =
             futures::stream::iter(ids.iter().copied())
@@ -326,7 +331,7 @@ impl Pipeline {
         for r in results {
             match r {
                 Ok(s) => samples.push(s),
-                Err(f) if self.config.on_error == OnError::Skip => {
+                Err(f) if self.config.on_error == OnError::Skip && !f.transient => {
                     tracing::warn!("skipping {f}");
                     skipped.push(Skipped {
                         sample_id: f.sample_id,

@@ -463,6 +463,7 @@ impl Server {
                 started,
                 _budget: budget,
             })),
+            Err(f) if f.transient => err(ErrorCode::Transient, f.to_string()),
             Err(f) => err(ErrorCode::Failed, f.to_string()),
         }
     }
