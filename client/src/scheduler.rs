@@ -96,6 +96,8 @@ pub struct Scheduler {
     /// Answered positions waiting for their turn: a batch, or why it could not be had
     /// (delivered in plan order too, so an error never overtakes an earlier batch).
     ready: BTreeMap<u64, Result<Batch, Error>>,
+    /// Errors for the trainer that concern no one batch (no worker, a refused token).
+    notices: std::collections::VecDeque<Error>,
     next_issue: u64,
     next_deliver: u64,
     generation: u64,
@@ -107,6 +109,8 @@ pub struct Scheduler {
 
 /// Events from all links at once.
 const EVENT_QUEUE: usize = 1024;
+/// Errors kept for the trainer while the delivery channel is full.
+const NOTICE_CAPACITY: usize = 4;
 const RECONNECT_MIN: Duration = Duration::from_millis(200);
 const RECONNECT_MAX: Duration = Duration::from_secs(5);
 
@@ -164,6 +168,7 @@ impl Scheduler {
             in_flight: HashMap::new(),
             pending: BTreeMap::new(),
             ready: BTreeMap::new(),
+            notices: Default::default(),
             generation: 0,
             out,
             latencies: LatencyWindow::default(),
@@ -352,6 +357,14 @@ impl Scheduler {
 
     fn deliver(&mut self) {
         while self.out.capacity() > 0 {
+            // Errors that concern no one batch go first and take no position.
+            if let Some(e) = self.notices.pop_front() {
+                let _ = self.out.try_send(Delivery {
+                    generation: self.generation,
+                    result: Err(e),
+                });
+                continue;
+            }
             let Some(result) = self.ready.remove(&self.next_deliver) else {
                 break;
             };
@@ -365,12 +378,15 @@ impl Scheduler {
         }
     }
 
+    /// The trainer gets `error` on its next call, ahead of any batch and without taking a
+    /// position: queued when the delivery channel is full, never dropped for it (the queue
+    /// keeps the first few; more of the same condition add nothing).
     fn fail_trainer(&mut self, error: Error) {
         tracing::error!("{error}");
-        let _ = self.out.try_send(Delivery {
-            generation: self.generation,
-            result: Err(error),
-        });
+        if self.notices.len() < NOTICE_CAPACITY {
+            self.notices.push_back(error);
+        }
+        self.deliver();
     }
 
     fn on_control(&mut self, c: Control) {
@@ -382,6 +398,7 @@ impl Scheduler {
                 // Answers for the old window still arrive; they find no pending position.
                 self.pending.clear();
                 self.ready.clear();
+                self.notices.clear();
                 self.next_issue = position;
                 self.next_deliver = position;
                 self.generation = generation;
@@ -418,7 +435,7 @@ impl Scheduler {
                 request_id,
                 answer,
             } => self.on_answer(link, request_id, answer),
-            Event::Down { link, error } => self.on_down(link, error),
+            Event::Down { link, error } => self.on_down(link, error, Loss::Crashed),
         }
     }
 
@@ -574,7 +591,7 @@ impl Scheduler {
         self.ready.insert(position, Err(error));
     }
 
-    fn on_down(&mut self, link: LinkId, error: String) {
+    fn on_down(&mut self, link: LinkId, error: String, loss: Loss) {
         let Some(l) = self.links.remove(&link) else {
             return;
         };
@@ -585,6 +602,7 @@ impl Scheduler {
             .filter(|(_, f)| f.link == link)
             .map(|(id, _)| *id)
             .collect();
+        let mut poisoned = Vec::new();
         for id in &lost {
             let f = self.in_flight.remove(id).expect("listed");
             if let Some(p) = self.pending.get_mut(&f.position) {
@@ -594,7 +612,24 @@ impl Scheduler {
                     .retries
                     .with_label_values(&["worker_lost"])
                     .inc();
+                // A request that kills or stalls every worker it reaches would otherwise be
+                // retried forever: a crash while it was in flight counts as an attempt.
+                if loss == Loss::Crashed {
+                    p.failures += 1;
+                    if p.failures >= self.cfg.max_attempts.max(1) {
+                        poisoned.push(f.position);
+                    }
+                }
             }
+        }
+        for position in poisoned {
+            let why = format!(
+                "the connection to the worker was lost {} times while this batch was being \
+                 prepared (last: {error}); a sample of it may crash or stall workers",
+                self.cfg.max_attempts.max(1)
+            );
+            self.metrics.errors.with_label_values(&["poison"]).inc();
+            self.give_up(position, &l.addr, &why);
         }
         let kind = if was_up { "lost" } else { "connect" };
         self.metrics.errors.with_label_values(&[kind]).inc();
@@ -629,7 +664,7 @@ impl Scheduler {
             if let Some(l) = self.links.get(&id) {
                 l.task.abort();
             }
-            self.on_down(id, "removed from discovery".into());
+            self.on_down(id, "removed from discovery".into(), Loss::Removed);
         }
         self.reconnect_at.retain(|a, _| set.contains(a));
         self.problems.retain(|a, _| set.contains(a));
@@ -724,6 +759,15 @@ impl Scheduler {
             },
         }
     }
+}
+
+/// How a connection went away, for counting attempts.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Loss {
+    /// Closed or failed under us (a crash, a reset, a worker that stalled until killed).
+    Crashed,
+    /// Removed from discovery (scale-down): not the request's fault.
+    Removed,
 }
 
 /// The lower expected wait first: (outstanding + 1) × recent latency, so a slow worker gets

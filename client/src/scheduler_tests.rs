@@ -424,3 +424,59 @@ async fn a_transient_failure_is_asked_again_elsewhere_and_never_reaches_the_trai
     m.s.step();
     assert_eq!(m.delivered(), [Ok(retried[0].0)]);
 }
+
+#[tokio::test]
+async fn a_request_that_crashes_every_worker_it_reaches_fails_after_max_attempts() {
+    let mut m = Machine::new(config(1));
+    let mut failed = None;
+    for attempt in 0..3 {
+        let link = m.worker_up(&format!("w{attempt}"), plan(7));
+        m.s.step();
+        let asked = m.asked(link);
+        assert_eq!((asked[0].1, asked[0].2), (0, 0), "batch 0, again");
+        m.s.on_event(Event::Down {
+            link,
+            error: "connection reset".into(),
+        });
+        m.s.step();
+        failed = m.delivered().pop();
+    }
+    let err = failed.expect("delivered after the third loss").unwrap_err();
+    assert_eq!(err.kind(), "batch_failed");
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("epoch 0 batch 0 (rank 1/2): worker w2:"),
+        "{msg}"
+    );
+    assert!(msg.contains("lost 3 times"), "{msg}");
+}
+
+#[tokio::test]
+async fn an_error_is_never_dropped_for_a_full_channel_and_takes_no_batch_s_place() {
+    let mut m = Machine::new(config(3));
+    let a = m.worker_up("a", plan(7));
+    m.s.step();
+    for (id, _, _) in m.asked(a) {
+        m.answer(a, id);
+    }
+    m.s.step(); // three batches fill the channel (capacity depth + 1 = 4)
+    m.s.fail_trainer(Error::Internal("first".into()));
+    m.s.fail_trainer(Error::Internal("second".into()));
+    let got = m.delivered();
+    assert_eq!(got.len(), 4, "{got:?}");
+    assert_eq!(got[3], Err(Error::Internal("first".into())));
+    m.s.step();
+    let got = m.delivered();
+    assert_eq!(
+        got,
+        [Err(Error::Internal("second".into()))],
+        "queued, not dropped"
+    );
+    // The batches kept their positions: the next one asked is batch 3.
+    m.consume(3);
+    m.s.step();
+    assert_eq!(
+        m.asked(a).iter().map(|r| r.2).collect::<Vec<_>>(),
+        [3, 0, 1]
+    );
+}

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 use stoker_client::{Depth, Discovery, HedgePolicy, Loader, LoaderConfig, LoaderState};
 use stoker_config::WorkerConfig;
-use stoker_testkit::embedded_s3::{EmbeddedS3, StoreBehaviour};
+use stoker_testkit::embedded_s3::{EmbeddedS3, Faults, StoreBehaviour};
 use stoker_testkit::http;
 use stoker_testkit::synth::{generate, SynthFormat, SynthOptions};
 use stoker_worker::metrics::Metrics;
@@ -37,7 +37,7 @@ fn fixture() -> Fixture {
 /// A worker with its own store and runtime; dropping it kills both.
 struct TestWorker {
     addr: String,
-    _s3: EmbeddedS3,
+    s3: EmbeddedS3,
     rt: Option<tokio::runtime::Runtime>,
 }
 
@@ -92,7 +92,7 @@ fn start_worker(f: &Fixture, seed: u64, store: StoreBehaviour) -> TestWorker {
     });
     TestWorker {
         addr,
-        _s3: s3,
+        s3,
         rt: Some(rt),
     }
 }
@@ -330,6 +330,42 @@ fn a_worker_serving_another_plan_is_never_used() {
         .with_label_values(&["plan_mismatch"])
         .get();
     assert!(mismatches >= 1, "the other plan's worker was not flagged");
+}
+
+/// A store that throttles every 7th request (503 SlowDown) and cuts every 5th body short:
+/// the worker retries, and every batch is byte for byte the fault-free one, none short.
+#[test]
+fn a_faulty_store_changes_no_byte_and_skips_no_sample() {
+    let f = fixture();
+    let faults = Faults {
+        every_nth_slow_down: 7,
+        every_nth_cut_body: 5,
+    };
+    let faulty = start_worker(
+        &f,
+        0,
+        StoreBehaviour {
+            faults,
+            ..StoreBehaviour::default()
+        },
+    );
+    let clean = worker(&f);
+    let epoch = |w: &TestWorker| take(&mut Loader::new(config(&[w], 0, 1)).unwrap(), 10);
+    let (got, want) = (epoch(&faulty), epoch(&clean));
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!((g.epoch, g.global_batch), (w.epoch, w.global_batch));
+        assert!(
+            g.skipped.is_empty(),
+            "skipped under faults: {:?}",
+            g.skipped
+        );
+        assert_eq!(g.sample_ids, w.sample_ids);
+        assert_eq!(payload_hash(g), payload_hash(w), "batch {}", g.global_batch);
+    }
+    let injected = faulty.s3.faults_injected();
+    println!("{injected} faults injected over two epochs");
+    assert!(injected >= 20, "only {injected} faults injected");
 }
 
 #[test]

@@ -27,6 +27,48 @@ pub struct StoreBehaviour {
     pub slow_objects: Vec<(String, Duration)>,
     /// Bytes per second one connection delivers; `None` = as fast as loopback.
     pub bandwidth_bytes_per_s: Option<u64>,
+    /// Injected faults, as a real store has them now and then.
+    pub faults: Faults,
+}
+
+/// Faults injected by request count (deterministic: request k of the server's life), so a
+/// test under faults is reproducible. 0 disables a kind.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Faults {
+    /// Every n-th request is answered 503 SlowDown (what S3 says when throttling).
+    pub every_nth_slow_down: u64,
+    /// Every n-th GET delivers half its body and then closes the connection (a reset
+    /// mid-body: the headers promised more).
+    pub every_nth_cut_body: u64,
+}
+
+impl Faults {
+    fn hits(every: u64, k: u64) -> bool {
+        every > 0 && k % every == every - 1
+    }
+}
+
+/// The 503 S3 answers when a client should slow down.
+fn slow_down() -> hyper::Response<s3s::Body> {
+    let xml = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code>\
+               <Message>Please reduce your request rate.</Message></Error>";
+    let mut resp = hyper::Response::new(s3s::Body::from(xml.to_string()));
+    *resp.status_mut() = hyper::StatusCode::SERVICE_UNAVAILABLE;
+    resp.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/xml"),
+    );
+    resp
+}
+
+/// `resp` with only the first half of its body, its Content-Length unchanged: the
+/// connection closes early, as when a store resets it mid-body.
+async fn cut_body(resp: hyper::Response<s3s::Body>) -> hyper::Response<s3s::Body> {
+    let (parts, mut body) = resp.into_parts();
+    let Ok(full) = body.store_all_unlimited().await else {
+        return hyper::Response::from_parts(parts, s3s::Body::empty());
+    };
+    hyper::Response::from_parts(parts, s3s::Body::from(full.slice(..full.len() / 2)))
 }
 
 impl StoreBehaviour {
@@ -43,6 +85,7 @@ impl StoreBehaviour {
 
 pub struct EmbeddedS3 {
     pub endpoint: String,
+    injected: std::sync::Arc<std::sync::atomic::AtomicU64>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
@@ -74,6 +117,9 @@ impl EmbeddedS3 {
         let listener = TcpListener::bind(addr).await?;
         let endpoint = format!("http://{}", listener.local_addr()?);
         let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let requests = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let injected = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = injected.clone();
         tokio::spawn(async move {
             let http = ConnBuilder::new(TokioExecutor::new());
             loop {
@@ -87,16 +133,35 @@ impl EmbeddedS3 {
                 let _ = socket.set_nodelay(true);
                 let svc = service.clone();
                 let behaviour = behaviour.clone();
+                let requests = requests.clone();
+                let injected = counted.clone();
                 let delayed = hyper::service::service_fn(
                     move |req: hyper::Request<hyper::body::Incoming>| {
                         let svc = svc.clone();
                         let delay = behaviour.delay(req.uri().path());
                         let bandwidth = behaviour.bandwidth_bytes_per_s;
+                        let faults = behaviour.faults;
+                        let k = requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let is_get = req.method() == hyper::Method::GET;
+                        let injected = injected.clone();
                         async move {
                             if !delay.is_zero() {
                                 tokio::time::sleep(delay).await;
                             }
-                            let resp = hyper::service::Service::call(&svc, req).await?;
+                            let inject =
+                                || injected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            if Faults::hits(faults.every_nth_slow_down, k) {
+                                inject();
+                                return Ok(slow_down());
+                            }
+                            let mut resp = hyper::service::Service::call(&svc, req).await?;
+                            if is_get
+                                && resp.status().is_success()
+                                && Faults::hits(faults.every_nth_cut_body, k)
+                            {
+                                inject();
+                                resp = cut_body(resp).await;
+                            }
                             let size = hyper::body::Body::size_hint(resp.body()).exact();
                             if let (Some(bw), Some(n)) = (bandwidth, size) {
                                 let secs = n as f64 / bw.max(1) as f64;
@@ -114,8 +179,14 @@ impl EmbeddedS3 {
         });
         Ok(EmbeddedS3 {
             endpoint,
+            injected,
             shutdown: Some(tx),
         })
+    }
+
+    /// Faults injected so far (see [`Faults`]).
+    pub fn faults_injected(&self) -> u64 {
+        self.injected.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Client settings that reach this server.

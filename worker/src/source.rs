@@ -9,6 +9,11 @@ use bytes::Bytes;
 use std::path::{Path, PathBuf};
 use stoker_config::S3Connection;
 
+/// Reads of one object before its failure counts (each after the SDK's own retries).
+const FETCH_ATTEMPTS: u32 = 4;
+/// The first pause between them; each next one is 4x longer (50, 200, 800 ms).
+const FETCH_BACKOFF: std::time::Duration = std::time::Duration::from_millis(50);
+
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum FetchError {
     #[error("object {0} does not exist")]
@@ -184,7 +189,32 @@ impl Store {
         self.fetch(key, Some((start, len))).await
     }
 
+    /// Reads an object (or a range), retrying what may be transient (5xx the SDK gave up on,
+    /// a reset, a body cut short) with backoff; a missing object is final at once. What still
+    /// fails is `FetchError::Io`: the request fails (Transient), it is never a skip.
     async fn fetch(&self, key: &str, range: Option<(u64, u64)>) -> Result<Bytes, FetchError> {
+        let mut backoff = FETCH_BACKOFF;
+        let mut attempt = 1;
+        loop {
+            match self.fetch_once(key, range).await {
+                Err(FetchError::Io(what, why)) if attempt < FETCH_ATTEMPTS => {
+                    tracing::debug!("{what}: {why}; retrying in {backoff:?}");
+                    tokio::time::sleep(backoff).await;
+                    backoff *= 4;
+                    attempt += 1;
+                }
+                Err(FetchError::Io(what, why)) => {
+                    return Err(FetchError::Io(
+                        what,
+                        format!("{why} (after {FETCH_ATTEMPTS} attempts)"),
+                    ))
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn fetch_once(&self, key: &str, range: Option<(u64, u64)>) -> Result<Bytes, FetchError> {
         let io = |e: String| FetchError::Io(self.describe(key), e);
         match self {
             Store::Local { root } => {
