@@ -133,7 +133,7 @@ impl ClientMetrics {
             ),
             retries: counter_vec(
                 "stoker_trainer_retries_total",
-                "Batch requests sent again to another worker, by reason.",
+                "Batch requests sent again to another worker, by reason (worker_lost, draining, plan_mismatch, transient).",
                 "reason",
             ),
             hedges: counter_vec(
@@ -143,7 +143,7 @@ impl ClientMetrics {
             ),
             errors: counter_vec(
                 "stoker_trainer_worker_errors_total",
-                "Problems with workers, by kind (connect, refused, plan_mismatch, lost, answer).",
+                "Problems with workers, by kind (connect, refused, plan_mismatch, lost, answer, poison).",
                 "kind",
             ),
             worker_latency,

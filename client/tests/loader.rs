@@ -81,6 +81,7 @@ fn start_worker(f: &Fixture, seed: u64, store: StoreBehaviour) -> TestWorker {
                 token: Some(TOKEN.into()),
                 max_inflight_per_conn: 8,
                 max_connections: 64,
+                idle_timeout: Duration::from_secs(600),
                 max_inflight_samples: 64,
                 drain_timeout: Duration::from_secs(5),
             },

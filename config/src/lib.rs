@@ -17,6 +17,7 @@ pub const DEFAULT_GLOBAL_BATCH_SIZE: u32 = 32;
 pub const DEFAULT_MAX_FETCHES: usize = 64;
 pub const DEFAULT_MAX_INFLIGHT_PER_CONN: usize = 8;
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+pub const DEFAULT_IDLE_TIMEOUT_S: u64 = 600;
 pub const DEFAULT_DRAIN_TIMEOUT_S: u64 = 30;
 
 /// Model family: patch size, normalization, resize bounds and chat format.
@@ -276,6 +277,10 @@ pub struct Serving {
     /// frame (Unavailable) naming the limit. A trainer rank holds one per worker.
     #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS))]
     pub max_connections: usize,
+    /// A connection with no request in flight that completes no frame for this long is
+    /// closed (an idle or drip-feeding peer must not hold a connection slot forever).
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_IDLE_TIMEOUT_S))]
+    pub idle_timeout_s: u64,
     /// Samples prepared or waiting to be sent at once, across connections: bounds the memory
     /// batches take [default: 8 per preprocessing thread, at least 32].
     #[cfg_attr(feature = "clap", arg(long))]
@@ -300,6 +305,7 @@ impl Default for Serving {
             no_auth: false,
             max_inflight_per_conn: DEFAULT_MAX_INFLIGHT_PER_CONN,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            idle_timeout_s: DEFAULT_IDLE_TIMEOUT_S,
             max_inflight_samples: None,
             pipeline: "default".into(),
             drain_timeout_s: DEFAULT_DRAIN_TIMEOUT_S,
@@ -402,6 +408,7 @@ impl Serving {
         a.switch("no-auth", self.no_auth);
         a.value("max-inflight-per-conn", self.max_inflight_per_conn);
         a.value("max-connections", self.max_connections);
+        a.value("idle-timeout-s", self.idle_timeout_s);
         a.optional("max-inflight-samples", self.max_inflight_samples);
         a.value("pipeline", &self.pipeline);
         a.value("drain-timeout-s", self.drain_timeout_s);
@@ -476,6 +483,7 @@ mod tests {
                 no_auth: false,
                 max_inflight_per_conn: 3,
                 max_connections: 5,
+                idle_timeout_s: 9,
                 max_inflight_samples: Some(99),
                 pipeline: "llava".into(),
                 drain_timeout_s: 7,

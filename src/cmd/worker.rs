@@ -43,6 +43,7 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
             token,
             max_inflight_per_conn: a.max_inflight_per_conn,
             max_connections: a.max_connections,
+            idle_timeout: Duration::from_secs(a.idle_timeout_s),
             max_inflight_samples: a.max_inflight_samples.unwrap_or(8 * cpu_threads).max(32),
             drain_timeout: Duration::from_secs(a.drain_timeout_s),
         },

@@ -34,6 +34,8 @@ pub struct ServerConfig {
     pub max_inflight_per_conn: usize,
     /// Connections open at once; one more is refused (Unavailable) and closed.
     pub max_connections: usize,
+    /// With nothing in flight, how long a connection may go without completing a frame.
+    pub idle_timeout: Duration,
     /// Samples prepared or waiting to be sent, across all connections: the bound on the
     /// memory batches take (a float32 Qwen2-VL sample is ~20 MB of pixels).
     pub max_inflight_samples: usize,
@@ -369,9 +371,32 @@ impl Server {
         rd: &mut OwnedReadHalf,
         tx: mpsc::Sender<(Outgoing, Option<InflightGuard>)>,
     ) {
-        let slots = Arc::new(Semaphore::new(self.config.max_inflight_per_conn.max(1)));
+        let max_inflight = self.config.max_inflight_per_conn.max(1);
+        let slots = Arc::new(Semaphore::new(max_inflight));
         loop {
-            let req = match read_frame(rd, MAX_REQUEST_BYTES).await {
+            let idle = slots.available_permits() == max_inflight;
+            let next = read_frame(rd, MAX_REQUEST_BYTES);
+            let frame = if idle {
+                match tokio::time::timeout(self.config.idle_timeout, next).await {
+                    Ok(frame) => frame,
+                    Err(_) => {
+                        self.refuse("idle");
+                        let e = ErrorFrame {
+                            request_id: 0,
+                            code: ErrorCode::Unavailable,
+                            message: format!(
+                                "no request completed for {:?}; closing the connection",
+                                self.config.idle_timeout
+                            ),
+                        };
+                        let _ = tx.send((Outgoing::Error(e), None)).await;
+                        return;
+                    }
+                }
+            } else {
+                next.await
+            };
+            let req = match frame {
                 Ok(None) => return,
                 Ok(Some((Kind::Request, payload))) => {
                     BatchRequest::decode(&payload).map_err(|e| e.to_string())

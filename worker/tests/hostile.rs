@@ -176,3 +176,34 @@ async fn connections_beyond_the_limit_are_refused_by_name_until_one_closes() {
     let (head, _) = c.get(request(&welcome, 0, 0, 0, 1)).await.batch();
     assert_eq!(head.sample_ids.len(), 4);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_or_drip_feeding_peer_is_closed_by_name_after_the_idle_timeout() {
+    let ds = synth_dataset(4, SynthFormat::Llava).await;
+    let mut cfg = ds.config(4);
+    cfg.serving.idle_timeout_s = 1;
+    let w = start_worker(&cfg).await;
+    // Authenticated, then silent; authenticated, then half a header and nothing more.
+    let silent = tokio::spawn(attack(w.addr, hello(TOKEN)));
+    let mut drip = hello(TOKEN);
+    drip.extend(&header(Kind::Request, 40)[..8]);
+    let drip = tokio::spawn(attack(w.addr, drip));
+    for e in [silent.await.unwrap(), drip.await.unwrap()] {
+        assert_eq!(e.code, ErrorCode::Unavailable);
+        assert!(
+            e.message.starts_with("no request completed for 1s"),
+            "{}",
+            e.message
+        );
+    }
+    let idle = metric_value_with(
+        &w.metrics.render(),
+        "stoker_worker_requests_refused_total",
+        &[("reason", "idle")],
+    );
+    assert_eq!(idle, Some(2.0));
+    // A client with a request in flight is not idle: it is served.
+    let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+    let (head, _) = c.get(request(&welcome, 0, 0, 0, 1)).await.batch();
+    assert_eq!(head.sample_ids.len(), 4);
+}

@@ -89,6 +89,7 @@ pub async fn start_worker(cfg: &WorkerConfig) -> Worker {
             token: Some(TOKEN.into()),
             max_inflight_per_conn: 4,
             max_connections: cfg.serving.max_connections,
+            idle_timeout: Duration::from_secs(cfg.serving.idle_timeout_s),
             max_inflight_samples: cfg.serving.max_inflight_samples.unwrap_or(64),
             drain_timeout: Duration::from_secs(30),
         },
