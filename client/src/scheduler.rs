@@ -522,6 +522,19 @@ impl Scheduler {
                     let s = elapsed.as_secs_f64();
                     l.latency_ewma = Some(l.latency_ewma.map_or(s, |e| 0.8 * e + 0.2 * s));
                 }
+                if let Some(why) = self.wrong_answer(&head.request, f.position) {
+                    // Never deliver it: this worker is not trusted again, the batch is
+                    // asked for elsewhere.
+                    self.metrics
+                        .errors
+                        .with_label_values(&["wrong_batch"])
+                        .inc();
+                    if let Some(l) = self.links.get_mut(&link) {
+                        l.draining = true;
+                    }
+                    self.count_failure(f.position, request_id, &addr, &why);
+                    return;
+                }
                 let Some(p) = self.pending.remove(&f.position) else {
                     return; // a hedge lost the race, or a seek made it stale
                 };
@@ -533,45 +546,76 @@ impl Scheduler {
                 self.ready
                     .insert(f.position, Ok(Batch::new(head, buf, addr)));
             }
-            Err(e) => {
-                let Some(p) = self.pending.get_mut(&f.position) else {
-                    return;
-                };
-                p.attempts.retain(|id| *id != request_id);
-                p.failures += 1;
-                p.failed_on.push(addr.clone());
-                let failures = p.failures;
-                let position = f.position;
-                match e.code {
-                    ErrorCode::Unavailable | ErrorCode::PlanMismatch => {
-                        // Draining, or it restarted with another plan: never ask it again.
-                        if let Some(l) = self.links.get_mut(&link) {
-                            l.draining = true;
-                        }
-                        let reason = if e.code == ErrorCode::Unavailable {
-                            "draining"
-                        } else {
-                            "plan_mismatch"
-                        };
-                        self.metrics.retries.with_label_values(&[reason]).inc();
-                        if failures >= self.cfg.max_attempts.max(1) {
-                            self.give_up(position, &addr, &e.message);
-                        }
-                    }
-                    ErrorCode::Transient => {
-                        // The store failed, not the data: ask again (elsewhere first).
-                        self.metrics.retries.with_label_values(&["transient"]).inc();
-                        if failures >= self.cfg.max_attempts.max(1) {
-                            self.give_up(position, &addr, &e.message);
-                        }
-                    }
-                    ErrorCode::Unauthorized | ErrorCode::BadRequest | ErrorCode::Failed => {
-                        // Another worker would answer the same: tell the trainer.
-                        self.metrics.errors.with_label_values(&["answer"]).inc();
-                        self.give_up(position, &addr, &e.message);
-                    }
-                }
+            Err(e) if !self.pending.contains_key(&f.position) => {
+                // A hedge already won, or a seek made it stale: nothing to do.
+                tracing::debug!("late error from {addr}: {}", e.message);
             }
+            Err(e) => match e.code {
+                ErrorCode::Unavailable | ErrorCode::PlanMismatch => {
+                    // Draining, or it restarted with another plan: never ask it again.
+                    if let Some(l) = self.links.get_mut(&link) {
+                        l.draining = true;
+                    }
+                    let reason = if e.code == ErrorCode::Unavailable {
+                        "draining"
+                    } else {
+                        "plan_mismatch"
+                    };
+                    self.metrics.retries.with_label_values(&[reason]).inc();
+                    self.count_failure(f.position, request_id, &addr, &e.message);
+                }
+                ErrorCode::Transient => {
+                    // The store failed, not the data: ask again (elsewhere first).
+                    self.metrics.retries.with_label_values(&["transient"]).inc();
+                    self.count_failure(f.position, request_id, &addr, &e.message);
+                }
+                ErrorCode::Unauthorized | ErrorCode::BadRequest | ErrorCode::Failed => {
+                    // Another worker would answer the same: tell the trainer.
+                    self.metrics.errors.with_label_values(&["answer"]).inc();
+                    self.give_up(f.position, &addr, &e.message);
+                }
+            },
+        }
+    }
+
+    /// Why a batch head does not answer `position` (plan, epoch, batch, rank or world size
+    /// differ), if it does not.
+    fn wrong_answer(&self, got: &BatchRequest, position: u64) -> Option<String> {
+        let plan = self.identity.as_ref()?;
+        let bpe = plan.batches_per_epoch.max(1);
+        let want = (
+            plan.plan_id,
+            position / bpe,
+            position % bpe,
+            self.cfg.rank,
+            self.cfg.world_size,
+        );
+        let have = (
+            got.plan_id,
+            got.epoch,
+            got.global_batch,
+            got.rank,
+            got.world_size,
+        );
+        (have != want).then(|| {
+            format!(
+                "answered (plan {:016x}, epoch {}, batch {}, rank {}/{}) for (plan {:016x}, epoch {}, batch {}, rank {}/{})",
+                have.0, have.1, have.2, have.3, have.4, want.0, want.1, want.2, want.3, want.4
+            )
+        })
+    }
+
+    /// One failed attempt at `position` on `addr`: asked again elsewhere, or given up after
+    /// `max_attempts`.
+    fn count_failure(&mut self, position: u64, request_id: u64, addr: &str, why: &str) {
+        let Some(p) = self.pending.get_mut(&position) else {
+            return;
+        };
+        p.attempts.retain(|id| *id != request_id);
+        p.failures += 1;
+        p.failed_on.push(addr.to_string());
+        if p.failures >= self.cfg.max_attempts.max(1) {
+            self.give_up(position, addr, why);
         }
     }
 

@@ -98,16 +98,26 @@ impl Machine {
         out
     }
 
+    /// The worker's answer to `request_id`: the batch it was asked for, one sample whose id
+    /// is the request id (so a test sees which request won).
     fn answer(&mut self, link: LinkId, request_id: u64) {
+        let position = self.s.in_flight.get(&request_id).map_or(0, |f| f.position);
+        let plan_id = self.s.identity.as_ref().map_or(0, |p| p.plan_id);
+        let request = BatchRequest {
+            request_id,
+            plan_id,
+            epoch: position / BATCHES_PER_EPOCH,
+            global_batch: position % BATCHES_PER_EPOCH,
+            rank: 1,
+            world_size: 2,
+        };
+        self.answer_with(link, request);
+    }
+
+    fn answer_with(&mut self, link: LinkId, request: BatchRequest) {
+        let request_id = request.request_id;
         let head = BatchHead {
-            request: BatchRequest {
-                request_id,
-                plan_id: 0,
-                epoch: 0,
-                global_batch: 0,
-                rank: 1,
-                world_size: 2,
-            },
+            request,
             sample_ids: vec![request_id],
             skipped: Vec::new(),
             tensors: Vec::new(),
@@ -479,4 +489,33 @@ async fn an_error_is_never_dropped_for_a_full_channel_and_takes_no_batch_s_place
         m.asked(a).iter().map(|r| r.2).collect::<Vec<_>>(),
         [3, 0, 1]
     );
+}
+
+#[tokio::test]
+async fn an_answer_for_another_batch_is_never_delivered_and_is_asked_for_elsewhere() {
+    let mut m = Machine::new(config(1));
+    let a = m.worker_up("a", plan(7));
+    m.s.step();
+    let asked = m.asked(a);
+    let b = m.worker_up("b", plan(7));
+    // Worker a answers batch 0's request with batch 2.
+    m.answer_with(
+        a,
+        BatchRequest {
+            request_id: asked[0].0,
+            plan_id: 7,
+            epoch: 0,
+            global_batch: 2,
+            rank: 1,
+            world_size: 2,
+        },
+    );
+    m.s.step();
+    assert!(m.delivered().is_empty(), "the wrong batch was delivered");
+    let retried = m.asked(b);
+    assert_eq!((retried[0].1, retried[0].2), (0, 0), "batch 0, from b");
+    m.answer(b, retried[0].0);
+    m.s.step();
+    assert_eq!(m.delivered(), [Ok(retried[0].0)]);
+    assert!(m.asked(a).is_empty(), "a is not asked again");
 }

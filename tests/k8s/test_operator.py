@@ -222,8 +222,11 @@ def test_autoscaling_follows_the_trainers_wait_ratio(cluster, operator):
     # Starved trainer (wait 0.8): more workers.
     up = wait_until("a scale-up", lambda: deployment_replicas(cluster, "scaler") > 1, 90)
     wait_until("a ScaledUp event", lambda: events(cluster, "scaler", "ScaledUp"), 30)
-    st = wait_until("the wait ratio in the status",
-                    lambda: status(cluster, "scaler").get("waitRatio") and status(cluster, "scaler"))
+    # The status is patched after the Deployment and the Event: wait for the decision in it.
+    def scaled_status():
+        st = status(cluster, "scaler")
+        return st if st.get("waitRatio") and st.get("lastScaleReason") else None
+    st = wait_until("the wait ratio and the scale-up in the status", scaled_status)
     assert st["waitRatio"]["worst"] > 0.5, st
     assert st["lastScaleReason"].startswith("1 -> "), st
     assert condition(cluster, "scaler", "MetricsAvailable")["status"] == "True"
