@@ -360,22 +360,27 @@ fn record_gauges(dp: &DataPipeline, ctx: &Context, ns: &str, scale: &Scale, read
         });
 }
 
+/// A JSON merge patch of the status: a field the status leaves out keeps its value, so the
+/// last scale decision survives a reconcile that read a stale copy of the object (an apply
+/// would remove it); observations that are gone are cleared with an explicit null.
 async fn patch_status<S: Serialize>(
     dp: &DataPipeline,
     client: &kube::Client,
     ns: &str,
     status: &S,
 ) -> Result<(), Error> {
-    let patch = serde_json::json!({
-        "apiVersion": "stoker.dev/v1alpha1",
-        "kind": "DataPipeline",
-        "status": status,
-    });
+    let mut status = serde_json::to_value(status).expect("a status serializes");
+    if let Some(fields) = status.as_object_mut() {
+        for observation in ["waitRatio", "samplesPerSecond"] {
+            fields.entry(observation).or_insert(serde_json::Value::Null);
+        }
+    }
+    let patch = serde_json::json!({ "status": status });
     Api::<DataPipeline>::namespaced(client.clone(), ns)
         .patch_status(
             &dp.name_any(),
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&patch),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
         )
         .await?;
     Ok(())
