@@ -365,9 +365,8 @@ fn worker_volumes(dp: &DataPipeline) -> (Vec<VolumeMount>, Vec<Volume>) {
 }
 
 /// The worker container: args from the spec, ports, probes, a drain on stop, least privilege.
-fn worker_container(dp: &DataPipeline) -> Container {
+fn worker_container(dp: &DataPipeline, mounts: Vec<VolumeMount>) -> Container {
     let s = &dp.spec;
-    let (mounts, _) = worker_volumes(dp);
     Container {
         name: "worker".into(),
         image: Some(s.worker.image.clone()),
@@ -418,9 +417,9 @@ fn worker_container(dp: &DataPipeline) -> Container {
 /// placement (node selector, tolerations, affinity, spread).
 fn worker_pod(dp: &DataPipeline) -> PodSpec {
     let s = &dp.spec;
-    let (_, volumes) = worker_volumes(dp);
+    let (mounts, volumes) = worker_volumes(dp);
     PodSpec {
-        containers: vec![worker_container(dp)],
+        containers: vec![worker_container(dp, mounts)],
         volumes: Some(volumes),
         security_context: Some(PodSecurityContext {
             run_as_non_root: Some(true),

@@ -54,6 +54,15 @@ pub struct Server {
     connections: Arc<Semaphore>,
 }
 
+/// An Error frame about the connection itself rather than one request (request id 0).
+fn connection_error(code: ErrorCode, message: String) -> ErrorFrame {
+    ErrorFrame {
+        request_id: 0,
+        code,
+        message,
+    }
+}
+
 /// Writes a batch frame: head, then each tensor's padding and chunks, with no staging copy.
 async fn write_batch<W: AsyncWrite + Unpin>(
     w: &mut W,
@@ -259,14 +268,13 @@ impl Server {
     async fn admit(self: Arc<Self>, mut stream: TcpStream, peer: std::net::SocketAddr) {
         let Ok(slot) = self.connections.clone().try_acquire_owned() else {
             self.refuse("connection_limit");
-            let e = ErrorFrame {
-                request_id: 0,
-                code: ErrorCode::Unavailable,
-                message: format!(
+            let e = connection_error(
+                ErrorCode::Unavailable,
+                format!(
                     "worker at its limit of {} connections; retry on another worker",
                     self.config.max_connections
                 ),
-            };
+            );
             let _ = write_frame(&mut stream, Kind::Error, &e.encode()).await;
             return;
         };
@@ -297,11 +305,6 @@ impl Server {
     /// Reads the client's Hello (bounded in size and time) and checks its token; the Error
     /// frame to send back when the client is refused.
     async fn handshake(&self, rd: &mut OwnedReadHalf) -> Result<(), ErrorFrame> {
-        let refusal = |code, message: String| ErrorFrame {
-            request_id: 0,
-            code,
-            message,
-        };
         let hello = tokio::time::timeout(HELLO_TIMEOUT, read_frame(rd, MAX_HELLO_BYTES)).await;
         let hello = match hello {
             Ok(Ok(Some((Kind::Hello, p)))) => Hello::decode(&p).map_err(|e| e.to_string()),
@@ -311,7 +314,7 @@ impl Server {
         };
         let hello = hello.map_err(|why| {
             self.refuse("no_hello");
-            refusal(ErrorCode::BadRequest, why)
+            connection_error(ErrorCode::BadRequest, why)
         })?;
         match &self.config.token {
             Some(expected) if !token_matches(expected, &hello.token) => {
@@ -321,7 +324,7 @@ impl Server {
                 } else {
                     "wrong pipeline token"
                 };
-                Err(refusal(ErrorCode::Unauthorized, message.into()))
+                Err(connection_error(ErrorCode::Unauthorized, message.into()))
             }
             _ => Ok(()),
         }
@@ -381,14 +384,13 @@ impl Server {
                     Ok(frame) => frame,
                     Err(_) => {
                         self.refuse("idle");
-                        let e = ErrorFrame {
-                            request_id: 0,
-                            code: ErrorCode::Unavailable,
-                            message: format!(
+                        let e = connection_error(
+                            ErrorCode::Unavailable,
+                            format!(
                                 "no request completed for {:?}; closing the connection",
                                 self.config.idle_timeout
                             ),
-                        };
+                        );
                         let _ = tx.send((Outgoing::Error(e), None)).await;
                         return;
                     }
@@ -408,11 +410,7 @@ impl Server {
                 Ok(r) => r,
                 Err(message) => {
                     self.refuse("bad_request");
-                    let e = ErrorFrame {
-                        request_id: 0,
-                        code: ErrorCode::BadRequest,
-                        message,
-                    };
+                    let e = connection_error(ErrorCode::BadRequest, message);
                     let _ = tx.send((Outgoing::Error(e), None)).await;
                     return;
                 }
