@@ -13,6 +13,11 @@ use serde::{Deserialize, Serialize};
 
 pub const DEFAULT_MAX_IMAGE_SIDE: u32 = 16_384;
 pub const DEFAULT_MAX_IMAGE_PIXELS: u64 = 64 << 20;
+pub const DEFAULT_MAX_IMAGES_PER_SAMPLE: u32 = 64;
+pub const DEFAULT_MAX_SAMPLE_PIXELS: u64 = 256 << 20;
+pub const DEFAULT_MAX_OBJECT_BYTES: u64 = 64 << 20;
+pub const DEFAULT_MAX_LINE_BYTES: u64 = 4 << 20;
+pub const DEFAULT_MAX_TURNS: u32 = 512;
 pub const DEFAULT_GLOBAL_BATCH_SIZE: u32 = 32;
 pub const DEFAULT_MAX_FETCHES: usize = 64;
 pub const DEFAULT_MAX_INFLIGHT_PER_CONN: usize = 8;
@@ -172,6 +177,35 @@ pub struct Preprocessing {
     #[schemars(range(min = 1))]
     #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_IMAGE_PIXELS))]
     pub max_image_pixels: u64,
+    /// Most images one sample may hold; a sample with more is skipped, named
+    /// (`too_many_images`).
+    #[serde(default = "default_max_images_per_sample")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_IMAGES_PER_SAMPLE))]
+    pub max_images_per_sample: u32,
+    /// Most decoded pixels of one sample's images together; checked from each image's header
+    /// before it is decoded (`sample_too_large`).
+    #[serde(default = "default_max_sample_pixels")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_SAMPLE_PIXELS))]
+    pub max_sample_pixels: u64,
+    /// Largest object (image) read, in bytes; a bigger one is refused from its length, its
+    /// body is never read into memory (`object_too_large`).
+    #[serde(default = "default_max_object_bytes")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_OBJECT_BYTES))]
+    pub max_object_bytes: u64,
+    /// Longest JSONL line (one sample's text), in bytes; a longer one is skipped from the
+    /// index's length without being read (`line_too_long`).
+    #[serde(default = "default_max_line_bytes")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_LINE_BYTES))]
+    pub max_line_bytes: u64,
+    /// Most messages (turns) one conversation may hold (`too_many_turns`).
+    #[serde(default = "default_max_turns")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_TURNS))]
+    pub max_turns: u32,
 }
 
 fn default_max_image_side() -> u32 {
@@ -180,6 +214,26 @@ fn default_max_image_side() -> u32 {
 
 fn default_max_image_pixels() -> u64 {
     DEFAULT_MAX_IMAGE_PIXELS
+}
+
+fn default_max_images_per_sample() -> u32 {
+    DEFAULT_MAX_IMAGES_PER_SAMPLE
+}
+
+fn default_max_sample_pixels() -> u64 {
+    DEFAULT_MAX_SAMPLE_PIXELS
+}
+
+fn default_max_object_bytes() -> u64 {
+    DEFAULT_MAX_OBJECT_BYTES
+}
+
+fn default_max_line_bytes() -> u64 {
+    DEFAULT_MAX_LINE_BYTES
+}
+
+fn default_max_turns() -> u32 {
+    DEFAULT_MAX_TURNS
 }
 
 impl Default for Preprocessing {
@@ -194,6 +248,11 @@ impl Default for Preprocessing {
             template: None,
             max_image_side: DEFAULT_MAX_IMAGE_SIDE,
             max_image_pixels: DEFAULT_MAX_IMAGE_PIXELS,
+            max_images_per_sample: DEFAULT_MAX_IMAGES_PER_SAMPLE,
+            max_sample_pixels: DEFAULT_MAX_SAMPLE_PIXELS,
+            max_object_bytes: DEFAULT_MAX_OBJECT_BYTES,
+            max_line_bytes: DEFAULT_MAX_LINE_BYTES,
+            max_turns: DEFAULT_MAX_TURNS,
         }
     }
 }
@@ -381,6 +440,11 @@ impl Preprocessing {
         a.optional("template", self.template.as_ref());
         a.value("max-image-side", self.max_image_side);
         a.value("max-image-pixels", self.max_image_pixels);
+        a.value("max-images-per-sample", self.max_images_per_sample);
+        a.value("max-sample-pixels", self.max_sample_pixels);
+        a.value("max-object-bytes", self.max_object_bytes);
+        a.value("max-line-bytes", self.max_line_bytes);
+        a.value("max-turns", self.max_turns);
     }
 }
 
@@ -465,6 +529,11 @@ mod tests {
                 template: Some("/etc/stoker/chat.jinja".into()),
                 max_image_side: 8000,
                 max_image_pixels: 1 << 24,
+                max_images_per_sample: 4,
+                max_sample_pixels: 1 << 26,
+                max_object_bytes: 1 << 22,
+                max_line_bytes: 1 << 16,
+                max_turns: 12,
             },
             sampling: Sampling {
                 seed: 42,

@@ -662,6 +662,11 @@ mod tests {
             template: Some("/etc/stoker/chat.jinja".into()),
             max_image_side: 9000,
             max_image_pixels: 1 << 25,
+            max_images_per_sample: 8,
+            max_sample_pixels: 1 << 27,
+            max_object_bytes: 1 << 24,
+            max_line_bytes: 1 << 18,
+            max_turns: 40,
         };
         dp.spec.plan.sampling.on_error = stoker_config::OnError::Fail;
         let d = deployment(&dp, 1);

@@ -13,6 +13,7 @@ pub mod preprocess {
 }
 pub mod alloc;
 pub mod connection;
+pub mod limits;
 pub mod metrics;
 pub mod pipeline;
 pub mod plan;

@@ -7,12 +7,13 @@
 
 use crate::dataset::index::DatasetIndex;
 use crate::dataset::sample::{Conversation, SampleError};
+use crate::limits::{LimitError, SampleLimits};
 use crate::metrics::Metrics;
 use crate::plan::Plan;
 use crate::preprocess::preset::{PixelDtype, Preset};
 use crate::preprocess::text::{TextError, TextProcessor, IGNORE_INDEX};
 use crate::preprocess::vision::{
-    process_image, DecodeLimits, ImageError, ImageOut, ImageTimings, PixelBuf, PixelLut,
+    process_image, ImageError, ImageOut, ImageTimings, PixelBuf, PixelLut,
 };
 use crate::source::{resolve_relative, FetchError, PathError, Store};
 use futures::StreamExt;
@@ -49,6 +50,8 @@ enum Cause {
     Image { key: String, err: ImageError },
     #[error(transparent)]
     Text(#[from] TextError),
+    #[error(transparent)]
+    Limit(#[from] LimitError),
     #[error("sample id is not in the index")]
     NoSuchSample,
     #[error("preprocessing panicked: {0}")]
@@ -60,6 +63,7 @@ impl Cause {
         match self {
             Cause::Fetch(FetchError::NotFound(_)) => "object_missing",
             Cause::Fetch(FetchError::Io(..)) => "object_store",
+            Cause::Fetch(FetchError::TooLarge { .. }) => "object_too_large",
             Cause::Sample(SampleError::NotUtf8(_)) => "not_utf8",
             Cause::Sample(SampleError::Json(_)) => "invalid_json",
             Cause::Sample(SampleError::Schema(_)) => "invalid_sample",
@@ -72,6 +76,7 @@ impl Cause {
             },
             Cause::Text(TextError::TooLong { .. }) => "too_long",
             Cause::Text(_) => "text",
+            Cause::Limit(e) => e.kind(),
             Cause::NoSuchSample => "no_such_sample",
             Cause::Panicked(_) => "panic",
         }
@@ -128,7 +133,7 @@ pub struct Batch {
 #[derive(Debug, Clone)]
 pub struct PipelineConfig {
     pub preset: Preset,
-    pub limits: DecodeLimits,
+    pub limits: SampleLimits,
     pub on_error: OnError,
     /// Object-store reads in flight at once, across all requests.
     pub max_fetches: usize,
@@ -187,6 +192,7 @@ impl Pipeline {
         }
     }
 
+    /// Reads a sample's line (`range`) or a whole image, at most `max_object_bytes` of it.
     async fn fetch(
         &self,
         key: &str,
@@ -200,7 +206,11 @@ impl Pipeline {
         let t = Instant::now();
         let r = match range {
             Some((s, l)) => self.store.get_range(key, s, l).await,
-            None => self.store.get(key).await,
+            None => {
+                self.store
+                    .get_at_most(key, self.config.limits.object_bytes)
+                    .await
+            }
         };
         self.metrics.observe_stage("fetch", t.elapsed());
         self.metrics.fetches_in_flight.dec();
@@ -247,8 +257,10 @@ impl Pipeline {
         offset: u64,
         len: u64,
     ) -> Result<PreparedSample, Cause> {
+        self.config.limits.check_line(len)?;
         let line = self.fetch(shard, Some((offset, len))).await?;
         let conv = Conversation::parse(&line)?;
+        self.config.limits.check_conversation(&conv)?;
         let keys = conv
             .image_paths()
             .map(|p| resolve_relative(shard, p))
@@ -286,11 +298,18 @@ impl Pipeline {
         images: Vec<(String, bytes::Bytes)>,
     ) -> Result<PreparedSample, Cause> {
         let preset = &self.config.preset;
+        let limits = &self.config.limits;
         let mut timings = ImageTimings::default();
         let mut outs = Vec::with_capacity(images.len());
+        let mut decoded_pixels = 0;
         for (key, bytes) in images {
-            let out = process_image(&bytes, preset, &self.lut, self.config.limits, &mut timings)
-                .map_err(|err| Cause::Image { key, err })?;
+            let decode = limits.next_image(decoded_pixels);
+            let out = process_image(&bytes, preset, &self.lut, decode, &mut timings)
+                .map_err(|err| match limits.classify(key.clone(), err) {
+                    Ok(err) => Cause::Image { key, err },
+                    Err(over) => Cause::Limit(over),
+                })?;
+            decoded_pixels += out.original.0 as u64 * out.original.1 as u64;
             outs.push(out);
         }
         if !outs.is_empty() {
@@ -404,7 +423,7 @@ pub async fn open_pipeline(
     let c = &cfg.concurrency;
     let config = PipelineConfig {
         preset: Preset::from_config(&cfg.preprocessing),
-        limits: DecodeLimits::from_config(&cfg.preprocessing),
+        limits: SampleLimits::from_config(&cfg.preprocessing),
         on_error: cfg.sampling.on_error,
         max_fetches: c.max_fetches,
         cpu_threads: c

@@ -495,11 +495,13 @@ impl Server {
 /// The identity of what a worker serves: data version, order and every preprocessing knob.
 pub fn plan_id(p: &Pipeline) -> u64 {
     let preset = serde_json::to_vec(&p.config.preset).expect("preset serializes");
+    let limits = serde_json::to_vec(&p.config.limits).expect("limits serialize");
     crate::dataset::index::fingerprint(&[
         &p.index.version.to_le_bytes(),
         &p.plan.seed.to_le_bytes(),
         &p.plan.global_batch_size.to_le_bytes(),
         &preset,
+        &limits,
         &p.text.fingerprint.to_le_bytes(),
     ])
 }

@@ -18,8 +18,73 @@ const FETCH_BACKOFF: std::time::Duration = std::time::Duration::from_millis(50);
 pub enum FetchError {
     #[error("object {0} does not exist")]
     NotFound(String),
+    #[error("object {what} is {len} bytes, over the limit of {max} (max-object-bytes); not read")]
+    TooLarge { what: String, len: u64, max: u64 },
     #[error("fetching {0}: {1}")]
     Io(String, String),
+}
+
+/// Chunks read from a local file at once.
+const FILE_CHUNK_BYTES: u64 = 1 << 20;
+
+/// An object being read.
+struct Body {
+    /// What the store says the body holds.
+    len: Option<u64>,
+    received: u64,
+    chunks: Chunks,
+}
+
+enum Chunks {
+    File { file: tokio::fs::File, left: u64 },
+    S3(aws_sdk_s3::primitives::ByteStream),
+}
+
+impl Body {
+    /// The next chunk, `None` at the end; `io` names a failure, a body that ends short of
+    /// its length among them.
+    async fn next_chunk(
+        &mut self,
+        io: impl Fn(String) -> FetchError,
+    ) -> Result<Option<Bytes>, FetchError> {
+        let chunk = self.read_chunk(&io).await?;
+        match (&chunk, self.len) {
+            (Some(c), _) => self.received += c.len() as u64,
+            (None, Some(len)) if self.received < len => {
+                return Err(io(format!(
+                    "the body ended after {} of {len} bytes",
+                    self.received
+                )))
+            }
+            (None, _) => {}
+        }
+        Ok(chunk)
+    }
+
+    async fn read_chunk(
+        &mut self,
+        io: &impl Fn(String) -> FetchError,
+    ) -> Result<Option<Bytes>, FetchError> {
+        match &mut self.chunks {
+            Chunks::File { left: 0, .. } => Ok(None),
+            Chunks::File { file, left } => {
+                use tokio::io::AsyncReadExt;
+                let mut buf = Vec::with_capacity((*left).min(FILE_CHUNK_BYTES) as usize);
+                let n = (&mut *file)
+                    .take((*left).min(FILE_CHUNK_BYTES))
+                    .read_to_end(&mut buf)
+                    .await
+                    .map_err(|e| io(e.to_string()))?;
+                // A file that shrank while read ends here (and `next_chunk` says so).
+                *left = if n == 0 { 0 } else { *left - n as u64 };
+                Ok((n > 0).then(|| buf.into()))
+            }
+            Chunks::S3(stream) => stream
+                .try_next()
+                .await
+                .map_err(|e| io(format!("reading body: {e}"))),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
@@ -180,23 +245,54 @@ impl Store {
         Ok(out)
     }
 
+    /// A whole object, whatever its size (shards and the index are the operator's, not a
+    /// sample's).
     pub async fn get(&self, key: &str) -> Result<Bytes, FetchError> {
-        self.fetch(key, None).await
+        self.retrying(|| self.read_once(key, None, u64::MAX)).await
+    }
+
+    /// A whole object of at most `max` bytes: a bigger one is refused from its length, and a
+    /// body that grows past it (a length that lied) stops being read there.
+    pub async fn get_at_most(&self, key: &str, max: u64) -> Result<Bytes, FetchError> {
+        self.retrying(|| self.read_once(key, None, max)).await
     }
 
     /// Bytes `start .. start + len` of an object.
     pub async fn get_range(&self, key: &str, start: u64, len: u64) -> Result<Bytes, FetchError> {
-        self.fetch(key, Some((start, len))).await
+        self.retrying(|| self.read_once(key, Some((start, len)), len))
+            .await
     }
 
-    /// Reads an object (or a range), retrying what may be transient (5xx the SDK gave up on,
-    /// a reset, a body cut short) with backoff; a missing object is final at once. What still
+    /// Folds an object chunk by chunk (memory: one chunk and the state), starting over from
+    /// `init()` when a read fails part way.
+    pub async fn fold_chunks<S>(
+        &self,
+        key: &str,
+        init: impl Fn() -> S,
+        step: impl Fn(&mut S, &[u8]),
+    ) -> Result<S, FetchError> {
+        self.retrying(|| async {
+            let mut body = self.open_object(key, None).await?;
+            let mut state = init();
+            while let Some(chunk) = body.next_chunk(|e| self.io_error(key, e)).await? {
+                step(&mut state, &chunk);
+            }
+            Ok(state)
+        })
+        .await
+    }
+
+    /// Runs a read, retrying what may be transient (5xx the SDK gave up on, a reset, a body
+    /// cut short) with backoff; a missing or oversized object is final at once. What still
     /// fails is `FetchError::Io`: the request fails (Transient), it is never a skip.
-    async fn fetch(&self, key: &str, range: Option<(u64, u64)>) -> Result<Bytes, FetchError> {
+    async fn retrying<T, F: std::future::Future<Output = Result<T, FetchError>>>(
+        &self,
+        read: impl Fn() -> F,
+    ) -> Result<T, FetchError> {
         let mut backoff = FETCH_BACKOFF;
         let mut attempt = 1;
         loop {
-            match self.fetch_once(key, range).await {
+            match read().await {
                 Err(FetchError::Io(what, why)) if attempt < FETCH_ATTEMPTS => {
                     tracing::debug!("{what}: {why}; retrying in {backoff:?}");
                     tokio::time::sleep(backoff).await;
@@ -214,31 +310,65 @@ impl Store {
         }
     }
 
-    async fn fetch_once(&self, key: &str, range: Option<(u64, u64)>) -> Result<Bytes, FetchError> {
-        let io = |e: String| FetchError::Io(self.describe(key), e);
+    fn io_error(&self, key: &str, why: String) -> FetchError {
+        FetchError::Io(self.describe(key), why)
+    }
+
+    /// One read of at most `max` bytes into memory.
+    async fn read_once(
+        &self,
+        key: &str,
+        range: Option<(u64, u64)>,
+        max: u64,
+    ) -> Result<Bytes, FetchError> {
+        let mut body = self.open_object(key, range).await?;
+        let too_large = |len| FetchError::TooLarge {
+            what: self.describe(key),
+            len,
+            max,
+        };
+        if let Some(len) = body.len.filter(|&len| len > max) {
+            return Err(too_large(len));
+        }
+        let mut buf = bytes::BytesMut::with_capacity(body.len.unwrap_or(0) as usize);
+        while let Some(chunk) = body.next_chunk(|e| self.io_error(key, e)).await? {
+            if (buf.len() + chunk.len()) as u64 > max {
+                return Err(too_large((buf.len() + chunk.len()) as u64));
+            }
+            buf.extend_from_slice(&chunk);
+        }
+        Ok(buf.freeze())
+    }
+
+    /// Starts reading an object (or a range of it): its length, when known, and its body.
+    async fn open_object(&self, key: &str, range: Option<(u64, u64)>) -> Result<Body, FetchError> {
+        let io = |e: String| self.io_error(key, e);
         match self {
             Store::Local { root } => {
-                use tokio::io::{AsyncReadExt, AsyncSeekExt};
+                use tokio::io::AsyncSeekExt;
                 let path = root.join(key);
-                let mut f = match tokio::fs::File::open(&path).await {
+                let mut file = match tokio::fs::File::open(&path).await {
                     Ok(f) => f,
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                         return Err(FetchError::NotFound(self.describe(key)))
                     }
                     Err(e) => return Err(io(e.to_string())),
                 };
-                let mut buf = Vec::new();
-                match range {
-                    None => f.read_to_end(&mut buf).await,
+                let size = file.metadata().await.map_err(|e| io(e.to_string()))?.len();
+                let left = match range {
+                    None => size,
                     Some((start, len)) => {
-                        f.seek(std::io::SeekFrom::Start(start))
+                        file.seek(std::io::SeekFrom::Start(start))
                             .await
                             .map_err(|e| io(e.to_string()))?;
-                        f.take(len).read_to_end(&mut buf).await
+                        len.min(size.saturating_sub(start))
                     }
-                }
-                .map_err(|e| io(e.to_string()))?;
-                Ok(buf.into())
+                };
+                Ok(Body {
+                    len: Some(left),
+                    received: 0,
+                    chunks: Chunks::File { file, left },
+                })
             }
             Store::S3 {
                 client,
@@ -262,12 +392,11 @@ impl Store {
                         io(DisplayErrorContext(&e).to_string())
                     }
                 })?;
-                let body = resp
-                    .body
-                    .collect()
-                    .await
-                    .map_err(|e| io(format!("reading body: {e}")))?;
-                Ok(body.into_bytes())
+                Ok(Body {
+                    len: resp.content_length().map(|l| l.max(0) as u64),
+                    received: 0,
+                    chunks: Chunks::S3(resp.body),
+                })
             }
         }
     }

@@ -1,8 +1,10 @@
 //! The dataset index: every valid JSONL line of every shard, addressable by sample id.
 //!
-//! Building it reads each shard once, parses and validates every line (JSON, schema, image
+//! Building it streams each shard once, parses and validates every line (JSON, schema, image
 //! paths inside the root and present in the store) and records the bad ones as shard:line
-//! with the reason. Sample ids number the valid lines in (shard key, line) order.
+//! with the reason. Sample ids number the valid lines in (shard key, line) order. Memory is a
+//! chunk and one line per shard being read, whatever the shards' sizes: a line longer than
+//! [`MAX_INDEXED_LINE_BYTES`] is a bad line, never held whole.
 
 use super::sample::Conversation;
 use crate::source::{resolve_relative, ObjectInfo, Store};
@@ -15,6 +17,9 @@ pub const INDEX_KEY: &str = "stoker-index.json";
 const FORMAT: u32 = 1;
 /// Shards read at once while indexing.
 const SHARD_FETCH_CONCURRENCY: usize = 8;
+/// The longest line the index takes; a worker's `max-line-bytes` (default 4 MiB) may only
+/// lower it.
+pub const MAX_INDEXED_LINE_BYTES: u64 = 16 << 20;
 
 /// Where a long index build reports how far it got (the CLI draws a bar; `()` ignores it).
 pub trait Progress: Sync {
@@ -133,12 +138,18 @@ impl DatasetIndex {
             store.describe("")
         );
         progress.total(shards.iter().map(|s| s.size).sum());
+        let keys = &keys;
         let results: Vec<(ShardIndex, Vec<BadLine>)> = futures::stream::iter(shards)
-            .map(|obj| async {
-                let data = store.get(&obj.key).await?;
-                let out = index_shard(obj, &data, &keys);
+            .map(|obj| async move {
+                let lines = store
+                    .fold_chunks(
+                        &obj.key,
+                        || ShardLines::new(obj, keys),
+                        |lines, chunk| lines.feed(chunk),
+                    )
+                    .await?;
                 progress.advance(obj.size);
-                anyhow::Ok(out)
+                lines.finish()
             })
             .buffered(SHARD_FETCH_CONCURRENCY)
             .try_collect()
@@ -184,35 +195,110 @@ impl DatasetIndex {
     }
 }
 
-/// Splits a shard into lines and validates each; returns the valid lines and the bad ones.
-fn index_shard(obj: &ObjectInfo, data: &[u8], keys: &HashSet<&str>) -> (ShardIndex, Vec<BadLine>) {
-    let mut lines = Vec::new();
-    let mut bad = Vec::new();
-    let mut offset = 0usize;
-    for (i, raw) in data.split(|&b| b == b'\n').enumerate() {
-        let start = offset;
-        offset += raw.len() + 1;
-        let line = raw.strip_suffix(b"\r").unwrap_or(raw);
-        if line.iter().all(u8::is_ascii_whitespace) {
-            continue;
+/// Splits a shard, fed chunk by chunk, into lines and validates each.
+struct ShardLines<'a> {
+    obj: &'a ObjectInfo,
+    keys: &'a HashSet<&'a str>,
+    /// The current line so far; empty while `over_limit`.
+    line: Vec<u8>,
+    over_limit: bool,
+    /// Offset of the current line's first byte, and of the next byte fed.
+    line_start: u64,
+    offset: u64,
+    /// 1-based number of the current line.
+    line_no: u64,
+    lines: Vec<LineRef>,
+    bad: Vec<BadLine>,
+}
+
+impl<'a> ShardLines<'a> {
+    fn new(obj: &'a ObjectInfo, keys: &'a HashSet<&'a str>) -> Self {
+        ShardLines {
+            obj,
+            keys,
+            line: Vec::new(),
+            over_limit: false,
+            line_start: 0,
+            offset: 0,
+            line_no: 1,
+            lines: Vec::new(),
+            bad: Vec::new(),
         }
-        let line_no = i as u32 + 1;
-        match validate_line(&obj.key, line, keys) {
-            Ok(()) => lines.push(LineRef(line_no, start as u64, line.len() as u32)),
-            Err(reason) => bad.push(BadLine {
-                shard: obj.key.clone(),
+    }
+
+    fn feed(&mut self, mut chunk: &[u8]) {
+        while let Some(i) = chunk.iter().position(|&b| b == b'\n') {
+            self.extend(&chunk[..i]);
+            self.end_line();
+            self.offset += 1;
+            self.line_start = self.offset;
+            chunk = &chunk[i + 1..];
+        }
+        self.extend(chunk);
+    }
+
+    fn extend(&mut self, part: &[u8]) {
+        self.offset += part.len() as u64;
+        if self.over_limit {
+            return;
+        }
+        if (self.line.len() + part.len()) as u64 > MAX_INDEXED_LINE_BYTES {
+            self.over_limit = true;
+            self.line = Vec::new();
+            return;
+        }
+        self.line.extend_from_slice(part);
+    }
+
+    fn end_line(&mut self) {
+        let line_no = self.line_no as u32;
+        let verdict = if self.over_limit {
+            Err(format!(
+                "line of {} bytes is over the index's limit of {MAX_INDEXED_LINE_BYTES}",
+                self.offset - self.line_start
+            ))
+        } else {
+            let line = self.line.strip_suffix(b"\r").unwrap_or(&self.line);
+            if line.iter().all(u8::is_ascii_whitespace) {
+                Ok(None)
+            } else {
+                validate_line(&self.obj.key, line, self.keys)
+                    .map(|()| Some(LineRef(line_no, self.line_start, line.len() as u32)))
+            }
+        };
+        match verdict {
+            Ok(Some(line)) => self.lines.push(line),
+            Ok(None) => {}
+            Err(reason) => self.bad.push(BadLine {
+                shard: self.obj.key.clone(),
                 line: line_no,
                 reason,
             }),
         }
+        self.line.clear();
+        self.over_limit = false;
+        self.line_no += 1;
     }
-    let shard = ShardIndex {
-        key: obj.key.clone(),
-        size: obj.size,
-        version: obj.version.clone(),
-        lines,
-    };
-    (shard, bad)
+
+    /// The valid lines and the bad ones, once the last chunk is fed.
+    fn finish(mut self) -> anyhow::Result<(ShardIndex, Vec<BadLine>)> {
+        if self.over_limit || !self.line.is_empty() {
+            self.end_line();
+        }
+        anyhow::ensure!(
+            self.line_no <= u32::MAX as u64,
+            "{}: more than {} lines in one shard; split it",
+            self.obj.key,
+            u32::MAX
+        );
+        let shard = ShardIndex {
+            key: self.obj.key.clone(),
+            size: self.obj.size,
+            version: self.obj.version.clone(),
+            lines: self.lines,
+        };
+        Ok((shard, self.bad))
+    }
 }
 
 fn validate_line(shard: &str, line: &[u8], keys: &HashSet<&str>) -> Result<(), String> {
@@ -242,7 +328,10 @@ not json\n\
             size: data.len() as u64,
             version: "1".into(),
         };
-        let (shard, bad) = index_shard(&obj, data, &HashSet::new());
+        let keys = HashSet::new();
+        let mut lines = ShardLines::new(&obj, &keys);
+        lines.feed(data);
+        let (shard, bad) = lines.finish().unwrap();
         assert_eq!(shard.lines.len(), 1);
         assert_eq!(shard.lines[0].0, 1);
         let where_: Vec<(u32, bool)> = bad
@@ -257,6 +346,47 @@ not json\n\
         assert_eq!(where_, vec![(2, true), (4, true), (5, true)]);
         assert!(bad[1].reason.contains("escapes the dataset root"));
         assert!(bad[2].reason.contains("does not exist"));
+    }
+
+    /// How a shard arrives in chunks changes nothing; a line over the index's limit is a bad
+    /// line named with its length, and the lines after it keep their offsets.
+    #[test]
+    fn chunking_changes_nothing_and_long_lines_are_named() {
+        let good = br#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo"}]}"#;
+        let long = vec![b' '; MAX_INDEXED_LINE_BYTES as usize + 1];
+        let mut data = Vec::new();
+        for part in [&good[..], b"\r\n", &long, b"\n\n", good, b"\n", good] {
+            data.extend_from_slice(part);
+        }
+        let obj = ObjectInfo {
+            key: "s.jsonl".into(),
+            size: data.len() as u64,
+            version: "1".into(),
+        };
+        let keys = HashSet::new();
+        let index_in = |chunk: usize| {
+            let mut lines = ShardLines::new(&obj, &keys);
+            data.chunks(chunk).for_each(|c| lines.feed(c));
+            let (shard, bad) = lines.finish().unwrap();
+            (shard.lines, bad)
+        };
+        let (lines, bad) = index_in(data.len());
+        let g = good.len() as u64;
+        let long_end = g + 2 + long.len() as u64 + 1;
+        assert_eq!(
+            lines,
+            vec![
+                LineRef(1, 0, g as u32),
+                LineRef(4, long_end + 1, g as u32),
+                LineRef(5, long_end + 1 + g + 1, g as u32)
+            ]
+        );
+        assert_eq!(bad.len(), 1);
+        assert_eq!(bad[0].line, 2);
+        assert!(bad[0].reason.contains("line of 16777217 bytes is over"), "{}", bad[0]);
+        for chunk in [1 << 20, 4096, 7] {
+            assert_eq!(index_in(chunk), (lines.clone(), bad.clone()), "chunks of {chunk}");
+        }
     }
 
     #[test]

@@ -2,11 +2,17 @@
 //! expansion, assistant-only labels and truncation.
 
 use super::preset::Preset;
-use crate::dataset::sample::Conversation;
+use crate::dataset::sample::{Conversation, Message, Part};
 use std::path::Path;
 use tokenizers::Tokenizer;
 
 pub const IGNORE_INDEX: i64 = -100;
+
+/// Mark where each assistant turn's content starts and ends in a single render: Unicode
+/// noncharacters, removed before tokenizing. A sample whose text holds one is rendered the
+/// slower way (one render per conversation prefix).
+const CONTENT_OPEN: char = '\u{FDD0}';
+const CONTENT_CLOSE: char = '\u{FDD1}';
 
 /// Qwen2-VL / Qwen2.5-VL's vision-language chat template (as published with the models).
 pub const QWEN2_VL_TEMPLATE: &str = include_str!("../../templates/qwen2-vl.jinja");
@@ -45,6 +51,10 @@ pub struct TextProcessor {
     vision_end: u32,
     pub pad_id: i64,
     max_length: usize,
+    /// What the template writes after an assistant turn's content (`<|im_end|>\n`), trained
+    /// on with it; learned from the template once. `None`: a template the single render does
+    /// not describe exactly, rendered once per conversation prefix instead.
+    turn_end: Option<String>,
     /// Identifies the tokenizer and template (part of the plan identity).
     pub fingerprint: u64,
 }
@@ -125,7 +135,7 @@ impl TextProcessor {
             .token_to_id("<|endoftext|>")
             .map(i64::from)
             .unwrap_or(0);
-        Ok(TextProcessor {
+        let mut text = TextProcessor {
             image_pad: token_id(&tokenizer, "<|image_pad|>")?,
             vision_start: token_id(&tokenizer, "<|vision_start|>")?,
             vision_end: token_id(&tokenizer, "<|vision_end|>")?,
@@ -133,8 +143,11 @@ impl TextProcessor {
             env,
             pad_id,
             max_length: preset.max_length,
+            turn_end: None,
             fingerprint,
-        })
+        };
+        text.turn_end = text.learn_turn_end();
+        Ok(text)
     }
 
     /// Renders the conversation's first `n` messages.
@@ -179,14 +192,99 @@ impl TextProcessor {
         Ok(spans)
     }
 
+    /// The rendered text and the byte spans trained on: from one render with the content of
+    /// each assistant turn marked when the template allows, else from prefix renders.
+    fn render_with_spans(
+        &self,
+        conv: &Conversation,
+    ) -> Result<(String, Vec<(usize, usize)>), TextError> {
+        if let Some(turn_end) = &self.turn_end {
+            if let Some(found) = self.marked_render(conv, turn_end)? {
+                return Ok(found);
+            }
+        }
+        let text = self.render(conv, conv.messages.len(), false)?;
+        let spans = self.assistant_spans(conv, &text)?;
+        Ok((text, spans))
+    }
+
+    /// One render with each assistant turn's content between markers; `None` when the
+    /// sample's own text holds a marker or the markers do not come out as expected.
+    fn marked_render(
+        &self,
+        conv: &Conversation,
+        turn_end: &str,
+    ) -> Result<Option<(String, Vec<(usize, usize)>)>, TextError> {
+        let holds_marker = conv.messages.iter().flat_map(|m| &m.content).any(|p| {
+            matches!(p, Part::Text { text } if text.contains([CONTENT_OPEN, CONTENT_CLOSE]))
+        });
+        if holds_marker {
+            return Ok(None);
+        }
+        let rendered = self.render(&marked(conv), conv.messages.len(), false)?;
+        let mut text = String::with_capacity(rendered.len());
+        let mut spans = Vec::new();
+        let mut open = None;
+        for piece in rendered.split_inclusive([CONTENT_OPEN, CONTENT_CLOSE]) {
+            let (body, marker) = match piece.strip_suffix([CONTENT_OPEN, CONTENT_CLOSE]) {
+                Some(body) => (body, piece.chars().last()),
+                None => (piece, None),
+            };
+            text.push_str(body);
+            match (marker, open) {
+                (Some(CONTENT_OPEN), None) => open = Some(text.len()),
+                (Some(CONTENT_CLOSE), Some(start)) => {
+                    spans.push((start, text.len()));
+                    open = None;
+                }
+                (None, _) => {}
+                _ => return Ok(None),
+            }
+        }
+        let assistants = conv.messages.iter().filter(|m| m.role == "assistant");
+        if open.is_some() || spans.len() != assistants.count() {
+            return Ok(None);
+        }
+        for span in &mut spans {
+            if !text[span.1..].starts_with(turn_end) {
+                return Ok(None);
+            }
+            span.1 += turn_end.len();
+        }
+        Ok(Some((text, spans)))
+    }
+
+    /// What the template writes after an assistant turn's content, if a single marked render
+    /// gives exactly the text and spans that prefix renders give, on a probe conversation.
+    fn learn_turn_end(&self) -> Option<String> {
+        let turn = |role: &str, text: &str| Message {
+            role: role.into(),
+            content: vec![Part::Text { text: text.into() }],
+        };
+        let probe = Conversation {
+            messages: vec![
+                turn("user", "Hi"),
+                turn("assistant", " a \n"),
+                turn("user", "More?"),
+                turn("assistant", "b"),
+            ],
+        };
+        let text = self.render(&probe, probe.messages.len(), false).ok()?;
+        let spans = self.assistant_spans(&probe, &text).ok()?;
+        let rendered = self.render(&marked(&probe), 2, false).ok()?;
+        let content_end = rendered.find(CONTENT_CLOSE)? - CONTENT_OPEN.len_utf8();
+        let turn_end = text.get(content_end..spans.first()?.1)?.to_string();
+        let single = self.marked_render(&probe, &turn_end).ok()??;
+        (single == (text, spans)).then_some(turn_end)
+    }
+
     /// Tokenizes `conv`, expanding image `k`'s placeholder to `image_tokens[k]` pad tokens.
     pub fn tokenize(
         &self,
         conv: &Conversation,
         image_tokens: &[usize],
     ) -> Result<Tokenized, TextError> {
-        let text = self.render(conv, conv.messages.len(), false)?;
-        let spans = self.assistant_spans(conv, &text)?;
+        let (text, spans) = self.render_with_spans(conv)?;
         let enc = self
             .tokenizer
             .encode(text.as_str(), true)
@@ -265,5 +363,94 @@ impl TextProcessor {
             truncated: true,
             text: String::new(),
         })
+    }
+}
+
+/// `conv` with each assistant turn's content between the content markers.
+fn marked(conv: &Conversation) -> Conversation {
+    let mark = |c: char| Part::Text {
+        text: c.to_string(),
+    };
+    let messages = conv
+        .messages
+        .iter()
+        .map(|m| match m.role.as_str() {
+            "assistant" => Message {
+                role: m.role.clone(),
+                content: std::iter::once(mark(CONTENT_OPEN))
+                    .chain(m.content.iter().cloned())
+                    .chain([mark(CONTENT_CLOSE)])
+                    .collect(),
+            },
+            _ => m.clone(),
+        })
+        .collect();
+    Conversation { messages }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stoker_config::{Preprocessing, PresetName};
+
+    fn processor(preset: PresetName, template: Option<&str>) -> TextProcessor {
+        let pre = Preprocessing {
+            preset,
+            ..Default::default()
+        };
+        let dir = crate::tokenizer_source::local_path(&pre).unwrap();
+        let json = std::fs::read(dir.join("tokenizer.json")).unwrap();
+        let p = Preset::from_config(&pre);
+        match template {
+            Some(t) => TextProcessor::new(&json, t.into(), &p).unwrap(),
+            None => TextProcessor::load(&dir, None, &p).unwrap(),
+        }
+    }
+
+    /// The spans of the one marked render, as prefix renders find them.
+    fn spans_both_ways(t: &TextProcessor, line: &str) -> (Vec<(usize, usize)>, Vec<(usize, usize)>) {
+        let conv = Conversation::parse(line.as_bytes()).unwrap();
+        let (text, once) = t.render_with_spans(&conv).unwrap();
+        assert_eq!(text, t.render(&conv, conv.messages.len(), false).unwrap());
+        (once, t.assistant_spans(&conv, &text).unwrap())
+    }
+
+    const SAMPLES: [&str; 3] = [
+        r#"{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "image", "image": "a.jpg"}, {"type": "text", "text": "What?"}]}, {"role": "assistant", "content": " A cat.\n"}, {"role": "user", "content": "And?"}, {"role": "assistant", "content": [{"type": "text", "text": "Two"}, {"type": "text", "text": " parts"}]}]}"#,
+        r#"{"image": ["a.jpg", "b.jpg"], "conversations": [{"from": "human", "value": "<image>\nCompare <image>"}, {"from": "gpt", "value": "Same."}, {"from": "human", "value": "Sure?"}, {"from": "gpt", "value": ""}]}"#,
+        r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "says \ufdd0 a marker"}]}"#,
+    ];
+
+    #[test]
+    fn one_render_finds_the_spans_prefix_renders_find() {
+        for preset in [PresetName::Qwen2Vl, PresetName::Qwen3Vl] {
+            let t = processor(preset, None);
+            assert_eq!(t.turn_end.as_deref(), Some("<|im_end|>\n"), "{preset:?}");
+            for line in SAMPLES {
+                let (once, per_prefix) = spans_both_ways(&t, line);
+                assert_eq!(once, per_prefix, "{preset:?}: {line}");
+                assert!(!once.is_empty());
+            }
+        }
+        // The sample that holds a marker is the one rendered the slow way.
+        let t = processor(PresetName::Qwen2Vl, None);
+        let marked_text = |line: &str| {
+            let conv = Conversation::parse(line.as_bytes()).unwrap();
+            t.marked_render(&conv, "<|im_end|>\n").unwrap().is_some()
+        };
+        assert_eq!(SAMPLES.map(marked_text), [true, true, false]);
+    }
+
+    /// A template that renders only each message's first part: the markers cannot describe it,
+    /// the probe sees so, and every sample is rendered per prefix (the labels stay right).
+    #[test]
+    fn a_template_the_markers_cannot_describe_is_rendered_per_prefix() {
+        let first_part = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'][0]['text'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+        let t = processor(PresetName::Qwen2Vl, Some(first_part));
+        assert_eq!(t.turn_end, None);
+        let line = r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}"#;
+        let conv = Conversation::parse(line.as_bytes()).unwrap();
+        let (text, spans) = t.render_with_spans(&conv).unwrap();
+        assert_eq!(&text[spans[0].0..spans[0].1], "yo<|im_end|>\n");
     }
 }

@@ -6,7 +6,7 @@ use image::{DynamicImage, ImageDecoder, ImageReader, Limits};
 use std::io::Cursor;
 
 /// Guards against decompression bombs: checked from the header, before any pixel is decoded.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct DecodeLimits {
     pub max_side: u32,
     pub max_pixels: u64,
