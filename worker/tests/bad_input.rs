@@ -242,3 +242,93 @@ async fn fail_policy_fails_the_request_naming_the_sample() {
         ErrorCode::Failed
     );
 }
+
+fn messages(turns: &[(&str, &str)], images: &[&str]) -> String {
+    let msgs: Vec<serde_json::Value> = turns
+        .iter()
+        .enumerate()
+        .map(|(i, (role, text))| {
+            let mut parts: Vec<serde_json::Value> = match i {
+                0 => images
+                    .iter()
+                    .map(|p| serde_json::json!({"type": "image", "image": p}))
+                    .collect(),
+                _ => vec![],
+            };
+            parts.push(serde_json::json!({"type": "text", "text": text}));
+            serde_json::json!({"role": role, "content": parts})
+        })
+        .collect();
+    serde_json::json!({ "messages": msgs }).to_string()
+}
+
+/// One sample over each per-sample work limit, and one within all of them. Two workers with
+/// the same limits skip the same samples with the same named reasons; a worker with other
+/// limits is of another plan (a trainer never mixes their batches).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn samples_over_a_work_limit_are_skipped_by_name_on_every_worker() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("bucket/data");
+    std::fs::create_dir_all(dir.join("img")).unwrap();
+    std::fs::write(dir.join("img/a.png"), small_png()).unwrap(); // 60x40
+    std::fs::write(dir.join("img/b.png"), small_png()).unwrap();
+    std::fs::write(dir.join("img/big.jpg"), jpeg(400, 400)).unwrap();
+    let qa = [("user", "What?"), ("assistant", "A test.")];
+    let long_answer = "word ".repeat(600);
+    let lines = [
+        messages(&qa, &["img/a.png"]),
+        messages(&qa, &["img/a.png", "img/b.png", "img/a.png"]),
+        messages(&[qa[0], qa[1], qa[0], qa[1], qa[0], qa[1]], &[]),
+        messages(&[qa[0], ("assistant", &long_answer)], &[]),
+        messages(&qa, &["img/big.jpg"]),
+        messages(&qa, &["img/a.png", "img/b.png"]),
+    ];
+    std::fs::write(dir.join("s.jsonl"), lines.join("\n")).unwrap();
+    let s3 = EmbeddedS3::start(root.path(), "127.0.0.1:0", Duration::ZERO)
+        .await
+        .unwrap();
+    let ds = Dataset {
+        root,
+        s3,
+        uri: "s3://bucket/data".into(),
+    };
+    let mut cfg = ds.config(6);
+    let pre = &mut cfg.preprocessing;
+    pre.max_images_per_sample = 2;
+    pre.max_turns = 4;
+    pre.max_line_bytes = 2000;
+    pre.max_object_bytes = 20_000;
+    pre.max_sample_pixels = 4000; // one 60x40 image is 2400 pixels
+    let expect = [
+        (1, "too_many_images", "3 images are over the limit of 2"),
+        (2, "too_many_turns", "6 messages are over the limit of 4"),
+        (3, "line_too_long", "over the limit of 2000 (max-line-bytes)"),
+        (4, "object_too_large", "img/big.jpg is "),
+        (5, "sample_too_large", "image img/b.png (60x40) would bring"),
+    ];
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let w = start_worker(&cfg).await;
+        let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+        let (head, payload) = c.get(request(&welcome, 0, 0, 0, 1)).await.batch();
+        assert_eq!(head.sample_ids, vec![0]);
+        let mut skipped = head.skipped.clone();
+        skipped.sort_by_key(|s| s.sample_id);
+        assert_eq!(skipped.len(), expect.len(), "{skipped:?}");
+        for (s, (id, _, why)) in skipped.iter().zip(expect) {
+            assert_eq!(s.sample_id, id);
+            assert!(s.reason.contains(why), "{:?} lacks {why:?}", s.reason);
+        }
+        let m = w.metrics.render();
+        for (_, kind, _) in expect {
+            let got = metric_value_with(&m, "stoker_worker_sample_errors_total", &[("kind", kind)]);
+            assert_eq!(got, Some(1.0), "{kind}");
+        }
+        answers.push((welcome.plan_id, skipped, payload));
+    }
+    assert_eq!(answers[0], answers[1], "two workers, one answer");
+    cfg.preprocessing.max_turns = 6;
+    let other = start_worker(&cfg).await;
+    let (_, welcome) = Client::connect(other.addr, TOKEN).await.unwrap();
+    assert_ne!(welcome.plan_id, answers[0].0, "other limits, another plan");
+}
