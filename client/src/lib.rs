@@ -52,6 +52,10 @@ pub struct LoaderConfig {
     /// With no usable worker for this long, construction (or the next batch) fails with
     /// the reason per worker.
     pub no_worker_timeout: Duration,
+    /// A request unanswered for this long counts as a failed attempt and is asked again,
+    /// elsewhere first (a stalled worker never holds a batch forever; hedging covers only
+    /// the head of the line, once).
+    pub request_timeout: Duration,
     /// Serve Prometheus /metrics on this address (e.g. "0.0.0.0:9400").
     pub metrics_listen: Option<String>,
     /// Value of the `pipeline` label on every series.
@@ -71,6 +75,7 @@ impl LoaderConfig {
             hedge: Some(HedgePolicy::default()),
             max_attempts: 5,
             no_worker_timeout: Duration::from_secs(60),
+            request_timeout: Duration::from_secs(120),
             metrics_listen: None,
             pipeline: "default".into(),
             state: None,

@@ -133,7 +133,7 @@ impl ClientMetrics {
             ),
             retries: counter_vec(
                 "stoker_trainer_retries_total",
-                "Batch requests sent again to another worker, by reason (worker_lost, draining, plan_mismatch, transient).",
+                "Batch requests sent again to another worker, by reason (worker_lost, draining, plan_mismatch, transient, deadline).",
                 "reason",
             ),
             hedges: counter_vec(
@@ -152,7 +152,7 @@ impl ClientMetrics {
             registry,
         };
         // Every labelled series exists from the start (at 0): dashboards and alerts see them.
-        for reason in ["worker_lost", "draining", "plan_mismatch"] {
+        for reason in ["worker_lost", "draining", "plan_mismatch", "transient", "deadline"] {
             m.retries.with_label_values(&[reason]);
         }
         for outcome in ["sent", "won"] {

@@ -5,8 +5,9 @@
 //! `p % B` of epoch `p / B` (B batches per epoch). The scheduler keeps the positions
 //! `[consumed, consumed + depth)` requested or ready, sends each to the live worker with the
 //! fewest outstanding requests, sends it again elsewhere when its worker fails, drains or
-//! refuses, and hedges a straggler at the head of the line. The first answer for a position
-//! wins; later ones are dropped, so the trainer sees every position exactly once.
+//! refuses, hedges a straggler at the head of the line, and abandons a request unanswered
+//! past its deadline. The first answer for a position wins; later ones are dropped, so the
+//! trainer sees every position exactly once.
 
 use crate::batch::Batch;
 use crate::discovery::WorkerSet;
@@ -215,11 +216,13 @@ impl Scheduler {
         }
     }
 
-    /// Everything that follows from the current state: connect, issue, hedge, deliver.
+    /// Everything that follows from the current state: connect, expire, issue, hedge,
+    /// deliver.
     fn step(&mut self) {
         self.reconnect_due();
         self.check_no_worker();
         if self.identity.is_some() {
+            self.expire();
             self.issue();
             self.hedge();
             self.deliver();
@@ -266,6 +269,33 @@ impl Scheduler {
             if !self.send(pos, false) {
                 break; // no live worker; try again on the next event
             }
+        }
+    }
+
+    /// Requests unanswered past `request_timeout` are abandoned (a late answer is dropped as
+    /// unknown) and count as failed attempts: each is asked again, elsewhere first, until
+    /// `max_attempts` turns it into the trainer's error.
+    fn expire(&mut self) {
+        let timeout = self.cfg.request_timeout;
+        let now = Instant::now();
+        let expired: Vec<u64> = self
+            .in_flight
+            .iter()
+            .filter(|(_, f)| now.duration_since(f.sent) > timeout)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            let f = self.in_flight.remove(&id).expect("listed");
+            let addr = match self.links.get_mut(&f.link) {
+                Some(l) => {
+                    l.outstanding = l.outstanding.saturating_sub(1);
+                    l.addr.clone()
+                }
+                None => String::new(),
+            };
+            self.metrics.retries.with_label_values(&["deadline"]).inc();
+            let why = format!("no answer within {timeout:?} (request_timeout)");
+            self.count_failure(f.position, id, &addr, &why);
         }
     }
 
@@ -606,17 +636,19 @@ impl Scheduler {
     }
 
     /// One failed attempt at `position` on `addr`: asked again elsewhere, or given up after
-    /// `max_attempts`.
-    fn count_failure(&mut self, position: u64, request_id: u64, addr: &str, why: &str) {
+    /// `max_attempts` (then true: the trainer gets `why`).
+    fn count_failure(&mut self, position: u64, request_id: u64, addr: &str, why: &str) -> bool {
         let Some(p) = self.pending.get_mut(&position) else {
-            return;
+            return false;
         };
         p.attempts.retain(|id| *id != request_id);
         p.failures += 1;
         p.failed_on.push(addr.to_string());
-        if p.failures >= self.cfg.max_attempts.max(1) {
+        let exhausted = p.failures >= self.cfg.max_attempts.max(1);
+        if exhausted {
             self.give_up(position, addr, why);
         }
+        exhausted
     }
 
     /// The trainer gets an error for `position`, in its turn.
@@ -646,34 +678,35 @@ impl Scheduler {
             .filter(|(_, f)| f.link == link)
             .map(|(id, _)| *id)
             .collect();
-        let mut poisoned = Vec::new();
+        // A request that kills or stalls every worker it reaches would otherwise be retried
+        // forever: a crash while it was in flight counts as an attempt.
+        let poison = format!(
+            "the connection to the worker was lost {} times while this batch was being \
+             prepared (last: {error}); a sample of it may crash or stall workers",
+            self.cfg.max_attempts.max(1)
+        );
         for id in &lost {
             let f = self.in_flight.remove(id).expect("listed");
-            if let Some(p) = self.pending.get_mut(&f.position) {
-                p.attempts.retain(|a| a != id);
-                p.failed_on.push(l.addr.clone());
-                self.metrics
-                    .retries
-                    .with_label_values(&["worker_lost"])
-                    .inc();
-                // A request that kills or stalls every worker it reaches would otherwise be
-                // retried forever: a crash while it was in flight counts as an attempt.
-                if loss == Loss::Crashed {
-                    p.failures += 1;
-                    if p.failures >= self.cfg.max_attempts.max(1) {
-                        poisoned.push(f.position);
+            if !self.pending.contains_key(&f.position) {
+                continue; // answered elsewhere already
+            }
+            self.metrics
+                .retries
+                .with_label_values(&["worker_lost"])
+                .inc();
+            match loss {
+                Loss::Crashed => {
+                    if self.count_failure(f.position, *id, &l.addr, &poison) {
+                        self.metrics.errors.with_label_values(&["poison"]).inc();
+                    }
+                }
+                Loss::Removed => {
+                    if let Some(p) = self.pending.get_mut(&f.position) {
+                        p.attempts.retain(|a| a != id);
+                        p.failed_on.push(l.addr.clone());
                     }
                 }
             }
-        }
-        for position in poisoned {
-            let why = format!(
-                "the connection to the worker was lost {} times while this batch was being \
-                 prepared (last: {error}); a sample of it may crash or stall workers",
-                self.cfg.max_attempts.max(1)
-            );
-            self.metrics.errors.with_label_values(&["poison"]).inc();
-            self.give_up(position, &l.addr, &why);
         }
         let kind = if was_up { "lost" } else { "connect" };
         self.metrics.errors.with_label_values(&[kind]).inc();

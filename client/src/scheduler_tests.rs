@@ -519,3 +519,49 @@ async fn an_answer_for_another_batch_is_never_delivered_and_is_asked_for_elsewhe
     assert_eq!(m.delivered(), [Ok(retried[0].0)]);
     assert!(m.asked(a).is_empty(), "a is not asked again");
 }
+
+/// A worker that stalls (connected, never answering) does not hold a batch forever: past
+/// `request_timeout` the request is asked again elsewhere and the stalled answer, if it ever
+/// comes, is dropped; with only stalling workers the trainer gets `BatchFailed` after
+/// `max_attempts` deadlines.
+#[tokio::test]
+async fn a_request_unanswered_past_its_deadline_is_asked_again_elsewhere() {
+    let mut cfg = config(1);
+    cfg.request_timeout = Duration::from_millis(5);
+    let mut m = Machine::new(cfg);
+    let a = m.worker_up("a", plan(7));
+    m.s.step();
+    let first = m.asked(a);
+    assert_eq!(first.len(), 1);
+    let b = m.worker_up("b", plan(7));
+    std::thread::sleep(Duration::from_millis(10));
+    m.s.step();
+    let again = m.asked(b);
+    assert_eq!(again.len(), 1, "asked again on the other worker");
+    assert_eq!((again[0].1, again[0].2), (0, 0));
+    m.answer(a, first[0].0); // the stalled answer, late: dropped
+    m.s.step();
+    assert!(m.delivered().is_empty());
+    m.answer(b, again[0].0);
+    m.s.step();
+    assert_eq!(m.delivered(), [Ok(again[0].0)]);
+    let retries = m.s.metrics.retries.with_label_values(&["deadline"]).get();
+    assert_eq!(retries, 1);
+
+    // One worker, stalled on everything: three deadlines, then the trainer's error.
+    let mut cfg = config(1);
+    cfg.request_timeout = Duration::from_millis(5);
+    let mut m = Machine::new(cfg);
+    let only = m.worker_up("only", plan(7));
+    let mut delivered = Vec::new();
+    for _ in 0..3 {
+        m.s.step();
+        assert_eq!(m.asked(only).len(), 1, "asked again after each deadline");
+        std::thread::sleep(Duration::from_millis(10));
+        m.s.step();
+        delivered = m.delivered();
+    }
+    let err = delivered.pop().expect("an error").unwrap_err();
+    assert_eq!(err.kind(), "batch_failed");
+    assert!(err.to_string().contains("no answer within 5ms"), "{err}");
+}

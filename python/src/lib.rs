@@ -70,7 +70,7 @@ struct NativeLoader {
 #[pymethods]
 impl NativeLoader {
     #[new]
-    #[pyo3(signature = (workers, rank, world_size, token, prefetch, max_prefetch, hedge, metrics_addr, pipeline, no_worker_timeout_s, state))]
+    #[pyo3(signature = (workers, rank, world_size, token, prefetch, max_prefetch, hedge, metrics_addr, pipeline, no_worker_timeout_s, request_timeout_s, state))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -84,6 +84,7 @@ impl NativeLoader {
         metrics_addr: Option<String>,
         pipeline: String,
         no_worker_timeout_s: f64,
+        request_timeout_s: f64,
         state: Option<(u64, u64, u64)>,
     ) -> PyResult<Self> {
         let discovery = Discovery::parse(workers).map_err(py_error)?;
@@ -98,6 +99,7 @@ impl NativeLoader {
         cfg.metrics_listen = metrics_addr;
         cfg.pipeline = pipeline;
         cfg.no_worker_timeout = Duration::from_secs_f64(no_worker_timeout_s.max(0.0));
+        cfg.request_timeout = Duration::from_secs_f64(request_timeout_s.max(0.001));
         cfg.state = state.map(|(plan_id, epoch, next_batch)| LoaderState {
             plan_id,
             epoch,

@@ -126,6 +126,10 @@ class Loader:
         prefetch: batches kept requested ahead; ``None`` adapts to latency and your step
             time (up to ``max_prefetch``); ``0`` disables prefetching.
         hedge: re-request a straggler from another worker past the p95 latency.
+        no_worker_timeout_s: with no usable worker for this long, raise ``NoWorker``.
+        request_timeout_s: a batch request unanswered for this long counts as a failed
+            attempt and is asked again, elsewhere first (a stalled worker never holds a
+            batch forever); after 5 attempts the batch raises ``BatchFailed``.
         metrics_port: serve Prometheus ``/metrics`` on this port (0 picks one, see
             ``metrics_addr``); labels ``pipeline`` and ``rank``.
         state: a ``state_dict()`` to resume from.
@@ -145,6 +149,7 @@ class Loader:
         metrics_host: str = "0.0.0.0",
         pipeline: str = "default",
         no_worker_timeout_s: float = 60.0,
+        request_timeout_s: float = 120.0,
         state: Optional[Dict[str, Any]] = None,
     ) -> None:
         if not isinstance(workers, str):
@@ -164,6 +169,7 @@ class Loader:
             metrics_addr,
             pipeline,
             no_worker_timeout_s,
+            request_timeout_s,
             None if state is None else _state_tuple(state),
         )
         self.rank = rank

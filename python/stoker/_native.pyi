@@ -21,6 +21,7 @@ class NativeLoader:
         metrics_addr: Optional[str],
         pipeline: str,
         no_worker_timeout_s: float,
+        request_timeout_s: float,
         state: Optional[Tuple[int, int, int]],
     ) -> None: ...
     def next_batch(self) -> Dict[str, Any]: ...

@@ -30,8 +30,9 @@ pub struct Metrics {
 
 /// Error kinds a sample can fail with (pre-created at 0 so that dashboards and alerts see
 /// every series before the first error).
-pub const SAMPLE_ERROR_KINDS: [&str; 13] = [
+pub const SAMPLE_ERROR_KINDS: [&str; 19] = [
     "object_missing",
+    "object_too_large",
     "object_store",
     "not_utf8",
     "invalid_json",
@@ -44,6 +45,11 @@ pub const SAMPLE_ERROR_KINDS: [&str; 13] = [
     "too_long",
     "text",
     "no_such_sample",
+    "panic",
+    "line_too_long",
+    "too_many_turns",
+    "too_many_images",
+    "sample_too_large",
 ];
 
 impl Metrics {
