@@ -333,27 +333,39 @@ fn a_worker_serving_another_plan_is_never_used() {
     assert!(mismatches >= 1, "the other plan's worker was not flagged");
 }
 
-/// A store that throttles every 7th request (503 SlowDown) and cuts every 5th body short:
-/// the worker retries, and every batch is byte for byte the fault-free one, none short.
+/// A store that throttles every 7th request (503 SlowDown) and cuts every 5th body short,
+/// behind three workers of which two are killed during the run: the workers retry the store,
+/// the client asks again for what died with a worker, and two epochs arrive byte for byte as
+/// from one worker on a fault-free store, none short, none lost or duplicated.
 #[test]
-fn a_faulty_store_changes_no_byte_and_skips_no_sample() {
+fn a_faulty_store_and_killed_workers_change_no_byte_and_skip_no_sample() {
     let f = fixture();
-    let faults = Faults {
-        every_nth_slow_down: 7,
-        every_nth_cut_body: 5,
-    };
-    let faulty = start_worker(
-        &f,
-        0,
-        StoreBehaviour {
+    let faulty = || {
+        let faults = Faults {
+            every_nth_slow_down: 7,
+            every_nth_cut_body: 5,
+        };
+        let store = StoreBehaviour {
             faults,
             ..StoreBehaviour::default()
-        },
-    );
+        };
+        start_worker(&f, 0, store)
+    };
+    let mut workers: Vec<TestWorker> = (0..3).map(|_| faulty()).collect();
     let clean = worker(&f);
-    let epoch = |w: &TestWorker| take(&mut Loader::new(config(&[w], 0, 1)).unwrap(), 10);
-    let (got, want) = (epoch(&faulty), epoch(&clean));
-    assert_eq!(got.len(), want.len());
+    let want = take(&mut Loader::new(config(&[&clean], 0, 1)).unwrap(), 10);
+    let mut cfg = config(&workers.iter().collect::<Vec<_>>(), 0, 1);
+    cfg.depth = Depth::Fixed(4);
+    let mut loader = Loader::new(cfg).unwrap();
+    let mut got = Vec::new();
+    while got.len() < want.len() {
+        match got.len() {
+            2 => workers[0].kill(),
+            6 => workers[1].kill(),
+            _ => {}
+        }
+        got.extend(loader.next_batch().unwrap());
+    }
     for (g, w) in got.iter().zip(&want) {
         assert_eq!((g.epoch, g.global_batch), (w.epoch, w.global_batch));
         assert!(
@@ -364,8 +376,12 @@ fn a_faulty_store_changes_no_byte_and_skips_no_sample() {
         assert_eq!(g.sample_ids, w.sample_ids);
         assert_eq!(payload_hash(g), payload_hash(w), "batch {}", g.global_batch);
     }
-    let injected = faulty.s3.faults_injected();
-    println!("{injected} faults injected over two epochs");
+    let injected: u64 = workers.iter().map(|w| w.s3.faults_injected()).sum();
+    let lost = loader.metrics().retries.with_label_values(&["worker_lost"]);
+    println!(
+        "{injected} faults injected over two epochs, {} requests lost with killed workers",
+        lost.get()
+    );
     assert!(injected >= 20, "only {injected} faults injected");
 }
 
