@@ -152,7 +152,13 @@ impl ClientMetrics {
             registry,
         };
         // Every labelled series exists from the start (at 0): dashboards and alerts see them.
-        for reason in ["worker_lost", "draining", "plan_mismatch", "transient", "deadline"] {
+        for reason in [
+            "worker_lost",
+            "draining",
+            "plan_mismatch",
+            "transient",
+            "deadline",
+        ] {
             m.retries.with_label_values(&[reason]);
         }
         for outcome in ["sent", "won"] {

@@ -41,7 +41,12 @@ pub enum LimitError {
         "image {key} ({w}x{h}) would bring the sample's decoded pixels over the limit of {max} \
          (max-sample-pixels); not decoded"
     )]
-    SamplePixels { key: String, w: u32, h: u32, max: u64 },
+    SamplePixels {
+        key: String,
+        w: u32,
+        h: u32,
+        max: u64,
+    },
 }
 
 impl LimitError {
@@ -163,15 +168,24 @@ mod tests {
                     .chain([r#"{"type": "text", "text": "x"}"#.to_string()])
                     .collect();
                 let sep = if t > 0 { "," } else { "" };
-                line += &format!(r#"{sep}{{"role": "{role}", "content": [{}]}}"#, parts.join(","));
+                line += &format!(
+                    r#"{sep}{{"role": "{role}", "content": [{}]}}"#,
+                    parts.join(",")
+                );
             }
             Conversation::parse(format!("{line}]}}").as_bytes()).unwrap()
         };
         assert!(l.check_conversation(&conv(3, 2)).is_ok());
         let e = l.check_conversation(&conv(4, 0)).unwrap_err();
-        assert_eq!((e.kind(), e.to_string().contains("4 messages")), ("too_many_turns", true));
+        assert_eq!(
+            (e.kind(), e.to_string().contains("4 messages")),
+            ("too_many_turns", true)
+        );
         let e = l.check_conversation(&conv(2, 3)).unwrap_err();
-        assert_eq!((e.kind(), e.to_string().contains("3 images")), ("too_many_images", true));
+        assert_eq!(
+            (e.kind(), e.to_string().contains("3 images")),
+            ("too_many_images", true)
+        );
     }
 
     #[test]

@@ -130,6 +130,18 @@ pub struct Batch {
     pub image_grid_thw: Vec<i64>,
 }
 
+impl Batch {
+    /// Bytes of its tensors on the wire (a frame adds the head and alignment padding).
+    pub fn tensor_bytes(&self) -> u64 {
+        let i64s = self.input_ids.len()
+            + self.labels.len()
+            + self.attention_mask.len()
+            + self.image_grid_thw.len();
+        let pixels: usize = self.pixel_chunks.iter().map(|c| c.as_bytes().len()).sum();
+        (i64s * 8 + pixels) as u64
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct PipelineConfig {
     pub preset: Preset,
@@ -304,10 +316,12 @@ impl Pipeline {
         let mut decoded_pixels = 0;
         for (key, bytes) in images {
             let decode = limits.next_image(decoded_pixels);
-            let out = process_image(&bytes, preset, &self.lut, decode, &mut timings)
-                .map_err(|err| match limits.classify(key.clone(), err) {
-                    Ok(err) => Cause::Image { key, err },
-                    Err(over) => Cause::Limit(over),
+            let out =
+                process_image(&bytes, preset, &self.lut, decode, &mut timings).map_err(|err| {
+                    match limits.classify(key.clone(), err) {
+                        Ok(err) => Cause::Image { key, err },
+                        Err(over) => Cause::Limit(over),
+                    }
                 })?;
             decoded_pixels += out.original.0 as u64 * out.original.1 as u64;
             outs.push(out);

@@ -140,6 +140,24 @@ async fn write_batch<W: AsyncWrite + Unpin>(
     Ok(total + HEADER_LEN as u64)
 }
 
+/// Room a batch frame keeps beside the tensors for its head (sample ids, skip reasons) and
+/// alignment padding.
+const FRAME_HEAD_ROOM: u64 = 64 << 20;
+
+/// A batch too large for one frame fails by name (every worker would build the same one),
+/// rather than breaking the connection of the client reading it, again on every worker.
+fn check_frame_size(batch: &Batch, max_payload: u64) -> Result<(), String> {
+    let bytes = batch.tensor_bytes();
+    if bytes + FRAME_HEAD_ROOM <= max_payload {
+        return Ok(());
+    }
+    Err(format!(
+        "the batch's tensors are {bytes} bytes, more than a batch frame carries ({max_payload} \
+         bytes with its head): lower global_batch_size, max_pixels or max_images_per_sample, \
+         or use pixel_dtype u8"
+    ))
+}
+
 /// Equal-time comparison, so the token cannot be guessed byte by byte from response times.
 fn token_matches(expected: &str, given: &str) -> bool {
     let (a, b) = (expected.as_bytes(), given.as_bytes());
@@ -480,12 +498,15 @@ impl Server {
             .expect("never closed");
         queue.dec();
         match self.pipeline.build_batch(&ids).await {
-            Ok(batch) => Outgoing::Batch(Box::new(Ready {
-                request: req,
-                batch,
-                started,
-                _budget: budget,
-            })),
+            Ok(batch) => match check_frame_size(&batch, stoker_wire::MAX_PAYLOAD) {
+                Ok(()) => Outgoing::Batch(Box::new(Ready {
+                    request: req,
+                    batch,
+                    started,
+                    _budget: budget,
+                })),
+                Err(too_large) => err(ErrorCode::Failed, too_large),
+            },
             Err(f) if f.transient => err(ErrorCode::Transient, f.to_string()),
             Err(f) => err(ErrorCode::Failed, f.to_string()),
         }
@@ -508,7 +529,27 @@ pub fn plan_id(p: &Pipeline) -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use super::token_matches;
+    use super::*;
+    use crate::preprocess::vision::PixelBuf;
+
+    #[test]
+    fn a_batch_over_the_frame_limit_is_refused_by_name() {
+        let batch = Batch {
+            sample_ids: vec![0],
+            skipped: vec![],
+            input_ids: vec![1; 10],
+            labels: vec![1; 10],
+            attention_mask: vec![1; 10],
+            seq_len: 10,
+            pixel_chunks: vec![PixelBuf::F32(vec![0.0; 1000])],
+            pixel_rows: 1,
+            image_grid_thw: vec![1, 1, 1],
+        };
+        assert_eq!(batch.tensor_bytes(), 33 * 8 + 4000);
+        assert!(check_frame_size(&batch, FRAME_HEAD_ROOM + 4264).is_ok());
+        let e = check_frame_size(&batch, FRAME_HEAD_ROOM + 4263).unwrap_err();
+        assert!(e.starts_with("the batch's tensors are 4264 bytes"), "{e}");
+    }
 
     #[test]
     fn token_comparison() {

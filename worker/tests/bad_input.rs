@@ -302,7 +302,11 @@ async fn samples_over_a_work_limit_are_skipped_by_name_on_every_worker() {
     let expect = [
         (1, "too_many_images", "3 images are over the limit of 2"),
         (2, "too_many_turns", "6 messages are over the limit of 4"),
-        (3, "line_too_long", "over the limit of 2000 (max-line-bytes)"),
+        (
+            3,
+            "line_too_long",
+            "over the limit of 2000 (max-line-bytes)",
+        ),
         (4, "object_too_large", "img/big.jpg is "),
         (5, "sample_too_large", "image img/b.png (60x40) would bring"),
     ];

@@ -352,7 +352,8 @@ not json\n\
     /// line named with its length, and the lines after it keep their offsets.
     #[test]
     fn chunking_changes_nothing_and_long_lines_are_named() {
-        let good = br#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo"}]}"#;
+        let good =
+            br#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo"}]}"#;
         let long = vec![b' '; MAX_INDEXED_LINE_BYTES as usize + 1];
         let mut data = Vec::new();
         for part in [&good[..], b"\r\n", &long, b"\n\n", good, b"\n", good] {
@@ -383,9 +384,17 @@ not json\n\
         );
         assert_eq!(bad.len(), 1);
         assert_eq!(bad[0].line, 2);
-        assert!(bad[0].reason.contains("line of 16777217 bytes is over"), "{}", bad[0]);
+        assert!(
+            bad[0].reason.contains("line of 16777217 bytes is over"),
+            "{}",
+            bad[0]
+        );
         for chunk in [1 << 20, 4096, 7] {
-            assert_eq!(index_in(chunk), (lines.clone(), bad.clone()), "chunks of {chunk}");
+            assert_eq!(
+                index_in(chunk),
+                (lines.clone(), bad.clone()),
+                "chunks of {chunk}"
+            );
         }
     }
 

@@ -14,6 +14,10 @@ pub const IGNORE_INDEX: i64 = -100;
 const CONTENT_OPEN: char = '\u{FDD0}';
 const CONTENT_CLOSE: char = '\u{FDD1}';
 
+/// Rendered chat text and the byte spans of it that are trained on.
+type Rendered = (String, Vec<Span>);
+type Span = (usize, usize);
+
 /// Qwen2-VL / Qwen2.5-VL's vision-language chat template (as published with the models).
 pub const QWEN2_VL_TEMPLATE: &str = include_str!("../../templates/qwen2-vl.jinja");
 
@@ -194,10 +198,7 @@ impl TextProcessor {
 
     /// The rendered text and the byte spans trained on: from one render with the content of
     /// each assistant turn marked when the template allows, else from prefix renders.
-    fn render_with_spans(
-        &self,
-        conv: &Conversation,
-    ) -> Result<(String, Vec<(usize, usize)>), TextError> {
+    fn render_with_spans(&self, conv: &Conversation) -> Result<Rendered, TextError> {
         if let Some(turn_end) = &self.turn_end {
             if let Some(found) = self.marked_render(conv, turn_end)? {
                 return Ok(found);
@@ -214,10 +215,10 @@ impl TextProcessor {
         &self,
         conv: &Conversation,
         turn_end: &str,
-    ) -> Result<Option<(String, Vec<(usize, usize)>)>, TextError> {
-        let holds_marker = conv.messages.iter().flat_map(|m| &m.content).any(|p| {
-            matches!(p, Part::Text { text } if text.contains([CONTENT_OPEN, CONTENT_CLOSE]))
-        });
+    ) -> Result<Option<Rendered>, TextError> {
+        let holds_marker = conv.messages.iter().flat_map(|m| &m.content).any(
+            |p| matches!(p, Part::Text { text } if text.contains([CONTENT_OPEN, CONTENT_CLOSE])),
+        );
         if holds_marker {
             return Ok(None);
         }
@@ -408,7 +409,7 @@ mod tests {
     }
 
     /// The spans of the one marked render, as prefix renders find them.
-    fn spans_both_ways(t: &TextProcessor, line: &str) -> (Vec<(usize, usize)>, Vec<(usize, usize)>) {
+    fn spans_both_ways(t: &TextProcessor, line: &str) -> (Vec<Span>, Vec<Span>) {
         let conv = Conversation::parse(line.as_bytes()).unwrap();
         let (text, once) = t.render_with_spans(&conv).unwrap();
         assert_eq!(text, t.render(&conv, conv.messages.len(), false).unwrap());
