@@ -62,6 +62,11 @@ fn start_worker(f: &Fixture, seed: u64, store: StoreBehaviour) -> TestWorker {
         .enable_all()
         .build()
         .unwrap();
+    // A stalled body is given up on after a second (20 s by default).
+    let read_timeout_s = match store.faults.every_nth_stall_body {
+        0 => stoker_config::DEFAULT_S3_READ_TIMEOUT_S,
+        _ => 1,
+    };
     let (addr, s3) = rt.block_on(async {
         let s3 = EmbeddedS3::start_with(f.root.path(), "127.0.0.1:0", store)
             .await
@@ -71,6 +76,7 @@ fn start_worker(f: &Fixture, seed: u64, store: StoreBehaviour) -> TestWorker {
             s3: s3.s3_options(),
             ..WorkerConfig::default()
         };
+        cfg.s3.read_timeout_s = read_timeout_s;
         cfg.sampling.global_batch_size = 8;
         cfg.sampling.seed = seed;
         cfg.concurrency.cpu_threads = Some(1);
@@ -333,8 +339,8 @@ fn a_worker_serving_another_plan_is_never_used() {
     assert!(mismatches >= 1, "the other plan's worker was not flagged");
 }
 
-/// A store that throttles every 7th request (503 SlowDown) and cuts every 5th body short,
-/// behind three workers of which two are killed during the run: the workers retry the store,
+/// A store that throttles every 7th request (503 SlowDown), cuts every 5th body short and
+/// stalls every 23rd half way (never closing), behind three workers of which two are killed during the run: the workers retry the store,
 /// the client asks again for what died with a worker, and two epochs arrive byte for byte as
 /// from one worker on a fault-free store, none short, none lost or duplicated.
 #[test]
@@ -344,6 +350,7 @@ fn a_faulty_store_and_killed_workers_change_no_byte_and_skip_no_sample() {
         let faults = Faults {
             every_nth_slow_down: 7,
             every_nth_cut_body: 5,
+            every_nth_stall_body: 23,
         };
         let store = StoreBehaviour {
             faults,

@@ -18,6 +18,7 @@ pub const DEFAULT_MAX_SAMPLE_PIXELS: u64 = 256 << 20;
 pub const DEFAULT_MAX_OBJECT_BYTES: u64 = 64 << 20;
 pub const DEFAULT_MAX_LINE_BYTES: u64 = 4 << 20;
 pub const DEFAULT_MAX_TURNS: u32 = 512;
+pub const DEFAULT_S3_READ_TIMEOUT_S: u64 = 20;
 pub const DEFAULT_GLOBAL_BATCH_SIZE: u32 = 32;
 pub const DEFAULT_MAX_FETCHES: usize = 64;
 pub const DEFAULT_MAX_INFLIGHT_PER_CONN: usize = 8;
@@ -98,7 +99,7 @@ impl OnError {
 
 /// Connection settings for an S3-compatible store; credentials come from the standard chain
 /// (environment, profile, web identity, instance metadata).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[cfg_attr(feature = "clap", derive(clap::Args))]
 #[serde(rename_all = "camelCase")]
 pub struct S3Connection {
@@ -114,11 +115,36 @@ pub struct S3Connection {
     #[serde(default)]
     #[cfg_attr(feature = "clap", arg(long = "s3-path-style"))]
     pub path_style: bool,
+    /// A response that does not start, or a body that delivers no byte, for this long is a
+    /// transient failure (retried; never a skip): a stalled store never holds a request.
+    #[serde(default = "default_s3_read_timeout_s")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(
+        feature = "clap",
+        arg(long = "s3-read-timeout-s", default_value_t = DEFAULT_S3_READ_TIMEOUT_S)
+    )]
+    pub read_timeout_s: u64,
     /// Static (access key, secret key), for in-process use only; never in a spec or a flag.
     #[serde(skip)]
     #[schemars(skip)]
     #[cfg_attr(feature = "clap", arg(skip))]
     pub static_credentials: Option<(String, String)>,
+}
+
+impl Default for S3Connection {
+    fn default() -> Self {
+        S3Connection {
+            endpoint: None,
+            region: None,
+            path_style: false,
+            read_timeout_s: DEFAULT_S3_READ_TIMEOUT_S,
+            static_credentials: None,
+        }
+    }
+}
+
+fn default_s3_read_timeout_s() -> u64 {
+    DEFAULT_S3_READ_TIMEOUT_S
 }
 
 /// How samples are preprocessed: the model family's processor, with overrides. Together with
@@ -418,6 +444,7 @@ impl S3Connection {
         a.optional("s3-endpoint", self.endpoint.as_ref());
         a.optional("s3-region", self.region.as_ref());
         a.switch("s3-path-style", self.path_style);
+        a.value("s3-read-timeout-s", self.read_timeout_s);
     }
 }
 
@@ -517,6 +544,7 @@ mod tests {
                 endpoint: Some("http://minio:9000".into()),
                 region: Some("eu-west-1".into()),
                 path_style: true,
+                read_timeout_s: 3,
                 static_credentials: None,
             },
             preprocessing: Preprocessing {
@@ -583,6 +611,11 @@ mod tests {
         assert_eq!(parsed.sampling, Sampling::default());
         assert_eq!(parsed.concurrency, Concurrency::default());
         assert_eq!(parsed.serving, Serving::default());
+        // (The endpoint and region may come from the environment.)
+        assert_eq!(
+            parsed.s3.read_timeout_s,
+            S3Connection::default().read_timeout_s
+        );
         let from_spec: Preprocessing = serde_json::from_str("{}").unwrap();
         assert_eq!(from_spec, Preprocessing::default());
     }

@@ -6,6 +6,7 @@
 //! transfer time (a response of n bytes is held n / bandwidth longer; one HTTP/1.1 connection
 //! carries one response at a time, so this caps each connection's throughput).
 
+use futures::StreamExt;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto::Builder as ConnBuilder;
 use s3s::auth::SimpleAuth;
@@ -40,6 +41,9 @@ pub struct Faults {
     /// Every n-th GET delivers half its body and then closes the connection (a reset
     /// mid-body: the headers promised more).
     pub every_nth_cut_body: u64,
+    /// Every n-th GET delivers half its body and then nothing, never closing (a stalled
+    /// store or a dead network path).
+    pub every_nth_stall_body: u64,
 }
 
 impl Faults {
@@ -69,6 +73,19 @@ async fn cut_body(resp: hyper::Response<s3s::Body>) -> hyper::Response<s3s::Body
         return hyper::Response::from_parts(parts, s3s::Body::empty());
     };
     hyper::Response::from_parts(parts, s3s::Body::from(full.slice(..full.len() / 2)))
+}
+
+/// `resp` with only the first half of its body and then a body that never ends.
+async fn stall_body(resp: hyper::Response<s3s::Body>) -> hyper::Response<s3s::Body> {
+    let (parts, mut body) = resp.into_parts();
+    let Ok(full) = body.store_all_unlimited().await else {
+        return hyper::Response::from_parts(parts, s3s::Body::empty());
+    };
+    let half = hyper::body::Frame::data(full.slice(..full.len() / 2));
+    let frames =
+        futures::stream::iter([Ok::<_, std::io::Error>(half)]).chain(futures::stream::pending());
+    let body = s3s::Body::http_body(http_body_util::StreamBody::new(frames));
+    hyper::Response::from_parts(parts, body)
 }
 
 impl StoreBehaviour {
@@ -161,6 +178,12 @@ impl EmbeddedS3 {
                             {
                                 inject();
                                 resp = cut_body(resp).await;
+                            } else if is_get
+                                && resp.status().is_success()
+                                && Faults::hits(faults.every_nth_stall_body, k)
+                            {
+                                inject();
+                                resp = stall_body(resp).await;
                             }
                             let size = hyper::body::Body::size_hint(resp.body()).exact();
                             if let (Some(bw), Some(n)) = (bandwidth, size) {
@@ -196,6 +219,7 @@ impl EmbeddedS3 {
             region: Some("us-east-1".into()),
             path_style: true,
             static_credentials: Some((ACCESS_KEY.into(), SECRET_KEY.into())),
+            ..S3Connection::default()
         }
     }
 

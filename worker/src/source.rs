@@ -36,8 +36,14 @@ struct Body {
 }
 
 enum Chunks {
-    File { file: tokio::fs::File, left: u64 },
-    S3(aws_sdk_s3::primitives::ByteStream),
+    File {
+        file: tokio::fs::File,
+        left: u64,
+    },
+    S3 {
+        stream: aws_sdk_s3::primitives::ByteStream,
+        read_timeout: std::time::Duration,
+    },
 }
 
 impl Body {
@@ -79,10 +85,16 @@ impl Body {
                 *left = if n == 0 { 0 } else { *left - n as u64 };
                 Ok((n > 0).then(|| buf.into()))
             }
-            Chunks::S3(stream) => stream
-                .try_next()
-                .await
-                .map_err(|e| io(format!("reading body: {e}"))),
+            Chunks::S3 {
+                stream,
+                read_timeout,
+            } => match tokio::time::timeout(*read_timeout, stream.try_next()).await {
+                Ok(chunk) => chunk.map_err(|e| io(format!("reading body: {e}"))),
+                Err(_) => Err(io(format!(
+                    "the body stalled: no byte for {read_timeout:?} after {} bytes",
+                    self.received
+                ))),
+            },
         }
     }
 }
@@ -150,6 +162,8 @@ pub enum Store {
         bucket: String,
         /// Empty, or ends with '/'.
         prefix: String,
+        /// Longest wait for a response to start or a body's next byte.
+        read_timeout: std::time::Duration,
     },
 }
 
@@ -188,6 +202,7 @@ impl Store {
                 client: aws_sdk_s3::Client::from_conf(s3conf),
                 bucket: bucket.to_string(),
                 prefix,
+                read_timeout: std::time::Duration::from_secs(s3.read_timeout_s.max(1)),
             });
         }
         let path = uri.strip_prefix("file://").unwrap_or(uri);
@@ -215,6 +230,7 @@ impl Store {
                 client,
                 bucket,
                 prefix,
+                ..
             } => {
                 let mut pages = client
                     .list_objects_v2()
@@ -374,6 +390,7 @@ impl Store {
                 client,
                 bucket,
                 prefix,
+                read_timeout,
             } => {
                 let mut req = client
                     .get_object()
@@ -382,7 +399,9 @@ impl Store {
                 if let Some((start, len)) = range {
                     req = req.range(format!("bytes={start}-{}", start + len.max(1) - 1));
                 }
-                let resp = req.send().await.map_err(|e| {
+                let stalled = || io(format!("no response within {read_timeout:?}"));
+                let sent = tokio::time::timeout(*read_timeout, req.send());
+                let resp = sent.await.map_err(|_| stalled())?.map_err(|e| {
                     let not_found = e
                         .as_service_error()
                         .is_some_and(|s| s.is_no_such_key() || s.code() == Some("NotFound"));
@@ -395,7 +414,10 @@ impl Store {
                 Ok(Body {
                     len: resp.content_length().map(|l| l.max(0) as u64),
                     received: 0,
-                    chunks: Chunks::S3(resp.body),
+                    chunks: Chunks::S3 {
+                        stream: resp.body,
+                        read_timeout: *read_timeout,
+                    },
                 })
             }
         }
@@ -414,6 +436,7 @@ impl Store {
                 client,
                 bucket,
                 prefix,
+                ..
             } => {
                 client
                     .put_object()
