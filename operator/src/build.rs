@@ -816,7 +816,9 @@ mod tests {
         let d = deployment(&dp, 1);
         let args = pod(&d).containers[0].args.as_ref().unwrap().join(" ");
         assert!(args.contains("--data /data/llava"), "{args}");
-        assert!(!args.contains("--s3-"));
+        for s3_only in ["--s3-endpoint", "--s3-region", "--s3-path-style"] {
+            assert!(!args.contains(s3_only), "{args}");
+        }
         let vol = pod(&d)
             .volumes
             .as_ref()
