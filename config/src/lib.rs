@@ -171,7 +171,9 @@ pub struct Preprocessing {
     #[schemars(range(min = 1))]
     #[cfg_attr(feature = "clap", arg(long))]
     pub max_pixels: Option<u64>,
-    /// pixel_values dtype; u8 leaves normalization to the GPU (4x fewer bytes than f32).
+    /// pixel_values dtype on the wire; absent: u8, normalized on the rank (the client's
+    /// `pixel_values()`, bit-identical to the processor's float32) with 4x fewer bytes than
+    /// f32 to write, send and receive; f32 or bf16 normalize on the worker.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "clap", arg(long, value_enum))]
     pub pixel_dtype: Option<PixelDtype>,

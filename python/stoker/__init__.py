@@ -86,8 +86,76 @@ class Batch:
     def __getitem__(self, name: str) -> np.ndarray:
         return self.tensors[name]
 
+    def pixel_values(self, device: Any = None, dtype: str = "float32") -> Any:
+        """``pixel_values`` ready for the model: normalized as the Hugging Face processor does.
+
+        With u8 pixels on the wire (resized and patchified, a quarter of float32's bytes) the
+        batch carries the worker's normalization table (``pixel_lut``, float32 per channel and
+        8-bit value, computed with the processor's arithmetic); looking each value up in it
+        gives float32 values bit-identical to the processor's, wherever the lookup runs.
+        Pixels normalized on the worker (f32 or bf16 on the wire) are only converted.
+
+        Args:
+            device: ``None`` returns a numpy array; a torch device (``"cuda:0"``, ``"cpu"``)
+                returns a torch tensor, the lookup done on that device (only the u8 bytes
+                cross to a GPU).
+            dtype: ``"float32"`` or ``"bfloat16"`` (rounded to nearest even from float32, as
+                torch's ``.to(torch.bfloat16)`` does).
+        """
+        if dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"pixel_values dtype {dtype!r}: use 'float32' or 'bfloat16'")
+        px = self.tensors["pixel_values"]
+        lut = self.tensors.get("pixel_lut")
+        wire = self.dtypes["pixel_values"]
+        if device is None:
+            return _pixels_numpy(px, lut, wire, dtype)
+        return _pixels_torch(px, lut, wire, device, dtype)
+
     def keys(self):
         return self.tensors.keys()
+
+
+def _lut_index(columns: int) -> np.ndarray:
+    """Each column's offset into the flattened ``[3, 256]`` table: a row of ``pixel_values``
+    is (channel, temporal, patch row, patch column), so channel c owns the c-th third."""
+    return (np.arange(columns, dtype=np.uint16) // (columns // 3)) * np.uint16(256)
+
+
+def _bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 → bfloat16 bits, rounded to nearest even (torch's and the worker's rule)."""
+    bits = values.view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return rounded.astype(np.uint16)
+
+
+def _pixels_numpy(px: np.ndarray, lut: Optional[np.ndarray], wire: str, dtype: str) -> np.ndarray:
+    if lut is not None:
+        values = lut.reshape(-1)[px.astype(np.uint16) + _lut_index(px.shape[1])]
+    elif wire == "bfloat16":
+        if dtype == "bfloat16":
+            return px
+        values = (px.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    else:
+        values = px
+    if dtype == "float32":
+        return values
+    bits = _bf16_bits(np.ascontiguousarray(values, dtype=np.float32))
+    return bits.view(_BF16) if _BF16 is not None else bits
+
+
+def _pixels_torch(px: np.ndarray, lut: Optional[np.ndarray], wire: str, device: Any, dtype: str):
+    import torch
+
+    if lut is not None:
+        table = torch.from_numpy(lut).to(device).reshape(-1)
+        index = torch.from_numpy(px).to(device).long()
+        index += torch.from_numpy(_lut_index(px.shape[1]).astype(np.int64)).to(device)
+        values = table[index]
+    elif wire == "bfloat16":
+        values = torch.from_numpy(px.view(np.uint16)).view(torch.bfloat16).to(device)
+    else:
+        values = torch.from_numpy(px).to(device)
+    return values.to(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
 
 
 def _batch(raw: Dict[str, Any]) -> Batch:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterator
 
-import numpy as np
 import torch
 
 from . import Batch, Loader
@@ -20,14 +19,18 @@ from . import Batch, Loader
 __all__ = ["StokerIterableDataset", "to_torch"]
 
 
-def to_torch(batch: Batch) -> Dict[str, Any]:
-    """The batch's tensors as torch tensors viewing the same memory, plus its metadata."""
+def to_torch(batch: Batch, device: Any = None, pixel_dtype: str = "float32") -> Dict[str, Any]:
+    """The batch as model inputs: token tensors viewing the received memory (moved to
+    ``device`` if given), ``pixel_values`` normalized as the Hugging Face processor does
+    (``Batch.pixel_values``: with u8 on the wire, the lookup runs on ``device``), plus the
+    batch's metadata."""
     out: Dict[str, Any] = {}
     for name, arr in batch.tensors.items():
+        if name in ("pixel_values", "pixel_lut"):
+            continue
         t = torch.from_numpy(arr)
-        if batch.dtypes[name] == "bfloat16" and arr.dtype == np.uint16:
-            t = t.view(torch.bfloat16)
-        out[name] = t
+        out[name] = t if device is None else t.to(device)
+    out["pixel_values"] = batch.pixel_values(device=device or "cpu", dtype=pixel_dtype)
     out["sample_ids"] = batch.sample_ids
     out["epoch"] = batch.epoch
     out["global_batch"] = batch.global_batch
@@ -39,8 +42,12 @@ class StokerIterableDataset(torch.utils.data.IterableDataset):
 
     Rank and world size default to torch.distributed's when it is initialized."""
 
-    def __init__(self, workers, **loader_kwargs: Any) -> None:
+    def __init__(
+        self, workers, device: Any = None, pixel_dtype: str = "float32", **loader_kwargs: Any
+    ) -> None:
         super().__init__()
+        self.device = device
+        self.pixel_dtype = pixel_dtype
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             loader_kwargs.setdefault("rank", torch.distributed.get_rank())
             loader_kwargs.setdefault("world_size", torch.distributed.get_world_size())
@@ -48,7 +55,7 @@ class StokerIterableDataset(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         for batch in self.loader:
-            yield to_torch(batch)
+            yield to_torch(batch, self.device, self.pixel_dtype)
 
     def state_dict(self) -> Dict[str, Any]:
         return self.loader.state_dict()

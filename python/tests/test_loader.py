@@ -153,7 +153,7 @@ def test_torch_adapter_shares_memory(worker):
     from stoker.torch import StokerIterableDataset
 
     w = worker("--pixel-dtype", "bf16")
-    ds = StokerIterableDataset(w.addr)
+    ds = StokerIterableDataset(w.addr, pixel_dtype="bfloat16")
     batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)))
     assert batch["pixel_values"].dtype == torch.bfloat16
     assert batch["input_ids"].dtype == torch.int64

@@ -89,7 +89,7 @@ def test_tokens_labels_and_pixels_match_transformers(processor, tmp_path, fmt, n
         out = tmp_path / f"{fmt}-{i}.safetensors"
         subprocess.run(
             [STOKER, "dataset", "inspect", str(ds), "--sample", str(i), "--preset", "qwen2-vl",
-             "--tokenizer", str(TOKENIZER), "--out", str(out)],
+             "--tokenizer", str(TOKENIZER), "--pixel-dtype", "f32", "--out", str(out)],
             check=True, capture_output=True,
         )
         ours = load_file(str(out))

@@ -13,7 +13,7 @@ use crate::plan::Plan;
 use crate::preprocess::preset::{PixelDtype, Preset};
 use crate::preprocess::text::{TextError, TextProcessor, IGNORE_INDEX};
 use crate::preprocess::vision::{
-    process_image, ImageError, ImageOut, ImageTimings, PixelBuf, PixelLut,
+    normalization_table, process_image, ImageError, ImageOut, ImageTimings, PixelBuf, PixelLut,
 };
 use crate::source::{resolve_relative, FetchError, PathError, Store};
 use futures::StreamExt;
@@ -163,6 +163,8 @@ pub struct Pipeline {
     pub config: PipelineConfig,
     pub metrics: Arc<Metrics>,
     lut: PixelLut,
+    /// With u8 pixels: the normalization table's bytes, sent with every batch.
+    pixel_lut: Option<Vec<u8>>,
     fetch_slots: Semaphore,
     cpu_slots: Arc<Semaphore>,
 }
@@ -185,6 +187,12 @@ impl Pipeline {
         metrics.dataset_bad_lines.set(index.bad_lines.len() as i64);
         Pipeline {
             lut: PixelLut::new(&config.preset),
+            pixel_lut: (config.preset.pixel_dtype == PixelDtype::U8).then(|| {
+                normalization_table(&config.preset)
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect()
+            }),
             fetch_slots: Semaphore::new(config.max_fetches.max(1)),
             cpu_slots: Arc::new(Semaphore::new(config.cpu_threads.max(1))),
             store,
@@ -202,6 +210,12 @@ impl Pipeline {
             PixelDtype::Bf16 => DType::BF16,
             PixelDtype::U8 => DType::U8,
         }
+    }
+
+    /// The `pixel_lut` tensor's bytes (`[3, 256]` float32) when pixels go out as u8: what
+    /// the rank needs to normalize them exactly as this worker would have.
+    pub fn pixel_lut(&self) -> Option<&[u8]> {
+        self.pixel_lut.as_deref()
     }
 
     /// Reads a sample's line (`range`) or a whole image, at most `max_object_bytes` of it.

@@ -64,11 +64,13 @@ fn connection_error(code: ErrorCode, message: String) -> ErrorFrame {
 }
 
 /// Writes a batch frame: head, then each tensor's padding and chunks, with no staging copy.
+/// `pixel_lut` (u8 pixels only) goes along as a `[3, 256]` float32 tensor.
 async fn write_batch<W: AsyncWrite + Unpin>(
     w: &mut W,
     req: BatchRequest,
     batch: &Batch,
     pixel_dtype: stoker_wire::DType,
+    pixel_lut: Option<&[u8]>,
 ) -> std::io::Result<u64> {
     let b = batch.sample_ids.len() as u64;
     let l = batch.seq_len as u64;
@@ -93,7 +95,7 @@ async fn write_batch<W: AsyncWrite + Unpin>(
         shape,
         chunks: vec![bytes],
     };
-    let tensors = [
+    let mut tensors = vec![
         i64_tensor("input_ids", vec![b, l], &ids),
         i64_tensor("labels", vec![b, l], &labels),
         i64_tensor("attention_mask", vec![b, l], &mask),
@@ -109,6 +111,14 @@ async fn write_batch<W: AsyncWrite + Unpin>(
             &grid,
         ),
     ];
+    if let Some(lut) = pixel_lut {
+        tensors.push(TensorRef {
+            name: "pixel_lut",
+            dtype: stoker_wire::DType::F32,
+            shape: vec![3, 256],
+            chunks: vec![lut],
+        });
+    }
     let (head, pads) = BatchHead::layout(
         req,
         batch.sample_ids.clone(),
@@ -369,7 +379,8 @@ impl Server {
                         _budget,
                     } = *ready;
                     let t = Instant::now();
-                    let n = write_batch(&mut wr, request, &batch, pixel_dtype).await?;
+                    let lut = self.pipeline.pixel_lut();
+                    let n = write_batch(&mut wr, request, &batch, pixel_dtype, lut).await?;
                     metrics.observe_stage("send", t.elapsed());
                     metrics
                         .request_seconds

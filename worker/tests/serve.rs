@@ -35,8 +35,10 @@ async fn serves_planned_slices_with_consistent_tensors() {
             let pads = input_ids.iter().filter(|&&t| t == 151655).count() as i64;
             assert_eq!(pads * 4, patches);
             let pv = head.tensor("pixel_values").unwrap();
-            assert_eq!(pv.dtype, DType::F32);
+            assert_eq!(pv.dtype, DType::U8, "u8 is the default");
             assert_eq!(pv.shape, vec![patches as u64, 1176]);
+            let lut = head.tensor("pixel_lut").unwrap();
+            assert_eq!((lut.dtype, lut.shape.clone()), (DType::F32, vec![3, 256]));
             // Padding is masked and never trained on; every sample trains on something.
             for row in 0..b as usize {
                 let r = row * l as usize..(row + 1) * l as usize;
@@ -154,6 +156,8 @@ async fn pixel_dtypes_shrink_the_payload() {
         let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
         let (head, _) = c.get(request(&welcome, 0, 0, 0, 1)).await.batch();
         sizes.push(head.tensor("pixel_values").unwrap().nbytes);
+        // Only unnormalized pixels travel with their normalization table.
+        assert_eq!(head.tensor("pixel_lut").is_some(), dtype == PixelDtype::U8);
     }
     assert_eq!(sizes[0], sizes[1] * 2);
     assert_eq!(sizes[0], sizes[2] * 4);

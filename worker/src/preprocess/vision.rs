@@ -320,25 +320,34 @@ pub enum PixelLut {
 
 impl PixelLut {
     pub fn new(preset: &Preset) -> Self {
-        // transformers: float64 v * (1/255) → float32; (x - mean) / std in float32.
-        let normalized = || {
-            (0..3).flat_map(move |c| {
-                (0..=255u8).map(move |v| {
-                    let x = (v as f64 * (1.0 / 255.0)) as f32;
-                    (x - preset.image_mean[c]) / preset.image_std[c]
-                })
-            })
-        };
+        let table = normalization_table(preset);
         match preset.pixel_dtype {
-            PixelDtype::F32 => PixelLut::F32(normalized().collect()),
+            PixelDtype::F32 => PixelLut::F32(table),
             PixelDtype::Bf16 => PixelLut::Bf16(
-                normalized()
+                table
+                    .into_iter()
                     .map(|n| half::bf16::from_f32(n).to_bits())
                     .collect(),
             ),
             PixelDtype::U8 => PixelLut::U8,
         }
     }
+}
+
+/// The normalization as a table: `table[c * 256 + v]` is channel c's float32 value for the
+/// 8-bit value v, with transformers' arithmetic (float64 v × 1/255 → float32, then
+/// (x − mean) / std in float32). A worker applies it (f32 or bf16 on the wire) or, with u8
+/// pixels, sends it along (`pixel_lut`) for the rank to apply: a lookup in the same table is
+/// bit-identical wherever it runs.
+pub fn normalization_table(preset: &Preset) -> Vec<f32> {
+    (0..3)
+        .flat_map(|c| {
+            (0..=255u8).map(move |v| {
+                let x = (v as f64 * (1.0 / 255.0)) as f32;
+                (x - preset.image_mean[c]) / preset.image_std[c]
+            })
+        })
+        .collect()
 }
 
 /// Normalizes and patchifies a resized RGB image into `pixel_values` rows.
