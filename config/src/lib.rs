@@ -53,7 +53,10 @@ impl PresetName {
     }
 }
 
-/// How the worker turns pixels into `pixel_values` bytes.
+/// `pixel_values` on the wire. u8 (the default): resized, patchified 8-bit pixels plus the
+/// normalization table, normalized on the rank by the client (bit-identical to the
+/// processor's float32) — a quarter of f32's bytes for the worker to write, the NIC to carry
+/// and the rank to receive. f32 / bf16: normalized on the worker, 4 / 2 bytes per value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
