@@ -303,17 +303,14 @@ async fn served_pipeline(
 async fn stage_means(metrics_addr: &str) -> anyhow::Result<String> {
     let addr = metrics_addr.to_string();
     let text = tokio::task::spawn_blocking(move || http::get_ok(&addr, "/metrics")).await??;
-    let value = |series: &str| -> Option<f64> {
-        text.lines()
-            .find_map(|l| l.strip_prefix(series))
-            .and_then(|v| v.trim().parse().ok())
+    // Found by label, whatever else the series carries (the `pipeline` label comes first).
+    let value = |suffix: &str, stage: &str| {
+        let name = format!("stoker_worker_stage_seconds_{suffix}");
+        stoker_control::exposition::metric_value_with(&text, &name, &[("stage", stage)])
     };
     let mut parts = Vec::new();
     for stage in ["fetch", "decode", "resize", "tokenize", "collate", "send"] {
-        let label = format!("{{stage=\"{stage}\"}}");
-        let sum = value(&format!("stoker_worker_stage_seconds_sum{label}"));
-        let count = value(&format!("stoker_worker_stage_seconds_count{label}"));
-        if let (Some(sum), Some(count)) = (sum, count) {
+        if let (Some(sum), Some(count)) = (value("sum", stage), value("count", stage)) {
             parts.push(format!("{stage} {:.2} ms", 1e3 * sum / count.max(1.0)));
         }
     }
