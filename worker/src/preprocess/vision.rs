@@ -503,7 +503,9 @@ mod tests {
 
     #[test]
     fn patchify_shapes_match_the_reference_example() {
-        let preset = Preset::new(PresetName::Qwen2Vl);
+        let mut preset = Preset::new(PresetName::Qwen2Vl);
+        assert_eq!(preset.pixel_dtype, PixelDtype::U8, "u8 on the wire by default");
+        preset.pixel_dtype = PixelDtype::F32;
         let lut = PixelLut::new(&preset);
         let rgb = Rgb {
             width: 644,
@@ -515,7 +517,8 @@ mod tests {
         assert_eq!(rows, 1564);
         assert_eq!(pixels.as_bytes().len(), 1564 * 1176 * 4);
         // qwen3-vl: 640x480 (WxH) keeps its size: grid [1, 30, 40], [1200, 1536].
-        let preset = Preset::new(PresetName::Qwen3Vl);
+        let mut preset = Preset::new(PresetName::Qwen3Vl);
+        preset.pixel_dtype = PixelDtype::F32;
         let rgb = Rgb {
             width: 640,
             height: 480,
@@ -524,7 +527,7 @@ mod tests {
         let (pixels, rows, grid) = patchify(&rgb, &preset, &PixelLut::new(&preset));
         assert_eq!((rows, grid), (1200, [1, 30, 40]));
         let PixelBuf::F32(v) = pixels else {
-            panic!("f32 by default")
+            panic!("f32 asked for")
         };
         assert_eq!(v.len(), 1200 * 1536);
         assert!(v.iter().all(|&x| x == 1.0), "(1 - 0.5) / 0.5");
