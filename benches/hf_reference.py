@@ -78,3 +78,24 @@ def jsonl_samples(ds: Path):
         for line in shard.read_text().splitlines():
             if line.strip():
                 yield json.loads(line)
+
+
+IM_START, IM_END, NEWLINE, ASSISTANT = 151644, 151645, 198, 77091
+
+
+def reference_labels(ids: np.ndarray) -> np.ndarray:
+    labels = np.full_like(ids, -100)
+    i = 0
+    while i < len(ids):
+        # <|im_start|> "assistant" "\n" — "assistant" is one token in the Qwen vocabulary.
+        if ids[i] == IM_START and i + 2 < len(ids) and ids[i + 2] == NEWLINE and ids[i + 1] == ASSISTANT:
+            j = i + 3
+            while j < len(ids) and ids[j] != IM_END:
+                labels[j] = ids[j]
+                j += 1
+            for k in (j, j + 1):
+                if k < len(ids):
+                    labels[k] = ids[k]
+            i = j
+        i += 1
+    return labels
