@@ -19,7 +19,8 @@ class Reference:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
-        self.image_processor = Qwen2VLImageProcessorPil()
+        # As Qwen2-VL's Hub preprocessor config sets it (the class default is 1,003,520).
+        self.image_processor = Qwen2VLImageProcessorPil(max_pixels=12845056)
         self.template = Path(template).read_text()
 
     def __call__(self, messages, images):
