@@ -19,7 +19,8 @@ class Reference:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
-        self.image_processor = Qwen2VLImageProcessorPil()
+        # As Qwen2-VL's Hub preprocessor config sets it (the class default is 1,003,520).
+        self.image_processor = Qwen2VLImageProcessorPil(max_pixels=12845056)
         self.template = Path(template).read_text()
 
     def __call__(self, messages, images):
@@ -78,3 +79,24 @@ def jsonl_samples(ds: Path):
         for line in shard.read_text().splitlines():
             if line.strip():
                 yield json.loads(line)
+
+
+IM_START, IM_END, NEWLINE, ASSISTANT = 151644, 151645, 198, 77091
+
+
+def reference_labels(ids: np.ndarray) -> np.ndarray:
+    labels = np.full_like(ids, -100)
+    i = 0
+    while i < len(ids):
+        # <|im_start|> "assistant" "\n" — "assistant" is one token in the Qwen vocabulary.
+        if ids[i] == IM_START and i + 2 < len(ids) and ids[i + 2] == NEWLINE and ids[i + 1] == ASSISTANT:
+            j = i + 3
+            while j < len(ids) and ids[j] != IM_END:
+                labels[j] = ids[j]
+                j += 1
+            for k in (j, j + 1):
+                if k < len(ids):
+                    labels[k] = ids[k]
+            i = j
+        i += 1
+    return labels

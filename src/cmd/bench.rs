@@ -259,6 +259,7 @@ async fn served_pipeline(
         .map_err(|e| anyhow::anyhow!("{}", e.message))?;
     let batches = conn.welcome.batches_per_epoch;
     let (t0, c0) = (Instant::now(), process_cpu_seconds(pid)?);
+    let requests0 = s3.requests_received();
     let mut next = 0u64;
     let mut samples = 0usize;
     let mut skipped = 0usize;
@@ -280,6 +281,7 @@ async fn served_pipeline(
         }
     }
     let (wall, cpu) = (t0.elapsed().as_secs_f64(), process_cpu_seconds(pid)? - c0);
+    let requests = s3.requests_received() - requests0;
     let rss = peak_rss_mib(pid)?;
     let stages = stage_means(&metrics_addr)
         .await
@@ -291,8 +293,11 @@ async fn served_pipeline(
         wall_s: wall,
         cpu_s: cpu,
         note: format!(
-            "{batches} batches of {}, depth {}, {skipped} skipped; worker stage means: {stages}",
-            b.global_batch_size, b.depth
+            "{batches} batches of {}, depth {}, {skipped} skipped; {requests} S3 requests \
+             ({:.2} per sample); worker stage means: {stages}",
+            b.global_batch_size,
+            b.depth,
+            requests as f64 / samples.max(1) as f64
         ),
     };
     Ok((row, rss))

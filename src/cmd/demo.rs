@@ -258,6 +258,7 @@ fn worker_config(a: &DemoArgs, data: &str, serial: bool) -> WorkerConfig {
             max_fetches: if serial { 1 } else { a.worker_fetches },
             cpu_threads: Some(a.worker_cpus),
             sample_parallelism: serial.then_some(1),
+            ..Concurrency::default()
         },
         serving: Serving {
             no_auth: true,

@@ -102,6 +102,7 @@ impl StoreBehaviour {
 
 pub struct EmbeddedS3 {
     pub endpoint: String,
+    requests: std::sync::Arc<std::sync::atomic::AtomicU64>,
     injected: std::sync::Arc<std::sync::atomic::AtomicU64>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
 }
@@ -137,6 +138,7 @@ impl EmbeddedS3 {
         let requests = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let injected = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let counted = injected.clone();
+        let served = requests.clone();
         tokio::spawn(async move {
             let http = ConnBuilder::new(TokioExecutor::new());
             loop {
@@ -202,9 +204,15 @@ impl EmbeddedS3 {
         });
         Ok(EmbeddedS3 {
             endpoint,
+            requests: served,
             injected,
             shutdown: Some(tx),
         })
+    }
+
+    /// Requests received so far (what a store bills and rate-limits).
+    pub fn requests_received(&self) -> u64 {
+        self.requests.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Faults injected so far (see [`Faults`]).

@@ -30,13 +30,12 @@ from PIL import Image
 from safetensors.numpy import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
-from hf_reference import Reference, hf_messages, jsonl_samples, load_rgb  # noqa: E402
+from hf_reference import Reference, hf_messages, jsonl_samples, load_rgb, reference_labels  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STOKER = os.environ.get("STOKER_BIN", str(ROOT / "target/release/stoker"))
 TOKENIZER = Path(os.environ.get("STOKER_TOKENIZER", Path.home() / ".cache/stoker/qwen-tokenizer"))
 TEMPLATE = ROOT / "worker/templates/qwen2-vl.jinja"
-IM_START, IM_END, NEWLINE = 151644, 151645, 198
 
 
 @pytest.fixture(scope="module")
@@ -52,24 +51,6 @@ def synth(tmp: Path, fmt: str, n: int, seed: int) -> Path:
         check=True, capture_output=True,
     )
     return out
-
-
-def reference_labels(ids: np.ndarray) -> np.ndarray:
-    labels = np.full_like(ids, -100)
-    i = 0
-    while i < len(ids):
-        # <|im_start|> "assistant" "\n" — "assistant" is one token in the Qwen vocabulary.
-        if ids[i] == IM_START and i + 2 < len(ids) and ids[i + 2] == NEWLINE and ids[i + 1] == 77091:
-            j = i + 3
-            while j < len(ids) and ids[j] != IM_END:
-                labels[j] = ids[j]
-                j += 1
-            for k in (j, j + 1):
-                if k < len(ids):
-                    labels[k] = ids[k]
-            i = j
-        i += 1
-    return labels
 
 
 def image_kind(path: Path) -> str:

@@ -61,7 +61,7 @@ def epoch(addr: str):
 def test_u8_normalized_on_the_rank_is_the_processors_float32_bit_for_bit(dataset):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    processor = Qwen2VLImageProcessorPil()
+    processor = Qwen2VLImageProcessorPil(max_pixels=12845056)  # Qwen2-VL's Hub config
     samples = list(jsonl_samples(dataset))
     workers = [serve(dataset, "u8"), serve(dataset, "bf16")]
     try:

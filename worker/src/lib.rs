@@ -14,6 +14,7 @@ pub mod preprocess {
 pub mod alloc;
 pub mod connection;
 pub mod limits;
+pub mod line_cache;
 pub mod metrics;
 pub mod pipeline;
 pub mod plan;

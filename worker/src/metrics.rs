@@ -19,6 +19,8 @@ pub struct Metrics {
     pub object_bytes_total: IntCounter,
     pub sample_errors_total: IntCounterVec,
     pub requests_refused_total: IntCounterVec,
+    /// Sample lines served from a cached shard block ("hit") or one read for it ("miss").
+    pub line_cache: IntCounterVec,
     pub requests_in_flight: IntGauge,
     pub fetches_in_flight: IntGauge,
     /// Work waiting for a bounded resource: "fetch" (object-store slots), "cpu" (pool).
@@ -115,6 +117,14 @@ impl Metrics {
                 &["reason"],
             )
             .expect("metric"),
+            line_cache: IntCounterVec::new(
+                Opts::new(
+                    "stoker_worker_line_cache_total",
+                    "Sample lines cut from a shard block already read (hit) or read for them (miss).",
+                ),
+                &["result"],
+            )
+            .expect("metric"),
             requests_in_flight: gauge(
                 "stoker_worker_requests_in_flight",
                 "Batch requests being prepared or sent.",
@@ -159,6 +169,10 @@ impl Metrics {
             .expect("register");
         r.register(Box::new(m.requests_refused_total.clone()))
             .expect("register");
+        r.register(Box::new(m.line_cache.clone())).expect("register");
+        for result in ["hit", "miss"] {
+            m.line_cache.with_label_values(&[result]);
+        }
         for g in [
             &m.requests_in_flight,
             &m.fetches_in_flight,

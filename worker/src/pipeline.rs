@@ -5,7 +5,8 @@
 //! bounded by a second semaphore sized to the cores. A request's samples are loaded
 //! concurrently, so a slow object delays only its own batch, never other requests.
 
-use crate::dataset::index::DatasetIndex;
+use crate::dataset::index::{DatasetIndex, ShardIndex};
+use crate::line_cache::{LineCache, Lookup};
 use crate::dataset::sample::{Conversation, SampleError};
 use crate::limits::{LimitError, SampleLimits};
 use crate::metrics::Metrics;
@@ -16,7 +17,7 @@ use crate::preprocess::vision::{
     normalization_table, process_image, ImageError, ImageOut, ImageTimings, PixelBuf, PixelLut,
 };
 use crate::source::{resolve_relative, FetchError, PathError, Store};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use std::sync::Arc;
 use std::time::Instant;
 use stoker_config::WorkerConfig;
@@ -153,6 +154,8 @@ pub struct PipelineConfig {
     pub cpu_threads: usize,
     /// Samples of one request loaded at once (1 = one after another, the serial baseline).
     pub sample_parallelism: usize,
+    /// Shard text kept in memory (the line cache); 0 reads every line on its own.
+    pub line_cache_bytes: u64,
 }
 
 pub struct Pipeline {
@@ -167,6 +170,7 @@ pub struct Pipeline {
     pixel_lut: Option<Vec<u8>>,
     fetch_slots: Semaphore,
     cpu_slots: Arc<Semaphore>,
+    line_cache: LineCache,
 }
 
 /// Converts i64s to little-endian bytes (the wire is little endian).
@@ -195,6 +199,7 @@ impl Pipeline {
             }),
             fetch_slots: Semaphore::new(config.max_fetches.max(1)),
             cpu_slots: Arc::new(Semaphore::new(config.cpu_threads.max(1))),
+            line_cache: LineCache::new(config.line_cache_bytes),
             store,
             index,
             plan,
@@ -256,7 +261,7 @@ impl Pipeline {
             return Err(self.failure(sample_id, "-".into(), Cause::NoSuchSample));
         };
         let location = format!("{}:{}", shard.key, line.0);
-        self.prepare(sample_id, &shard.key, line.1, line.2 as u64)
+        self.prepare(sample_id, shard, line.1, line.2 as u64)
             .await
             .map_err(|c| self.failure(sample_id, location, c))
     }
@@ -276,15 +281,43 @@ impl Pipeline {
         }
     }
 
+    /// A sample's JSONL line: from the line cache when it lies within one block, else read
+    /// on its own.
+    async fn read_line(
+        self: &Arc<Self>,
+        shard: &ShardIndex,
+        offset: u64,
+        len: u64,
+    ) -> Result<bytes::Bytes, FetchError> {
+        if !self.line_cache.covers(offset, len) {
+            return self.fetch(&shard.key, Some((offset, len))).await;
+        }
+        let read_block = |start, len| {
+            let (this, key) = (self.clone(), shard.key.clone());
+            async move { this.fetch(&key, Some((start, len))).await }.boxed()
+        };
+        let (line, lookup) = self
+            .line_cache
+            .line(&shard.key, shard.size, (offset, len), read_block)
+            .await?;
+        let result = match lookup {
+            Lookup::Hit => "hit",
+            Lookup::Miss => "miss",
+        };
+        self.metrics.line_cache.with_label_values(&[result]).inc();
+        Ok(line)
+    }
+
     async fn prepare(
         self: &Arc<Self>,
         sample_id: u64,
-        shard: &str,
+        shard: &ShardIndex,
         offset: u64,
         len: u64,
     ) -> Result<PreparedSample, Cause> {
         self.config.limits.check_line(len)?;
-        let line = self.fetch(shard, Some((offset, len))).await?;
+        let line = self.read_line(shard, offset, len).await?;
+        let shard = shard.key.as_str();
         let conv = Conversation::parse(&line)?;
         self.config.limits.check_conversation(&conv)?;
         let keys = conv
@@ -458,6 +491,7 @@ pub async fn open_pipeline(
             .cpu_threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
         sample_parallelism: c.sample_parallelism.unwrap_or(usize::MAX),
+        line_cache_bytes: c.line_cache_mib << 20,
     };
     let plan = Plan::new(
         index.num_samples(),

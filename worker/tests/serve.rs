@@ -273,3 +273,33 @@ async fn fetches_its_tokenizer_from_the_object_store() {
         "{msg}"
     );
 }
+
+/// With the line cache a sample costs one GET per image: each shard's text (here less than one
+/// 1 MiB block) is read once. Without it, each line is one more GET. The bytes are the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_line_cache_reads_each_shard_block_once_and_changes_no_byte() {
+    let ds = synth_dataset(24, SynthFormat::Llava).await; // 3 shards
+    let mut epochs = Vec::new();
+    for line_cache_mib in [256, 0] {
+        let mut cfg = ds.config(8);
+        cfg.concurrency.line_cache_mib = line_cache_mib;
+        let w = start_worker(&cfg).await;
+        let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+        let before = ds.s3.requests_received();
+        let (mut payloads, mut images) = (Vec::new(), 0u64);
+        for g in 0..3 {
+            let (head, payload) = c.get(request(&welcome, 0, g, 0, 1)).await.batch();
+            images += i64s(tensor(&head, &payload, "image_grid_thw")).len() as u64 / 3;
+            payloads.push(payload);
+        }
+        let gets = ds.s3.requests_received() - before;
+        let m = w.metrics.render();
+        let hits = metric_value_with(&m, "stoker_worker_line_cache_total", &[("result", "hit")]);
+        epochs.push((payloads, images, gets, hits));
+    }
+    let (cached, uncached) = (&epochs[0], &epochs[1]);
+    assert_eq!(cached.0, uncached.0, "the cache changes no byte");
+    assert_eq!(cached.2, cached.1 + 3, "one GET per image and one per shard");
+    assert_eq!(cached.3, Some(21.0), "24 lines, 3 blocks read");
+    assert_eq!(uncached.2, uncached.1 + 24, "one GET per image and one per line");
+}

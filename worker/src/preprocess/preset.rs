@@ -32,9 +32,11 @@ impl Preset {
             temporal_patch_size: 2,
             image_mean: CLIP_MEAN,
             image_std: CLIP_STD,
-            // transformers' class defaults (the Hub configs raise max_pixels to 12845056).
+            // What a trainer loading the model's processor gets: the Hub preprocessor configs of
+            // Qwen2-VL and Qwen2.5-VL set max_pixels 12,845,056 (transformers' class default,
+            // 1,003,520, is not what `AutoProcessor.from_pretrained` gives).
             min_pixels: 56 * 56,
-            max_pixels: 28 * 28 * 1280,
+            max_pixels: 12_845_056,
             // u8 on the wire, normalized on the rank (`batch.pixel_values()`, bit-identical):
             // a quarter of float32's bytes for the worker to write and the NIC to carry.
             pixel_dtype: PixelDtype::U8,
