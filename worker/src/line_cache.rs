@@ -139,7 +139,12 @@ mod tests {
         let (data, reads) = shard();
         let cache = LineCache::new(8 * BLOCK_BYTES);
         let size = data.len() as u64;
-        let lines = [(0, 100), (5000, 4000), (BLOCK_BYTES + 7, 300), (3 * BLOCK_BYTES, 1000)];
+        let lines = [
+            (0, 100),
+            (5000, 4000),
+            (BLOCK_BYTES + 7, 300),
+            (3 * BLOCK_BYTES, 1000),
+        ];
         for round in 0..2 {
             for (offset, len) in lines {
                 assert!(cache.covers(offset, len));
@@ -153,8 +158,15 @@ mod tests {
                 }
             }
         }
-        assert_eq!(reads.load(Ordering::SeqCst), 3, "blocks 0, 1 and 3, once each");
-        assert!(!cache.covers(BLOCK_BYTES - 10, 20), "across two blocks: read on its own");
+        assert_eq!(
+            reads.load(Ordering::SeqCst),
+            3,
+            "blocks 0, 1 and 3, once each"
+        );
+        assert!(
+            !cache.covers(BLOCK_BYTES - 10, 20),
+            "across two blocks: read on its own"
+        );
     }
 
     #[tokio::test]
@@ -162,9 +174,8 @@ mod tests {
         let (data, reads) = shard();
         let cache = LineCache::new(2 * BLOCK_BYTES);
         let size = data.len() as u64;
-        let lines = (0..32).map(|i| {
-            cache.line("s.jsonl", size, (i * 1000, 500), reader(&data, &reads))
-        });
+        let lines =
+            (0..32).map(|i| cache.line("s.jsonl", size, (i * 1000, 500), reader(&data, &reads)));
         for r in futures::future::join_all(lines).await {
             r.unwrap();
         }
@@ -172,7 +183,10 @@ mod tests {
         // Blocks 1 and 2 fill the cache; block 0, the oldest, is read again.
         for block in [1, 2, 0] {
             let at = (block * BLOCK_BYTES, 10);
-            cache.line("s.jsonl", size, at, reader(&data, &reads)).await.unwrap();
+            cache
+                .line("s.jsonl", size, at, reader(&data, &reads))
+                .await
+                .unwrap();
         }
         assert_eq!(reads.load(Ordering::SeqCst), 4);
         assert_eq!(cache.blocks.lock().unwrap().reads.len(), 2);

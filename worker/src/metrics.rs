@@ -169,7 +169,8 @@ impl Metrics {
             .expect("register");
         r.register(Box::new(m.requests_refused_total.clone()))
             .expect("register");
-        r.register(Box::new(m.line_cache.clone())).expect("register");
+        r.register(Box::new(m.line_cache.clone()))
+            .expect("register");
         for result in ["hit", "miss"] {
             m.line_cache.with_label_values(&[result]);
         }

@@ -6,9 +6,9 @@
 //! concurrently, so a slow object delays only its own batch, never other requests.
 
 use crate::dataset::index::{DatasetIndex, ShardIndex};
-use crate::line_cache::{LineCache, Lookup};
 use crate::dataset::sample::{Conversation, SampleError};
 use crate::limits::{LimitError, SampleLimits};
+use crate::line_cache::{LineCache, Lookup};
 use crate::metrics::Metrics;
 use crate::plan::Plan;
 use crate::preprocess::preset::{PixelDtype, Preset};

@@ -299,7 +299,15 @@ async fn the_line_cache_reads_each_shard_block_once_and_changes_no_byte() {
     }
     let (cached, uncached) = (&epochs[0], &epochs[1]);
     assert_eq!(cached.0, uncached.0, "the cache changes no byte");
-    assert_eq!(cached.2, cached.1 + 3, "one GET per image and one per shard");
+    assert_eq!(
+        cached.2,
+        cached.1 + 3,
+        "one GET per image and one per shard"
+    );
     assert_eq!(cached.3, Some(21.0), "24 lines, 3 blocks read");
-    assert_eq!(uncached.2, uncached.1 + 24, "one GET per image and one per line");
+    assert_eq!(
+        uncached.2,
+        uncached.1 + 24,
+        "one GET per image and one per line"
+    );
 }

@@ -504,7 +504,11 @@ mod tests {
     #[test]
     fn patchify_shapes_match_the_reference_example() {
         let mut preset = Preset::new(PresetName::Qwen2Vl);
-        assert_eq!(preset.pixel_dtype, PixelDtype::U8, "u8 on the wire by default");
+        assert_eq!(
+            preset.pixel_dtype,
+            PixelDtype::U8,
+            "u8 on the wire by default"
+        );
         preset.pixel_dtype = PixelDtype::F32;
         let lut = PixelLut::new(&preset);
         let rgb = Rgb {
