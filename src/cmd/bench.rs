@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use stoker_config::{Preprocessing, Serving, WorkerConfig};
 use stoker_testkit::embedded_s3::EmbeddedS3;
 use stoker_testkit::http;
+use stoker_testkit::local_worker::LocalWorker;
 use stoker_testkit::synth::{SynthFormat, SynthOptions};
 use stoker_worker::connection::Connection;
 use stoker_worker::dataset::sample::Conversation;
@@ -66,6 +67,12 @@ pub struct PreprocessBench {
     /// Preprocessing threads of the worker [default: the number of cores].
     #[arg(long)]
     cpu_threads: Option<usize>,
+    /// Pin the worker to these CPUs (a `taskset -c` list, e.g. "1") and run the benchmark
+    /// itself under `taskset -c 0`: the worker's own per-core rate, away from the embedded
+    /// store and the client it shares the machine with otherwise (in a cluster they are
+    /// elsewhere). Set --cpu-threads to the number of CPUs given.
+    #[arg(long)]
+    pin_worker: Option<String>,
     /// Where the dataset is cached [default: ~/.cache/stoker/bench].
     #[arg(long)]
     cache: Option<PathBuf>,
@@ -248,7 +255,12 @@ async fn served_pipeline(
     config.sampling.global_batch_size = b.global_batch_size;
     config.concurrency.cpu_threads = b.cpu_threads;
     let env = s3.env();
-    let worker = tokio::task::spawn_blocking(move || spawn_worker(&config, &env)).await??;
+    let pin = b.pin_worker.clone();
+    let worker = tokio::task::spawn_blocking(move || match pin {
+        Some(cpus) => LocalWorker::spawn_pinned(&cpus, &std::env::current_exe()?, &config, &env),
+        None => spawn_worker(&config, &env),
+    })
+    .await??;
     let (addr, metrics_addr, pid) = (
         worker.addr.clone(),
         worker.metrics_addr.clone(),
@@ -294,10 +306,14 @@ async fn served_pipeline(
         cpu_s: cpu,
         note: format!(
             "{batches} batches of {}, depth {}, {skipped} skipped; {requests} S3 requests \
-             ({:.2} per sample); worker stage means: {stages}",
+             ({:.2} per sample); {}worker stage means: {stages}",
             b.global_batch_size,
             b.depth,
-            requests as f64 / samples.max(1) as f64
+            requests as f64 / samples.max(1) as f64,
+            match &b.pin_worker {
+                Some(cpus) => format!("worker pinned to CPU {cpus}; "),
+                None => String::new(),
+            }
         ),
     };
     Ok((row, rss))

@@ -26,6 +26,20 @@ impl LocalWorker {
         Self::start(Command::new(exe), "127.0.0.1", config, env)
     }
 
+    /// The same pinned to `cpus` (a `taskset -c` list, e.g. "1"): a benchmark's worker kept
+    /// off the cores its store and client use.
+    pub fn spawn_pinned(
+        cpus: &str,
+        exe: &Path,
+        config: &WorkerConfig,
+        env: &[(&'static str, String)],
+    ) -> anyhow::Result<LocalWorker> {
+        let mut cmd = Command::new("taskset");
+        // `taskset` execs the program: the child's pid is the worker's.
+        cmd.args(["-c", cpus]).arg(exe);
+        Self::start(cmd, "127.0.0.1", config, env)
+    }
+
     /// The same inside network namespace `netns`, listening on `host` (an address of that
     /// namespace): a worker on a "node" of `stoker bench spread`.
     pub fn spawn_in_netns(
