@@ -29,6 +29,8 @@ const FILE_CHUNK_BYTES: u64 = 1 << 20;
 
 /// An object being read.
 struct Body {
+    /// The object's full name, for errors.
+    what: String,
     /// What the store says the body holds.
     len: Option<u64>,
     received: u64,
@@ -47,30 +49,22 @@ enum Chunks {
 }
 
 impl Body {
-    /// The next chunk, `None` at the end; `io` names a failure, a body that ends short of
-    /// its length among them.
-    async fn next_chunk(
-        &mut self,
-        io: impl Fn(String) -> FetchError,
-    ) -> Result<Option<Bytes>, FetchError> {
-        let chunk = self.read_chunk(&io).await?;
+    /// The next chunk, `None` at the end; a body that ends short of its length is an error.
+    async fn next_chunk(&mut self) -> Result<Option<Bytes>, FetchError> {
+        let chunk = self.read_chunk().await?;
         match (&chunk, self.len) {
             (Some(c), _) => self.received += c.len() as u64,
             (None, Some(len)) if self.received < len => {
-                return Err(io(format!(
-                    "the body ended after {} of {len} bytes",
-                    self.received
-                )))
+                let why = format!("the body ended after {} of {len} bytes", self.received);
+                return Err(FetchError::Io(self.what.clone(), why));
             }
             (None, _) => {}
         }
         Ok(chunk)
     }
 
-    async fn read_chunk(
-        &mut self,
-        io: &impl Fn(String) -> FetchError,
-    ) -> Result<Option<Bytes>, FetchError> {
+    async fn read_chunk(&mut self) -> Result<Option<Bytes>, FetchError> {
+        let io = |why: String| FetchError::Io(self.what.clone(), why);
         match &mut self.chunks {
             Chunks::File { left: 0, .. } => Ok(None),
             Chunks::File { file, left } => {
@@ -290,7 +284,7 @@ impl Store {
         self.retrying(|| async {
             let mut body = self.open_object(key, None).await?;
             let mut state = init();
-            while let Some(chunk) = body.next_chunk(|e| self.io_error(key, e)).await? {
+            while let Some(chunk) = body.next_chunk().await? {
                 step(&mut state, &chunk);
             }
             Ok(state)
@@ -347,7 +341,7 @@ impl Store {
             return Err(too_large(len));
         }
         let mut buf = bytes::BytesMut::with_capacity(body.len.unwrap_or(0) as usize);
-        while let Some(chunk) = body.next_chunk(|e| self.io_error(key, e)).await? {
+        while let Some(chunk) = body.next_chunk().await? {
             if (buf.len() + chunk.len()) as u64 > max {
                 return Err(too_large((buf.len() + chunk.len()) as u64));
             }
@@ -381,6 +375,7 @@ impl Store {
                     }
                 };
                 Ok(Body {
+                    what: self.describe(key),
                     len: Some(left),
                     received: 0,
                     chunks: Chunks::File { file, left },
@@ -412,6 +407,7 @@ impl Store {
                     }
                 })?;
                 Ok(Body {
+                    what: self.describe(key),
                     len: resp.content_length().map(|l| l.max(0) as u64),
                     received: 0,
                     chunks: Chunks::S3 {
