@@ -286,13 +286,7 @@ impl Scheduler {
             .collect();
         for id in expired {
             let f = self.in_flight.remove(&id).expect("listed");
-            let addr = match self.links.get_mut(&f.link) {
-                Some(l) => {
-                    l.outstanding = l.outstanding.saturating_sub(1);
-                    l.addr.clone()
-                }
-                None => String::new(),
-            };
+            let addr = self.release_link(f.link);
             self.metrics.retries.with_label_values(&["deadline"]).inc();
             let why = format!("no answer within {timeout:?} (request_timeout)");
             self.count_failure(f.position, id, &addr, &why);
@@ -532,13 +526,7 @@ impl Scheduler {
             }
             return;
         };
-        let addr = match self.links.get_mut(&link) {
-            Some(l) => {
-                l.outstanding = l.outstanding.saturating_sub(1);
-                l.addr.clone()
-            }
-            None => String::new(),
-        };
+        let addr = self.release_link(link);
         let elapsed = f.sent.elapsed();
         match answer {
             Ok((head, buf)) => {
@@ -635,16 +623,35 @@ impl Scheduler {
         })
     }
 
+    /// One request fewer outstanding on `link`; its address (empty if the link is gone).
+    fn release_link(&mut self, link: LinkId) -> String {
+        match self.links.get_mut(&link) {
+            Some(l) => {
+                l.outstanding = l.outstanding.saturating_sub(1);
+                l.addr.clone()
+            }
+            None => String::new(),
+        }
+    }
+
+    /// `request_id` no longer stands for `position`, and `addr` is avoided for it from now
+    /// on; the position, if it is still pending.
+    fn drop_attempt(&mut self, position: u64, request_id: u64, addr: &str) -> Option<&mut Pending> {
+        let p = self.pending.get_mut(&position)?;
+        p.attempts.retain(|id| *id != request_id);
+        p.failed_on.push(addr.to_string());
+        Some(p)
+    }
+
     /// One failed attempt at `position` on `addr`: asked again elsewhere, or given up after
     /// `max_attempts` (then true: the trainer gets `why`).
     fn count_failure(&mut self, position: u64, request_id: u64, addr: &str, why: &str) -> bool {
-        let Some(p) = self.pending.get_mut(&position) else {
+        let max_attempts = self.cfg.max_attempts.max(1);
+        let Some(p) = self.drop_attempt(position, request_id, addr) else {
             return false;
         };
-        p.attempts.retain(|id| *id != request_id);
         p.failures += 1;
-        p.failed_on.push(addr.to_string());
-        let exhausted = p.failures >= self.cfg.max_attempts.max(1);
+        let exhausted = p.failures >= max_attempts;
         if exhausted {
             self.give_up(position, addr, why);
         }
@@ -701,10 +708,7 @@ impl Scheduler {
                     }
                 }
                 Loss::Removed => {
-                    if let Some(p) = self.pending.get_mut(&f.position) {
-                        p.attempts.retain(|a| a != id);
-                        p.failed_on.push(l.addr.clone());
-                    }
+                    self.drop_attempt(f.position, *id, &l.addr);
                 }
             }
         }
