@@ -65,26 +65,47 @@ fn slow_down() -> hyper::Response<s3s::Body> {
     resp
 }
 
-/// `resp` with only the first half of its body, its Content-Length unchanged: the
-/// connection closes early, as when a store resets it mid-body.
-async fn cut_body(resp: hyper::Response<s3s::Body>) -> hyper::Response<s3s::Body> {
-    let (parts, mut body) = resp.into_parts();
-    let Ok(full) = body.store_all_unlimited().await else {
-        return hyper::Response::from_parts(parts, s3s::Body::empty());
-    };
-    hyper::Response::from_parts(parts, s3s::Body::from(full.slice(..full.len() / 2)))
+/// What a faulty GET does after the first half of its body (Content-Length unchanged).
+#[derive(Clone, Copy)]
+enum BodyFault {
+    /// The connection closes, as when a store resets it mid-body.
+    Cut,
+    /// Nothing more ever comes, and the connection stays open.
+    Stall,
 }
 
-/// `resp` with only the first half of its body and then a body that never ends.
-async fn stall_body(resp: hyper::Response<s3s::Body>) -> hyper::Response<s3s::Body> {
+impl Faults {
+    /// The body fault of GET `k`, if any (a cut wins when both hit).
+    fn body_fault(&self, k: u64) -> Option<BodyFault> {
+        if Faults::hits(self.every_nth_cut_body, k) {
+            Some(BodyFault::Cut)
+        } else if Faults::hits(self.every_nth_stall_body, k) {
+            Some(BodyFault::Stall)
+        } else {
+            None
+        }
+    }
+}
+
+/// `resp` with only the first half of its body, then `fault`.
+async fn half_body(
+    resp: hyper::Response<s3s::Body>,
+    fault: BodyFault,
+) -> hyper::Response<s3s::Body> {
     let (parts, mut body) = resp.into_parts();
     let Ok(full) = body.store_all_unlimited().await else {
         return hyper::Response::from_parts(parts, s3s::Body::empty());
     };
-    let half = hyper::body::Frame::data(full.slice(..full.len() / 2));
-    let frames =
-        futures::stream::iter([Ok::<_, std::io::Error>(half)]).chain(futures::stream::pending());
-    let body = s3s::Body::http_body(http_body_util::StreamBody::new(frames));
+    let half = full.slice(..full.len() / 2);
+    let body = match fault {
+        BodyFault::Cut => s3s::Body::from(half),
+        BodyFault::Stall => {
+            let first =
+                futures::stream::iter([Ok::<_, std::io::Error>(hyper::body::Frame::data(half))]);
+            let frames = first.chain(futures::stream::pending());
+            s3s::Body::http_body(http_body_util::StreamBody::new(frames))
+        }
+    };
     hyper::Response::from_parts(parts, body)
 }
 
@@ -174,18 +195,10 @@ impl EmbeddedS3 {
                                 return Ok(slow_down());
                             }
                             let mut resp = hyper::service::Service::call(&svc, req).await?;
-                            if is_get
-                                && resp.status().is_success()
-                                && Faults::hits(faults.every_nth_cut_body, k)
-                            {
+                            let ok_get = is_get && resp.status().is_success();
+                            if let Some(fault) = faults.body_fault(k).filter(|_| ok_get) {
                                 inject();
-                                resp = cut_body(resp).await;
-                            } else if is_get
-                                && resp.status().is_success()
-                                && Faults::hits(faults.every_nth_stall_body, k)
-                            {
-                                inject();
-                                resp = stall_body(resp).await;
+                                resp = half_body(resp, fault).await;
                             }
                             let size = hyper::body::Body::size_hint(resp.body()).exact();
                             if let (Some(bw), Some(n)) = (bandwidth, size) {
