@@ -147,10 +147,12 @@ def _pixels_torch(px: np.ndarray, lut: Optional[np.ndarray], wire: str, device: 
     import torch
 
     if lut is not None:
+        # int32 indices (half of int64's bytes; index_select takes them) built on the device:
+        # only the u8 bytes cross.
         table = torch.from_numpy(lut).to(device).reshape(-1)
-        index = torch.from_numpy(px).to(device).long()
-        index += torch.from_numpy(_lut_index(px.shape[1]).astype(np.int64)).to(device)
-        values = table[index]
+        index = torch.from_numpy(px).to(device).int()
+        index += torch.from_numpy(_lut_index(px.shape[1]).astype(np.int32)).to(device)
+        values = table.index_select(0, index.reshape(-1)).reshape(px.shape)
     elif wire == "bfloat16":
         values = torch.from_numpy(px.view(np.uint16)).view(torch.bfloat16).to(device)
     else:

@@ -4,9 +4,10 @@ A worker serving u8 pixel_values (resized and patchified, not normalized) sends 
 normalization table with every batch; `Batch.pixel_values()` looks each value up in it. The
 reference is transformers' Qwen2-VL image processor on the same files, per sample. A second
 worker normalizing to bfloat16 itself shows the rank's bfloat16 rounding is the worker's.
-The torch path (`Batch.pixel_values(device=...)`) indexes the same float32 table on the device
-(no arithmetic there, so no fused or reordered float operation can change a bit); it is not
-run here, where torch is not installed.
+The torch path (`Batch.pixel_values(device=...)`, `stoker.torch.to_torch`) indexes the same
+float32 table on the device (no arithmetic there, so no fused or reordered float operation can
+change a bit); its test runs on CPU where torch is installed and on a GPU where one is present,
+and is skipped otherwise.
 """
 
 import os
@@ -58,17 +59,23 @@ def epoch(addr: str):
     return [loader.__next__() for _ in range(len(loader))]
 
 
-def test_u8_normalized_on_the_rank_is_the_processors_float32_bit_for_bit(dataset):
+@pytest.fixture(scope="module")
+def served(dataset):
+    """One epoch from a u8 worker and one from a bf16 worker of the same dataset."""
+    workers = [serve(dataset, "u8"), serve(dataset, "bf16")]
+    try:
+        return [epoch(addr) for _, addr in workers]
+    finally:
+        for proc, _ in workers:
+            proc.kill()
+
+
+def test_u8_normalized_on_the_rank_is_the_processors_float32_bit_for_bit(dataset, served):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     processor = Qwen2VLImageProcessorPil(max_pixels=12845056)  # Qwen2-VL's Hub config
     samples = list(jsonl_samples(dataset))
-    workers = [serve(dataset, "u8"), serve(dataset, "bf16")]
-    try:
-        u8_batches, bf16_batches = (epoch(addr) for _, addr in workers)
-    finally:
-        for proc, _ in workers:
-            proc.kill()
+    u8_batches, bf16_batches = served
     images = 0
     for u8, bf16 in zip(u8_batches, bf16_batches):
         assert u8.dtypes["pixel_values"] == "uint8" and "pixel_lut" in u8.tensors
@@ -90,3 +97,40 @@ def test_u8_normalized_on_the_rank_is_the_processors_float32_bit_for_bit(dataset
         assert np.array_equal(rank_bf16, bf16.tensors["pixel_values"].view(np.uint16))
     print(f"\n{images} images: u8 + rank normalization == transformers float32", file=sys.stderr)
     assert images >= SAMPLES
+
+
+def torch_devices():
+    try:
+        import torch
+    except ImportError:
+        return [pytest.param("cpu", marks=pytest.mark.skip(reason="torch is not installed"))]
+    gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here")
+    return ["cpu", pytest.param("cuda", marks=gpu)]
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_the_lookup_on_a_torch_device_is_the_numpy_lookup_bit_for_bit(served, device):
+    """The numpy lookup is the processor's float32 (above); the torch one, on CPU or GPU,
+    must give the same bits, and so must its bfloat16 and `to_torch`'s model inputs."""
+    import torch
+
+    from stoker.torch import to_torch
+
+    u8_batches, bf16_batches = served
+    values = 0
+    for u8, bf16 in zip(u8_batches, bf16_batches):
+        want = u8.pixel_values()
+        got = u8.pixel_values(device=device)
+        assert got.device.type == device and got.dtype == torch.float32
+        assert torch.equal(got.cpu(), torch.from_numpy(want)), f"batch {u8.global_batch}"
+        got_bf16 = u8.pixel_values(device=device, dtype="bfloat16")
+        bits = got_bf16.cpu().view(torch.int16).numpy().view(np.uint16)
+        assert np.array_equal(bits, bf16.tensors["pixel_values"].view(np.uint16))
+        inputs = to_torch(u8, device)
+        assert inputs["input_ids"].device.type == device
+        assert torch.equal(inputs["input_ids"].cpu(), torch.from_numpy(u8.tensors["input_ids"]))
+        assert torch.equal(inputs["pixel_values"].cpu(), got.cpu())
+        values += want.size
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"\n{values} pixel values on {name}: torch lookup == numpy lookup", file=sys.stderr)
+    assert values > 0
