@@ -194,7 +194,11 @@ fn demo_prints_the_ablation_as_json() {
         }
         assert!(r["workers"].as_u64().unwrap() >= 1);
     }
+    // Each fix removes the bottleneck of the stage before (store latency, request latency,
+    // the coordinator's link, one worker's connection pool: none of them this machine's CPU),
+    // so every row waits less than the one before it.
     let wait = |i: usize| rows[i]["wait_ratio"].as_f64().unwrap();
-    // The serial baseline waits on every sample's reads; the full design does not.
-    assert!(wait(0) > wait(4), "{stdout}");
+    for i in 1..rows.len() {
+        assert!(wait(i) < wait(i - 1), "row {i} waits no less:\n{stdout}");
+    }
 }

@@ -7,14 +7,21 @@
 //! (docs/design.md, "The problem, in numbers"):
 //!
 //! 1. `serial baseline`: one worker loads one sample at a time, no prefetch, and each batch is
-//!    pickled through a coordinator to the rank (as a DataLoader hands batches over);
+//!    pickled through a coordinator to the rank: copied, sent over the coordinator's link (a
+//!    head node's network share, shared by every rank) and unpickled;
 //! 2. `+ concurrency`: concurrent object-store reads, all samples of a request at once;
 //! 3. `+ prefetch`: the client keeps batches requested ahead (adaptive depth);
-//! 4. `+ zero-copy hand-over`: the rank takes batches straight from the client's buffers;
+//! 4. `+ zero-copy hand-over`: the rank takes batches straight from the client's buffers (no
+//!    coordinator hop);
 //! 5. `+ autoscaled workers`: the autoscaler of the operator (stoker-control) adds worker
 //!    processes while the trainers' wait ratio is above target.
+//!
+//! Each stage removes the bottleneck of the one before, and every bottleneck is a latency or a
+//! bandwidth (store, worker connection pool, coordinator link), not this machine's CPU: a
+//! worker's images are small and its reads few, so the rows keep their order on a loaded
+//! machine too.
 
-use super::local::{cache_root, demo_preprocessing, ensure_dataset, spawn_worker};
+use super::local::{cache_root, demo_preprocessing, ensure_demo_dataset, spawn_worker};
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -29,7 +36,6 @@ use stoker_control::metrics::{PipelineGauges, ScalerMetrics};
 use stoker_testkit::embedded_s3::{EmbeddedS3, StoreBehaviour};
 use stoker_testkit::http;
 use stoker_testkit::local_worker::LocalWorker;
-use stoker_testkit::synth::{SynthFormat, SynthOptions};
 
 #[derive(clap::Args)]
 pub struct DemoArgs {
@@ -52,6 +58,9 @@ pub struct DemoArgs {
     /// delivers, so that the last stage needs at least two.
     #[arg(long, default_value_t = 60)]
     step_ms: u64,
+    /// Copying hand-over: bandwidth of the coordinator's link, in MB/s (all ranks share it).
+    #[arg(long, default_value_t = 150.0)]
+    coordinator_mb_s: f64,
     /// Steps measured per stage (per rank).
     #[arg(long, default_value_t = 12)]
     steps: usize,
@@ -61,8 +70,9 @@ pub struct DemoArgs {
     /// CPU threads per worker process (a worker pod's CPU limit).
     #[arg(long, default_value_t = 1)]
     worker_cpus: usize,
-    /// Object-store reads in flight per worker (a worker pod's connection pool).
-    #[arg(long, default_value_t = 8)]
+    /// Object-store reads in flight per worker (a worker pod's connection pool): what bounds
+    /// one worker here, so that the last stage needs more of them.
+    #[arg(long, default_value_t = 3)]
     worker_fetches: usize,
     /// Autoscaler: most workers.
     #[arg(long, default_value_t = 4)]
@@ -116,6 +126,10 @@ enum Handover {
     /// The rank holds the client's buffer.
     ZeroCopy,
 }
+
+/// Long side of the demo's images: small, so that a worker is bound by its reads, not by
+/// this machine's CPU.
+const DEMO_MAX_SIDE: u32 = 640;
 
 /// The `pipeline` label of every series the demo's processes export.
 const PIPELINE: &str = "demo";
@@ -172,22 +186,18 @@ pub async fn run(mut a: DemoArgs) -> anyhow::Result<()> {
         a.ranks > 0 && a.batch_size > 0,
         "--ranks and --batch-size must be > 0"
     );
+    anyhow::ensure!(a.coordinator_mb_s > 0.0, "--coordinator-mb-s must be > 0");
     anyhow::ensure!(
         a.target_wait_ratio > 0.0 && a.target_wait_ratio < 1.0,
         "--target-wait-ratio must be in (0, 1)"
     );
     demo_preprocessing(&mut a.pre);
     let root = a.cache.clone().unwrap_or_else(|| cache_root().join("demo"));
-    let bucket = format!("demo-{}", a.samples);
-    let synth = SynthOptions {
-        samples: a.samples,
-        format: SynthFormat::Llava,
-        samples_per_shard: 100,
-        max_side: 1024,
-        ..SynthOptions::default()
-    };
-    let dir = root.join(&bucket);
-    tokio::task::spawn_blocking(move || ensure_dataset(&dir, &synth)).await??;
+    let (dataset_root, samples) = (root.clone(), a.samples);
+    let bucket = tokio::task::spawn_blocking(move || {
+        ensure_demo_dataset(&dataset_root, samples, DEMO_MAX_SIDE)
+    })
+    .await??;
     let store = StoreBehaviour {
         first_byte_latency: Duration::from_millis(a.first_byte_latency_ms),
         bandwidth_bytes_per_s: Some((a.bandwidth_mb_s * 1e6) as u64),
@@ -198,12 +208,13 @@ pub async fn run(mut a: DemoArgs) -> anyhow::Result<()> {
     let data = format!("s3://{bucket}");
     if !a.json {
         println!(
-            "Trainer: {} ranks x {} samples per step, {} ms compute per step. Object store: {} ms to first byte, {} MB/s per connection. Workers: {} CPU and {} object-store reads each, {} preset, {} pixels.",
+            "Trainer: {} ranks x {} samples per step, {} ms compute per step. Object store: {} ms to first byte, {} MB/s per connection. Coordinator link (copying hand-over): {} MB/s. Workers: {} CPU and {} object-store reads each, {} preset, {} pixels.",
             a.ranks,
             a.batch_size,
             a.step_ms,
             a.first_byte_latency_ms,
             a.bandwidth_mb_s,
+            a.coordinator_mb_s,
             a.worker_cpus,
             a.worker_fetches,
             a.pre.preset.as_str(),
@@ -346,6 +357,7 @@ fn run_stage(
     };
     pool.resize(1)?;
 
+    let link = Arc::new(Link::new(a.coordinator_mb_s));
     let measuring = Arc::new(AtomicBool::new(!stage.autoscale));
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
@@ -366,9 +378,9 @@ fn run_stage(
             a.steps
         };
         let (step, warmup) = (Duration::from_millis(a.step_ms), a.warmup_steps);
-        let handover = stage.handover;
+        let (handover, link) = (stage.handover, link.clone());
         ranks.push(std::thread::spawn(move || {
-            let source = BatchSource::new(loader, handover)?;
+            let source = BatchSource::new(loader, handover, link)?;
             let r = train(
                 source,
                 step,
@@ -454,8 +466,9 @@ fn autoscale_while_training(
 
 /// The demo's autoscaler settings: quick to act (a short demo), same policy as the operator.
 fn demo_spec(a: &DemoArgs) -> Spec {
-    // A change is measured for three evaluations before the next one.
-    let period = Duration::from_secs_f64(a.autoscale_interval_s * 3.0);
+    // A change is measured for five evaluations before the next one (new workers take a
+    // second or two to start and to refill the ranks' prefetch).
+    let period = Duration::from_secs_f64(a.autoscale_interval_s * 5.0);
     Spec {
         rule: Rule::FeedForward,
         min_replicas: 1,
@@ -601,6 +614,33 @@ impl<'a> LocalScaler<'a> {
     }
 }
 
+/// The coordinator's network link (a head node's share of its NIC): pickled batches cross it
+/// one after another, whichever rank they are for.
+struct Link {
+    bytes_per_s: f64,
+    free_at: std::sync::Mutex<Instant>,
+}
+
+impl Link {
+    fn new(mb_per_s: f64) -> Link {
+        Link {
+            bytes_per_s: mb_per_s * 1e6,
+            free_at: std::sync::Mutex::new(Instant::now()),
+        }
+    }
+
+    /// Blocks while `bytes` cross the link, after whatever is queued on it before them.
+    fn send(&self, bytes: usize) {
+        let done = {
+            let mut free_at = self.free_at.lock().expect("link lock");
+            let start = (*free_at).max(Instant::now());
+            *free_at = start + Duration::from_secs_f64(bytes as f64 / self.bytes_per_s);
+            *free_at
+        };
+        std::thread::sleep(done.saturating_duration_since(Instant::now()));
+    }
+}
+
 /// Where a rank gets its batches: straight from its client, or through a coordinator.
 enum BatchSource {
     Direct(Box<Loader>),
@@ -609,7 +649,7 @@ enum BatchSource {
 }
 
 impl BatchSource {
-    fn new(loader: Loader, handover: Handover) -> anyhow::Result<BatchSource> {
+    fn new(loader: Loader, handover: Handover, link: Arc<Link>) -> anyhow::Result<BatchSource> {
         if handover == Handover::ZeroCopy {
             return Ok(BatchSource::Direct(Box::new(loader)));
         }
@@ -627,6 +667,7 @@ impl BatchSource {
                     }
                 };
                 let bytes = pickle(&batch);
+                link.send(bytes.len());
                 let len = (bytes.len() as u64).to_le_bytes();
                 if coord_end.write_all(&len).is_err() || coord_end.write_all(&bytes).is_err() {
                     return; // the rank is done

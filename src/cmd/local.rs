@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use stoker_config::{PixelDtype, Preprocessing, WorkerConfig};
 use stoker_testkit::local_worker::LocalWorker;
-use stoker_testkit::synth::{generate, SynthOptions};
+use stoker_testkit::synth::{generate, SynthFormat, SynthOptions};
 
 /// Starts a `stoker worker` of this binary.
 pub fn spawn_worker(
@@ -18,6 +18,21 @@ pub fn spawn_worker(
 pub fn cache_root() -> PathBuf {
     let home = std::env::var("HOME").unwrap_or_else(|_| ".".into());
     PathBuf::from(home).join(".cache/stoker")
+}
+
+/// The demo's synthetic dataset (LLaVA format, 100 samples per shard, long sides up to
+/// `max_side`), generated once under `root`; its bucket name.
+pub fn ensure_demo_dataset(root: &Path, samples: usize, max_side: u32) -> anyhow::Result<String> {
+    let bucket = format!("demo-{samples}-{max_side}px");
+    let synth = SynthOptions {
+        samples,
+        format: SynthFormat::Llava,
+        samples_per_shard: 100,
+        max_side,
+        ..SynthOptions::default()
+    };
+    ensure_dataset(&root.join(&bucket), &synth)?;
+    Ok(bucket)
 }
 
 /// Generates a synthetic dataset into `dir` unless a complete one is there.

@@ -12,14 +12,13 @@
 //! same workers packed on one node vs spread over K nodes, network-bound (a fast step) and
 //! not (a slow step), and the head-node hop (every batch relayed by one process on node 0).
 
-use super::local::{cache_root, demo_preprocessing, ensure_dataset};
+use super::local::{cache_root, demo_preprocessing, ensure_demo_dataset};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 use stoker_config::{Preprocessing, Serving, WorkerConfig};
 use stoker_testkit::embedded_s3::{client_env, EmbeddedS3};
 use stoker_testkit::local_worker::LocalWorker;
-use stoker_testkit::synth::{SynthFormat, SynthOptions};
 
 #[derive(clap::Args)]
 pub struct SpreadArgs {
@@ -281,17 +280,7 @@ fn run_blocking(mut a: SpreadArgs) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("network namespaces are not available here: {e}"))?;
     demo_preprocessing(&mut a.pre);
     let root = cache_root().join("demo");
-    let bucket = format!("demo-{}", a.samples);
-    ensure_dataset(
-        &root.join(&bucket),
-        &SynthOptions {
-            samples: a.samples,
-            format: SynthFormat::Llava,
-            samples_per_shard: 100,
-            max_side: 1024,
-            ..SynthOptions::default()
-        },
-    )?;
+    let bucket = ensure_demo_dataset(&root, a.samples, 1024)?;
     let topo = Topology::build(a.nodes, a.link_mbit)?;
     let mut store = spawn_in(
         STORE_NS,
