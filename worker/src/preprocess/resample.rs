@@ -100,7 +100,10 @@ unsafe fn horizontal_avx2(
 ) -> Vec<u8> {
     use std::arch::x86_64::*;
     let ks = c.ksize;
-    let mut out = vec![0u8; ow * (y1 - y0) * 3 + 1];
+    // Not zero-filled: every pixel of every row is stored below (plus one spare byte after
+    // the last, for the 4-byte stores), then the length is set.
+    let len = ow * (y1 - y0) * 3;
+    let mut out: Vec<u8> = Vec::with_capacity(len + 1);
     // `ksize` pixels of zero padding (extra taps) plus one byte (4-byte loads).
     let mut padded = vec![0u8; (w + ks) * 3 + 1];
     let init = _mm256_set1_epi32(1 << (PRECISION_BITS - 1));
@@ -138,7 +141,8 @@ unsafe fn horizontal_avx2(
             std::ptr::copy_nonoverlapping(px.as_ptr(), out_row.add(xx * 3), 3);
         }
     }
-    out.truncate(ow * (y1 - y0) * 3);
+    // SAFETY: rows 0..y1-y0 each had all `ow` pixels (3 bytes each) written above.
+    out.set_len(len);
     out
 }
 
@@ -191,9 +195,10 @@ unsafe fn vertical_avx2(src: &[u8], w: usize, row_off: usize, c: &Coeffs, oh: us
 #[inline(always)]
 fn vertical_kernel(src: &[u8], w: usize, row_off: usize, c: &Coeffs, oh: usize) -> Vec<u8> {
     let stride = w * 3;
-    let mut out = vec![0u8; stride * oh];
+    // Appended row by row: no zero-fill of the output.
+    let mut out = Vec::with_capacity(stride * oh);
     let mut acc = vec![0i32; stride];
-    for (yy, out_row) in out.chunks_exact_mut(stride).enumerate() {
+    for yy in 0..oh {
         let (ymin, n) = c.bounds[yy];
         let k = &c.weights[yy * c.ksize..yy * c.ksize + n];
         acc.fill(1i32 << (PRECISION_BITS - 1));
@@ -204,9 +209,7 @@ fn vertical_kernel(src: &[u8], w: usize, row_off: usize, c: &Coeffs, oh: usize) 
                 *a += p as i32 * kw;
             }
         }
-        for (o, &a) in out_row.iter_mut().zip(&acc) {
-            *o = clip8(a);
-        }
+        out.extend(acc.iter().map(|&a| clip8(a)));
     }
     out
 }
