@@ -4,6 +4,7 @@
 use clap::{Parser, Subcommand};
 
 mod cmd {
+    pub mod balance;
     pub mod bench;
     pub mod dataset;
     pub mod demo;

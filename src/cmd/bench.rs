@@ -43,6 +43,9 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 10)]
         seeds: u64,
     },
+    /// Token-aware rank balance and packing vs naive slicing and plain batches, on a
+    /// realistic length distribution, for world sizes 8, 64 and 512.
+    Balance(super::balance::BalanceArgs),
 }
 
 #[derive(clap::Args)]
@@ -97,6 +100,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             autoscale(seeds);
             Ok(())
         }
+        BenchCommand::Balance(a) => super::balance::run(a),
     }
 }
 
