@@ -140,3 +140,38 @@ async fn dataset_commands_and_worker_lifecycle_over_s3() {
     let status = w.wait().unwrap();
     assert!(status.success(), "worker exit {status}");
 }
+
+/// `stoker bench balance --json`: one object per world size (8, 64, 512) with the fields the
+/// benchmark documents; the token-aware assignment and packing beat naive slicing and plain
+/// batches on the same global batches (pure arithmetic, no timing).
+#[test]
+fn bench_balance_prints_one_json_object_per_world_size() {
+    let out = std::process::Command::new(STOKER)
+        .args(["bench", "balance", "--json", "--steps", "3"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let worlds: Vec<u64> = rows
+        .iter()
+        .map(|r| r["world_size"].as_u64().unwrap())
+        .collect();
+    assert_eq!(worlds, [8, 64, 512]);
+    for r in &rows {
+        let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
+        assert!(f("balanced_max_over_mean") >= 1.0, "{r}");
+        assert!(
+            f("balanced_max_over_mean") < f("naive_max_over_mean"),
+            "{r}"
+        );
+        assert!(f("padding_packed") < f("padding_plain"), "{r}");
+        assert!(f("step_time_naive_over_balanced") >= 1.0, "{r}");
+    }
+}
