@@ -104,8 +104,51 @@ async fn dataset_commands_and_worker_lifecycle_over_s3() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(String::from_utf8_lossy(&out.stdout).contains("grid_thw [1, "));
+    let inspected = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(inspected.contains("grid_thw [1, "));
     assert!(std::fs::metadata(&st).unwrap().len() > 1000);
+
+    // `stats` runs every sample through the same pipeline: sample 3's length is inspect's.
+    let lengths_file = root.path().join("lengths.json");
+    let out = stoker(
+        &s3,
+        &[
+            "dataset",
+            "stats",
+            "s3://bucket/data",
+            "--s3-path-style",
+            "--json",
+            "--lengths-out",
+            lengths_file.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(stats["samples"], 12, "{stats}");
+    let lengths: Vec<u64> = serde_json::from_slice(&std::fs::read(&lengths_file).unwrap()).unwrap();
+    assert_eq!(lengths.len(), 12);
+    let tokens_of_3 = inspected
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("tokens: ")?
+                .split(' ')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .unwrap();
+    assert_eq!(lengths[3], tokens_of_3, "{inspected}");
+    let histogram_total: u64 = stats["histogram"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h[2].as_u64().unwrap())
+        .sum();
+    assert_eq!(histogram_total, 12, "{stats}");
 
     let token_file = root.path().join("token");
     std::fs::write(&token_file, "s3cret\n").unwrap();

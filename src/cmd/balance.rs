@@ -6,7 +6,8 @@
 //! ratios, either orientation: mean ~0.75 MP, like a set of real photographs), through the
 //! preset's smart_resize to vision tokens; a mix of samples — 50 % single-image VQA (20–80
 //! text tokens), 20 % single-image long answers (80–400), 15 % multi-image (2–4 images,
-//! 40–250), 15 % multi-turn chat (3–8 turns of 40–250 tokens, 70 % with one image).
+//! 40–250), 15 % multi-turn chat (3–8 turns of 40–250 tokens, 70 % with one image). Or a
+//! real dataset's lengths (`stoker dataset stats --lengths-out`), drawn with replacement.
 
 use rand::{Rng, SeedableRng};
 use stoker_balance::{
@@ -36,6 +37,10 @@ pub struct BalanceArgs {
     /// Model preset (its smart_resize turns image sizes into vision tokens).
     #[arg(long, value_enum, default_value_t = PresetName::Qwen2Vl)]
     preset: PresetName,
+    /// Draw sample lengths from this JSON array of token counts (`stoker dataset stats
+    /// --lengths-out`) instead of the built-in mix.
+    #[arg(long)]
+    lengths: Option<std::path::PathBuf>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// One JSON object per world size instead of the table.
@@ -76,9 +81,21 @@ pub fn run(a: BalanceArgs) -> anyhow::Result<()> {
     let model = CostModel {
         attention_tokens: a.attention_tokens,
     };
+    let measured: Option<Vec<u64>> = match &a.lengths {
+        Some(path) => Some(serde_json::from_slice(&std::fs::read(path)?)?),
+        None => None,
+    };
+    anyhow::ensure!(
+        measured.as_ref().is_none_or(|v| !v.is_empty()),
+        "--lengths holds no lengths"
+    );
+    let draw = |rng: &mut rand_chacha::ChaCha8Rng| match &measured {
+        Some(v) => Ok(v[rng.gen_range(0..v.len())]),
+        None => sample_tokens(rng, &preset),
+    };
     let rows: Vec<Row> = WORLD_SIZES
         .iter()
-        .map(|&w| world(&a, &preset, model, w))
+        .map(|&w| world(&a, &draw, model, w))
         .collect::<anyhow::Result<_>>()?;
     if a.json {
         for r in &rows {
@@ -90,14 +107,17 @@ pub fn run(a: BalanceArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn world(a: &BalanceArgs, preset: &Preset, model: CostModel, w: usize) -> anyhow::Result<Row> {
+/// A sample's length in tokens, drawn from the benchmark's distribution.
+type Draw<'a> = dyn Fn(&mut rand_chacha::ChaCha8Rng) -> anyhow::Result<u64> + 'a;
+
+fn world(a: &BalanceArgs, draw: &Draw, model: CostModel, w: usize) -> anyhow::Result<Row> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed ^ (w as u64) << 32);
     let n = w * a.samples_per_rank;
     let mut sums = [0.0f64; 6];
     let (mut naive_steps, mut balanced_steps, mut packed_steps) = (0u64, 0u64, 0u64);
     for _ in 0..a.steps {
         let lengths: Vec<u64> = (0..n)
-            .map(|_| sample_tokens(&mut rng, preset))
+            .map(|_| draw(&mut rng))
             .collect::<anyhow::Result<_>>()?;
         let lengths: Vec<u64> = lengths.into_iter().map(|l| l.min(a.max_tokens)).collect();
         let costs: Vec<u64> = lengths.iter().map(|&l| model.cost(l)).collect();
@@ -175,8 +195,12 @@ fn image_tokens(rng: &mut impl Rng, preset: &Preset) -> anyhow::Result<u64> {
 }
 
 fn print_table(a: &BalanceArgs, rows: &[Row]) {
+    let lengths = a
+        .lengths
+        .as_ref()
+        .map_or("the built-in mix".to_string(), |p| p.display().to_string());
     println!(
-        "Rank balance, {} preset, {} samples per rank, {} steps, packed sequences <= {} tokens, cost = tokens + tokens^2/{}",
+        "Rank balance, lengths from {lengths}, {} preset, {} samples per rank, {} steps, packed sequences <= {} tokens, cost = tokens + tokens^2/{}",
         a.preset.as_str(),
         a.samples_per_rank,
         a.steps,

@@ -1,4 +1,4 @@
-//! `stoker dataset synth | index | inspect`.
+//! `stoker dataset synth | index | inspect | stats`.
 
 use clap::Subcommand;
 use std::path::PathBuf;
@@ -45,6 +45,25 @@ pub enum DatasetCommand {
         /// Write input_ids, labels, pixel_values and image_grid_thw as safetensors.
         #[arg(long)]
         out: Option<PathBuf>,
+    },
+    /// The distribution of sequence lengths (tokens per sample, vision tokens, images): each
+    /// sample through the real pipeline, so the lengths are exactly what the model gets.
+    Stats {
+        uri: String,
+        /// The first N samples [default: all].
+        #[arg(long)]
+        samples: Option<u64>,
+        /// Write every sample's length (tokens) as a JSON array, for `stoker bench balance
+        /// --lengths`.
+        #[arg(long)]
+        lengths_out: Option<PathBuf>,
+        /// Print one JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        s3: S3Connection,
+        #[command(flatten)]
+        pre: Preprocessing,
     },
 }
 
@@ -126,24 +145,48 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
             s3,
             pre,
             out,
+        } => inspect(&one_sample_config(uri, s3, pre, Some(1)), sample, out).await,
+        DatasetCommand::Stats {
+            uri,
+            samples,
+            lengths_out,
+            json,
+            s3,
+            pre,
         } => {
-            let cfg = WorkerConfig {
-                data: uri,
-                s3,
-                preprocessing: pre,
-                sampling: Sampling {
-                    global_batch_size: 1,
-                    on_error: OnError::Fail,
-                    ..Sampling::default()
-                },
-                concurrency: Concurrency {
-                    cpu_threads: Some(1),
-                    ..Concurrency::default()
-                },
-                ..WorkerConfig::default()
-            };
-            inspect(&cfg, sample, out).await
+            let cfg = one_sample_config(uri, s3, pre, None);
+            let lengths = sample_lengths(&cfg, samples).await?;
+            if let Some(path) = lengths_out {
+                let tokens: Vec<u64> = lengths.iter().map(|l| l.tokens).collect();
+                std::fs::write(&path, serde_json::to_vec(&tokens)?)?;
+                eprintln!("wrote {} lengths to {}", tokens.len(), path.display());
+            }
+            print_stats(&LengthStats::of(&lengths), json)
         }
+    }
+}
+
+/// A worker configuration for looking at samples one by one (a failing sample is an error).
+fn one_sample_config(
+    uri: String,
+    s3: S3Connection,
+    pre: Preprocessing,
+    cpu_threads: Option<usize>,
+) -> WorkerConfig {
+    WorkerConfig {
+        data: uri,
+        s3,
+        preprocessing: pre,
+        sampling: Sampling {
+            global_batch_size: 1,
+            on_error: OnError::Fail,
+            ..Sampling::default()
+        },
+        concurrency: Concurrency {
+            cpu_threads,
+            ..Concurrency::default()
+        },
+        ..WorkerConfig::default()
     }
 }
 
@@ -223,5 +266,125 @@ fn write_safetensors(
         ),
     ];
     safetensors::serialize_to_file(tensors, &None, path)?;
+    Ok(())
+}
+
+/// One sample's length as the model sees it.
+struct SampleLength {
+    tokens: u64,
+    vision_tokens: u64,
+    images: usize,
+}
+
+/// Every (or the first `limit`) sample's length, in sample order, through the real pipeline
+/// (a sample that fails is reported by name and left out).
+async fn sample_lengths(
+    cfg: &WorkerConfig,
+    limit: Option<u64>,
+) -> anyhow::Result<Vec<SampleLength>> {
+    use futures::StreamExt;
+    let p = open_pipeline(cfg, Metrics::new()).await?;
+    let n = limit.map_or(p.index.num_samples(), |l| l.min(p.index.num_samples()));
+    let merge2 = u64::from(p.config.preset.merge_size).pow(2);
+    let in_flight = 2 * std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pb = bar("stats");
+    pb.set_length(n);
+    let results: Vec<_> = futures::stream::iter(0..n)
+        .map(|id| {
+            let p = p.clone();
+            async move { p.load_sample(id).await }
+        })
+        .buffered(in_flight)
+        .inspect(|_| pb.inc(1))
+        .collect()
+        .await;
+    pb.finish_and_clear();
+    let mut lengths = Vec::with_capacity(results.len());
+    for r in results {
+        match r {
+            Ok(s) => lengths.push(SampleLength {
+                tokens: s.input_ids.len() as u64,
+                vision_tokens: s.images.iter().map(|i| i.rows as u64).sum::<u64>() / merge2,
+                images: s.images.len(),
+            }),
+            Err(e) => eprintln!("left out: {e}"),
+        }
+    }
+    Ok(lengths)
+}
+
+/// The distribution `dataset stats` prints.
+#[derive(serde::Serialize)]
+struct LengthStats {
+    samples: usize,
+    mean_tokens: f64,
+    /// Tokens per sample at the 10th, 50th, 90th and 99th percentile, and the longest.
+    p10: u64,
+    p50: u64,
+    p90: u64,
+    p99: u64,
+    max: u64,
+    /// Share of all tokens that are vision tokens.
+    vision_share: f64,
+    /// Samples with 0, 1, 2, 3 and 4 or more images.
+    images: [usize; 5],
+    /// Samples per length range: `[from, below, count]`, ranges doubling from 256 tokens.
+    histogram: Vec<[u64; 3]>,
+}
+
+impl LengthStats {
+    fn of(lengths: &[SampleLength]) -> LengthStats {
+        let mut tokens: Vec<u64> = lengths.iter().map(|l| l.tokens).collect();
+        tokens.sort_unstable();
+        let at = |q: f64| {
+            let i = ((tokens.len() as f64 - 1.0) * q).round() as usize;
+            tokens.get(i).copied().unwrap_or(0)
+        };
+        let total: u64 = tokens.iter().sum();
+        let mut images = [0; 5];
+        for l in lengths {
+            images[l.images.min(4)] += 1;
+        }
+        let mut histogram = Vec::new();
+        let (mut from, mut below) = (0, 256);
+        while from <= at(1.0) && !tokens.is_empty() {
+            let count = tokens.iter().filter(|&&t| t >= from && t < below).count() as u64;
+            histogram.push([from, below, count]);
+            (from, below) = (below, below * 2);
+        }
+        LengthStats {
+            samples: tokens.len(),
+            mean_tokens: total as f64 / tokens.len().max(1) as f64,
+            p10: at(0.10),
+            p50: at(0.50),
+            p90: at(0.90),
+            p99: at(0.99),
+            max: at(1.0),
+            vision_share: lengths.iter().map(|l| l.vision_tokens).sum::<u64>() as f64
+                / total.max(1) as f64,
+            images,
+            histogram,
+        }
+    }
+}
+
+fn print_stats(s: &LengthStats, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(s)?);
+        return Ok(());
+    }
+    println!(
+        "{} samples; tokens per sample: mean {:.0}, p10 {}, p50 {}, p90 {}, p99 {}, max {}; vision tokens {:.0} % of all",
+        s.samples, s.mean_tokens, s.p10, s.p50, s.p90, s.p99, s.max, 100.0 * s.vision_share
+    );
+    println!(
+        "images per sample: 0: {}, 1: {}, 2: {}, 3: {}, 4+: {}",
+        s.images[0], s.images[1], s.images[2], s.images[3], s.images[4]
+    );
+    let widest = s.histogram.iter().map(|h| h[2]).max().unwrap_or(1).max(1);
+    for [from, below, count] in &s.histogram {
+        let bar = "#".repeat((40 * count).div_ceil(widest) as usize);
+        println!("{from:>7} - {below:<7} {count:>7}  {bar}");
+    }
     Ok(())
 }
