@@ -218,3 +218,113 @@ fn bench_balance_prints_one_json_object_per_world_size() {
         assert!(f("step_time_naive_over_balanced") >= 1.0, "{r}");
     }
 }
+
+/// `--balance-ranks`: a worker refuses to start without the dataset's lengths (naming the
+/// command that writes them); with them it serves every global batch with the same samples as
+/// a plain worker, equal counts per rank, chosen by cost (another plan id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn balanced_ranks_need_the_datasets_lengths_and_keep_every_global_batch() {
+    let root = tempfile::tempdir().unwrap();
+    let data = root.path().join("bucket/data");
+    let s3 = EmbeddedS3::start(root.path(), "127.0.0.1:0", Duration::ZERO)
+        .await
+        .unwrap();
+    let synth = [
+        "dataset",
+        "synth",
+        "--out",
+        data.to_str().unwrap(),
+        "--samples",
+        "24",
+        "--max-side",
+        "500",
+    ];
+    assert!(stoker(&s3, &synth).status.success());
+    let config = |balance: bool| {
+        let mut cfg = WorkerConfig {
+            data: "s3://bucket/data".into(),
+            ..WorkerConfig::default()
+        };
+        cfg.s3.path_style = true;
+        cfg.serving.no_auth = true;
+        cfg.sampling.global_batch_size = 8;
+        cfg.sampling.balance_ranks = balance;
+        cfg
+    };
+    let mut refused = Command::new(STOKER)
+        .arg("worker")
+        .args(config(true).to_args())
+        .envs(s3.env())
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let why = String::from_utf8_lossy(&std::mem::take(&mut refused.stderr)).to_string();
+    assert!(
+        why.contains("stoker dataset stats DATA --write-lengths"),
+        "{why}"
+    );
+
+    let stats = [
+        "dataset",
+        "stats",
+        "s3://bucket/data",
+        "--s3-path-style",
+        "--write-lengths",
+    ];
+    let out = stoker(&s3, &stats);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stored: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(data.join("stoker-lengths.json")).unwrap()).unwrap();
+    let tokens: Vec<u64> = serde_json::from_value(stored["tokens"].clone()).unwrap();
+    assert_eq!(tokens.len(), 24);
+
+    let plain = LocalWorker::spawn(STOKER.as_ref(), &config(false), &s3.env()).unwrap();
+    let balanced = LocalWorker::spawn(STOKER.as_ref(), &config(true), &s3.env()).unwrap();
+    let mut plain_conn = Connection::open(&plain.addr, "").await.unwrap().unwrap();
+    let mut balanced_conn = Connection::open(&balanced.addr, "").await.unwrap().unwrap();
+    assert_ne!(plain_conn.welcome.plan_id, balanced_conn.welcome.plan_id);
+    let heaviest = |ranks: &[Vec<u64>]| {
+        ranks
+            .iter()
+            .map(|r| r.iter().map(|&i| tokens[i as usize]).sum::<u64>())
+            .max()
+            .unwrap()
+    };
+    let (mut plain_steps, mut balanced_steps) = (0, 0);
+    for g in 0..3 {
+        let mut global = sample_ids(&mut plain_conn, g, 0, 1).await;
+        let plain_ranks = [
+            sample_ids(&mut plain_conn, g, 0, 2).await,
+            sample_ids(&mut plain_conn, g, 1, 2).await,
+        ];
+        let ranks = [
+            sample_ids(&mut balanced_conn, g, 0, 2).await,
+            sample_ids(&mut balanced_conn, g, 1, 2).await,
+        ];
+        assert_eq!((ranks[0].len(), ranks[1].len()), (4, 4));
+        let mut union = ranks.concat();
+        union.sort_unstable();
+        global.sort_unstable();
+        assert_eq!(union, global, "batch {g}: the same samples");
+        plain_steps += heaviest(&plain_ranks);
+        balanced_steps += heaviest(&ranks);
+    }
+    assert!(
+        balanced_steps <= plain_steps,
+        "{balanced_steps} vs {plain_steps}"
+    );
+}
+
+/// The sample ids of (epoch 0, batch `g`, `rank` of `world`) from a worker.
+async fn sample_ids(conn: &mut Connection, g: u64, rank: u32, world: u32) -> Vec<u64> {
+    let req = conn.request(g * 10 + u64::from(rank), 0, g, rank, world);
+    conn.send(&req).await.unwrap();
+    match conn.recv().await.unwrap() {
+        Answer::Batch(head, _) => head.sample_ids,
+        Answer::Error(e) => panic!("batch {g} rank {rank}: {e:?}"),
+    }
+}

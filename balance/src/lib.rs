@@ -33,23 +33,32 @@ impl CostModel {
 
 /// Splits items (by cost) over `ranks` to minimise the heaviest rank's total: longest
 /// processing time first — the costliest item goes to the rank with the least so far (the
-/// lowest rank among equals). `per_rank`: every rank takes exactly that many items (trainers
-/// with a fixed micro-batch size; `costs.len()` must equal `ranks · per_rank`); `None`: any
-/// number. Returns each rank's item positions in ascending order.
-pub fn balance(costs: &[u64], ranks: usize, per_rank: Option<usize>) -> Vec<Vec<usize>> {
+/// lowest rank among equals). `counts`: rank r takes exactly `counts[r]` items (trainers with
+/// a fixed micro-batch size; they must add up to `costs.len()`); `None`: any number. Returns
+/// each rank's item positions in ascending order.
+pub fn balance(costs: &[u64], ranks: usize, counts: Option<&[usize]>) -> Vec<Vec<usize>> {
     assert!(ranks > 0, "at least one rank");
-    if let Some(k) = per_rank {
-        assert_eq!(costs.len(), ranks * k, "{ranks} ranks x {k} items");
+    if let Some(c) = counts {
+        assert_eq!(c.len(), ranks, "a count per rank");
+        assert_eq!(
+            c.iter().sum::<usize>(),
+            costs.len(),
+            "counts add up to the items"
+        );
     }
+    let has_room = |r: usize, taken: usize| counts.is_none_or(|c| taken < c[r]);
     let mut order: Vec<usize> = (0..costs.len()).collect();
     order.sort_by_key(|&i| (Reverse(costs[i]), i));
     // Min-heap of (load, rank): the next item goes to the lightest rank with room.
-    let mut open: BinaryHeap<Reverse<(u64, usize)>> = (0..ranks).map(|r| Reverse((0, r))).collect();
+    let mut open: BinaryHeap<Reverse<(u64, usize)>> = (0..ranks)
+        .filter(|&r| has_room(r, 0))
+        .map(|r| Reverse((0, r)))
+        .collect();
     let mut out = vec![Vec::new(); ranks];
     for i in order {
         let Reverse((load, r)) = open.pop().expect("a rank with room");
         out[r].push(i);
-        if per_rank.is_none_or(|k| out[r].len() < k) {
+        if has_room(r, out[r].len()) {
             open.push(Reverse((load + costs[i], r)));
         }
     }
@@ -63,6 +72,13 @@ pub fn balance(costs: &[u64], ranks: usize, per_rank: Option<usize>) -> Vec<Vec<
 pub fn slice_evenly(items: usize, ranks: usize) -> Vec<Vec<usize>> {
     (0..ranks)
         .map(|r| (items * r / ranks..items * (r + 1) / ranks).collect())
+        .collect()
+}
+
+/// The sizes of [`slice_evenly`]'s slices: the counts a balanced split keeps.
+pub fn even_counts(items: usize, ranks: usize) -> Vec<usize> {
+    (0..ranks)
+        .map(|r| items * (r + 1) / ranks - items * r / ranks)
         .collect()
 }
 
@@ -163,9 +179,11 @@ mod tests {
     #[test]
     fn every_item_lands_on_exactly_one_rank() {
         let costs: Vec<u64> = (0..97).map(|i| (i * 7919 % 1000) + 1).collect();
-        for per_rank in [None, Some(97 / 97)] {
-            let ranks = if per_rank.is_some() { 97 } else { 8 };
-            let groups = balance(&costs, ranks, per_rank);
+        for (ranks, counts) in [(8, None), (10, Some(even_counts(97, 10)))] {
+            let groups = balance(&costs, ranks, counts.as_deref());
+            if let Some(c) = &counts {
+                assert_eq!(&groups.iter().map(Vec::len).collect::<Vec<_>>(), c);
+            }
             let mut all: Vec<usize> = groups.concat();
             all.sort_unstable();
             assert_eq!(all, (0..97).collect::<Vec<_>>());
@@ -180,14 +198,14 @@ mod tests {
             .map(|i| if i % 8 == 0 { 5000 } else { 300 + i })
             .collect();
         let naive = slice_evenly(64, 8);
-        let balanced = balance(&costs, 8, Some(8));
+        let balanced = balance(&costs, 8, Some(&[8; 8]));
         assert!(balanced.iter().all(|g| g.len() == 8));
         assert!(max_over_mean(&costs, &balanced) <= max_over_mean(&costs, &naive));
         // Heavy items at 0, 8, …, 56: one per naive slice already; shuffle them together.
         let mut clumped = costs.clone();
         clumped.sort_unstable_by(|a, b| b.cmp(a));
         let naive_clumped = max_over_mean(&clumped, &slice_evenly(64, 8));
-        let balanced_clumped = max_over_mean(&clumped, &balance(&clumped, 8, Some(8)));
+        let balanced_clumped = max_over_mean(&clumped, &balance(&clumped, 8, Some(&[8; 8])));
         assert!(naive_clumped > 2.0, "{naive_clumped}");
         assert!(balanced_clumped < 1.05, "{balanced_clumped}");
     }
@@ -195,8 +213,8 @@ mod tests {
     #[test]
     fn the_assignment_is_a_function_of_the_costs_alone() {
         let costs: Vec<u64> = (0..40).map(|i| [100, 100, 250, 900][i % 4]).collect();
-        let a = balance(&costs, 5, Some(8));
-        assert_eq!(a, balance(&costs, 5, Some(8)));
+        let a = balance(&costs, 5, Some(&[8; 5]));
+        assert_eq!(a, balance(&costs, 5, Some(&[8; 5])));
         // Ties go to the lowest rank: the first four items by cost (900s at 3, 7, 11, 15) go to
         // ranks 0..4 in that order.
         for (r, item) in [3, 7, 11, 15].into_iter().enumerate() {

@@ -307,6 +307,14 @@ pub struct Sampling {
     #[serde(default)]
     #[cfg_attr(feature = "clap", arg(long, value_enum, default_value = "skip"))]
     pub on_error: OnError,
+    /// Assign each global batch's samples to ranks by token cost (longest first, to the
+    /// lightest rank; equal sample counts), so no rank waits on a heavier slice. The global
+    /// batches themselves do not change, so resume at another world size still holds. Needs
+    /// the dataset's lengths for these preprocessing settings (`stoker dataset stats DATA
+    /// --write-lengths`, stoker-lengths.json at the dataset root).
+    #[serde(default)]
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub balance_ranks: bool,
 }
 
 impl Default for Sampling {
@@ -315,6 +323,7 @@ impl Default for Sampling {
             seed: 0,
             global_batch_size: DEFAULT_GLOBAL_BATCH_SIZE,
             on_error: OnError::Skip,
+            balance_ranks: false,
         }
     }
 }
@@ -491,6 +500,7 @@ impl Sampling {
         a.value("seed", self.seed);
         a.value("global-batch-size", self.global_batch_size);
         a.value("on-error", self.on_error.as_str());
+        a.switch("balance-ranks", self.balance_ranks);
     }
 }
 
@@ -579,6 +589,7 @@ mod tests {
                 seed: 42,
                 global_batch_size: 256,
                 on_error: OnError::Fail,
+                balance_ranks: true,
             },
             concurrency: Concurrency {
                 max_fetches: 16,

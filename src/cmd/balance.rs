@@ -122,7 +122,7 @@ fn world(a: &BalanceArgs, draw: &Draw, model: CostModel, w: usize) -> anyhow::Re
         let lengths: Vec<u64> = lengths.into_iter().map(|l| l.min(a.max_tokens)).collect();
         let costs: Vec<u64> = lengths.iter().map(|&l| model.cost(l)).collect();
         let naive = slice_evenly(n, w);
-        let balanced = balance(&costs, w, Some(a.samples_per_rank));
+        let balanced = balance(&costs, w, Some(&vec![a.samples_per_rank; w]));
         let packed = pack_ranks(&lengths, &costs, w, a.max_tokens);
         let packed_ranks: Vec<Vec<usize>> = packed.iter().map(|r| r.concat()).collect();
         let heaviest = |groups: &[Vec<usize>]| {

@@ -2,11 +2,13 @@
 
 use clap::Subcommand;
 use std::path::PathBuf;
+use std::sync::Arc;
 use stoker_config::{Concurrency, OnError, Preprocessing, S3Connection, Sampling, WorkerConfig};
 use stoker_testkit::synth::{generate, SynthOptions};
 use stoker_worker::dataset::index::{DatasetIndex, Progress, INDEX_KEY};
+use stoker_worker::dataset::lengths::{SampleLengths, LENGTHS_KEY};
 use stoker_worker::metrics::Metrics;
-use stoker_worker::pipeline::{collate, open_pipeline};
+use stoker_worker::pipeline::{collate, open_pipeline, preprocessing_id, Pipeline};
 use stoker_worker::source::Store;
 
 #[derive(Subcommand)]
@@ -57,6 +59,10 @@ pub enum DatasetCommand {
         /// --lengths`.
         #[arg(long)]
         lengths_out: Option<PathBuf>,
+        /// Store every sample's length at the dataset root (stoker-lengths.json), for workers
+        /// with `--balance-ranks` and these preprocessing flags.
+        #[arg(long, conflicts_with = "samples")]
+        write_lengths: bool,
         /// Print one JSON object instead of the table.
         #[arg(long)]
         json: bool,
@@ -150,16 +156,34 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
             uri,
             samples,
             lengths_out,
+            write_lengths,
             json,
             s3,
             pre,
         } => {
             let cfg = one_sample_config(uri, s3, pre, None);
-            let lengths = sample_lengths(&cfg, samples).await?;
+            let p = open_pipeline(&cfg, Metrics::new()).await?;
+            let by_id = sample_lengths(&p, samples).await;
+            let lengths: Vec<&SampleLength> = by_id.iter().flatten().collect();
             if let Some(path) = lengths_out {
                 let tokens: Vec<u64> = lengths.iter().map(|l| l.tokens).collect();
                 std::fs::write(&path, serde_json::to_vec(&tokens)?)?;
                 eprintln!("wrote {} lengths to {}", tokens.len(), path.display());
+            }
+            if write_lengths {
+                let stored = SampleLengths {
+                    index_version: p.index.version,
+                    preprocessing: preprocessing_id(&p.config, p.text.fingerprint),
+                    // A sample that cannot be loaded costs nothing (workers skip it too).
+                    tokens: by_id
+                        .iter()
+                        .map(|l| l.as_ref().map_or(0, |l| l.tokens as u32))
+                        .collect(),
+                };
+                p.store
+                    .put(LENGTHS_KEY, serde_json::to_vec(&stored)?)
+                    .await?;
+                eprintln!("wrote {}", p.store.describe(LENGTHS_KEY));
             }
             print_stats(&LengthStats::of(&lengths), json)
         }
@@ -276,14 +300,10 @@ struct SampleLength {
     images: usize,
 }
 
-/// Every (or the first `limit`) sample's length, in sample order, through the real pipeline
-/// (a sample that fails is reported by name and left out).
-async fn sample_lengths(
-    cfg: &WorkerConfig,
-    limit: Option<u64>,
-) -> anyhow::Result<Vec<SampleLength>> {
+/// Every (or the first `limit`) sample's length, by sample id, through the real pipeline
+/// (`None` for a sample that fails, reported by name).
+async fn sample_lengths(p: &Arc<Pipeline>, limit: Option<u64>) -> Vec<Option<SampleLength>> {
     use futures::StreamExt;
-    let p = open_pipeline(cfg, Metrics::new()).await?;
     let n = limit.map_or(p.index.num_samples(), |l| l.min(p.index.num_samples()));
     let merge2 = u64::from(p.config.preset.merge_size).pow(2);
     let in_flight = 2 * std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -299,18 +319,20 @@ async fn sample_lengths(
         .collect()
         .await;
     pb.finish_and_clear();
-    let mut lengths = Vec::with_capacity(results.len());
-    for r in results {
-        match r {
-            Ok(s) => lengths.push(SampleLength {
+    results
+        .into_iter()
+        .map(|r| match r {
+            Ok(s) => Some(SampleLength {
                 tokens: s.input_ids.len() as u64,
                 vision_tokens: s.images.iter().map(|i| i.rows as u64).sum::<u64>() / merge2,
                 images: s.images.len(),
             }),
-            Err(e) => eprintln!("left out: {e}"),
-        }
-    }
-    Ok(lengths)
+            Err(e) => {
+                eprintln!("left out: {e}");
+                None
+            }
+        })
+        .collect()
 }
 
 /// The distribution `dataset stats` prints.
@@ -333,7 +355,7 @@ struct LengthStats {
 }
 
 impl LengthStats {
-    fn of(lengths: &[SampleLength]) -> LengthStats {
+    fn of(lengths: &[&SampleLength]) -> LengthStats {
         let mut tokens: Vec<u64> = lengths.iter().map(|l| l.tokens).collect();
         tokens.sort_unstable();
         let at = |q: f64| {

@@ -3,6 +3,7 @@
 
 pub mod dataset {
     pub mod index;
+    pub mod lengths;
     pub mod sample;
 }
 pub mod preprocess {

@@ -6,6 +6,7 @@
 //! concurrently, so a slow object delays only its own batch, never other requests.
 
 use crate::dataset::index::{DatasetIndex, ShardIndex};
+use crate::dataset::lengths::SampleLengths;
 use crate::dataset::sample::{Conversation, SampleError};
 use crate::limits::{LimitError, SampleLimits};
 use crate::line_cache::{LineCache, Lookup};
@@ -465,6 +466,22 @@ pub fn collate(samples: Vec<PreparedSample>, skipped: Vec<Skipped>, pad_id: i64)
     }
 }
 
+/// What fixes a sample's tensors besides its data: preset, limits, tokenizer and template.
+pub fn preprocessing_parts(config: &PipelineConfig, text_fingerprint: u64) -> [Vec<u8>; 3] {
+    [
+        serde_json::to_vec(&config.preset).expect("preset serializes"),
+        serde_json::to_vec(&config.limits).expect("limits serialize"),
+        text_fingerprint.to_le_bytes().to_vec(),
+    ]
+}
+
+/// [`preprocessing_parts`] as one number: the lengths `--balance-ranks` reads must have been
+/// measured with the same.
+pub fn preprocessing_id(config: &PipelineConfig, text_fingerprint: u64) -> u64 {
+    let parts = preprocessing_parts(config, text_fingerprint);
+    crate::dataset::index::fingerprint(&parts.iter().map(Vec::as_slice).collect::<Vec<_>>())
+}
+
 /// Opens the store, loads (or builds) the index and assembles the pipeline `cfg` describes.
 pub async fn open_pipeline(
     cfg: &WorkerConfig,
@@ -493,11 +510,23 @@ pub async fn open_pipeline(
         sample_parallelism: c.sample_parallelism.unwrap_or(usize::MAX),
         line_cache_bytes: c.line_cache_mib << 20,
     };
-    let plan = Plan::new(
+    let mut plan = Plan::new(
         index.num_samples(),
         cfg.sampling.global_batch_size,
         cfg.sampling.seed,
     );
+    if cfg.sampling.balance_ranks {
+        let id = preprocessing_id(&config, text.fingerprint);
+        let lengths = SampleLengths::load(&store, index.version, id, index.num_samples()).await?;
+        let model = stoker_balance::CostModel::default();
+        plan = plan.with_costs(
+            lengths
+                .tokens
+                .iter()
+                .map(|&t| model.cost(t.into()))
+                .collect(),
+        );
+    }
     Ok(Arc::new(Pipeline::new(
         store, index, plan, text, config, metrics,
     )))

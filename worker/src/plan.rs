@@ -1,6 +1,8 @@
 //! The deterministic plan: which samples form global batch `g` of epoch `e`, and which slice
 //! of it rank `r` of `W` gets. A pure function of (dataset index, seed, epoch), so any worker
 //! answers any request with no coordinator, and a trainer resumes from `(epoch, next g)`.
+//! With sample costs (`--balance-ranks`) the global batch is the same, but its samples go to
+//! ranks by cost (stoker-balance), so no rank draws a heavier slice.
 
 use rand::{RngCore, SeedableRng};
 use std::sync::{Arc, Mutex};
@@ -17,6 +19,8 @@ pub struct Plan {
     pub num_samples: u64,
     pub global_batch_size: u32,
     pub seed: u64,
+    /// Each sample's cost (by id): ranks are assigned by it; `None`: contiguous slices.
+    costs: Option<Vec<u64>>,
     /// Cache of recent epochs' permutations: consecutive requests share an epoch.
     perms: Mutex<Vec<(u64, Arc<Vec<u32>>)>>,
 }
@@ -33,8 +37,21 @@ impl Plan {
             num_samples,
             global_batch_size: global_batch_size.max(1),
             seed,
+            costs: None,
             perms: Mutex::new(Vec::new()),
         }
+    }
+
+    /// The same plan, ranks assigned by these per-sample costs (one per sample id).
+    pub fn with_costs(mut self, costs: Vec<u64>) -> Self {
+        assert_eq!(costs.len() as u64, self.num_samples, "a cost per sample");
+        self.costs = Some(costs);
+        self
+    }
+
+    /// Whether ranks are assigned by cost.
+    pub fn balances_ranks(&self) -> bool {
+        self.costs.is_some()
     }
 
     /// Batches per epoch; the last one is smaller when the sizes do not divide (nothing is
@@ -70,8 +87,9 @@ impl Plan {
         perm
     }
 
-    /// Sample ids of rank `rank`'s slice of global batch `g`: ranks take contiguous, near-equal
-    /// slices, so the global batch is the same for any world size.
+    /// Sample ids of rank `rank`'s slice of global batch `g`, in plan order: contiguous,
+    /// near-equal slices, or (with costs) the same counts chosen by cost. Either way the
+    /// global batch is the same for any world size.
     pub fn rank_slice(
         &self,
         epoch: u64,
@@ -92,12 +110,21 @@ impl Plan {
         let perm = self.permutation(epoch);
         let start = g * self.global_batch_size as u64;
         let end = (start + self.global_batch_size as u64).min(self.num_samples);
-        let b = end - start;
-        let lo = start + b * rank as u64 / world as u64;
-        let hi = start + b * (rank as u64 + 1) / world as u64;
-        Ok(perm[lo as usize..hi as usize]
+        let batch = &perm[start as usize..end as usize];
+        let Some(costs) = &self.costs else {
+            let b = batch.len();
+            let (lo, hi) = (
+                b * rank as usize / world as usize,
+                b * (rank as usize + 1) / world as usize,
+            );
+            return Ok(batch[lo..hi].iter().map(|&i| i as u64).collect());
+        };
+        let batch_costs: Vec<u64> = batch.iter().map(|&i| costs[i as usize]).collect();
+        let counts = stoker_balance::even_counts(batch.len(), world as usize);
+        let ranks = stoker_balance::balance(&batch_costs, world as usize, Some(&counts));
+        Ok(ranks[rank as usize]
             .iter()
-            .map(|&i| i as u64)
+            .map(|&pos| batch[pos] as u64)
             .collect())
     }
 }
@@ -165,5 +192,53 @@ mod tests {
             plan.rank_slice(0, 0, 0, 5),
             Err(PlanError::WorldTooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn with_costs_every_sample_once_the_same_global_batches_and_lighter_heaviest_ranks() {
+        // Every eighth sample is heavy, as multi-image samples among VQA ones.
+        let costs: Vec<u64> = (0..203)
+            .map(|i| if i % 8 == 0 { 9000 } else { 400 + i })
+            .collect();
+        let plain = Plan::new(203, 32, 5);
+        let balanced = Plan::new(203, 32, 5).with_costs(costs.clone());
+        let heaviest = |plan: &Plan, g: u64, world: u32| {
+            (0..world)
+                .map(|r| {
+                    plan.rank_slice(1, g, r, world)
+                        .unwrap()
+                        .iter()
+                        .map(|&i| costs[i as usize])
+                        .sum::<u64>()
+                })
+                .max()
+                .unwrap()
+        };
+        let (mut plain_total, mut balanced_total) = (0, 0);
+        for g in 0..balanced.batches_per_epoch() {
+            for world in [1, 3, 4, 32] {
+                let mut global = Vec::new();
+                for r in 0..world {
+                    let mine = balanced.rank_slice(1, g, r, world).unwrap();
+                    // Same counts as the contiguous slices; plan order within a rank.
+                    assert_eq!(mine.len(), plain.rank_slice(1, g, r, world).unwrap().len());
+                    global.extend(mine);
+                }
+                global.sort_unstable();
+                let mut want = plain.rank_slice(1, g, 0, 1).unwrap();
+                want.sort_unstable();
+                assert_eq!(
+                    global, want,
+                    "batch {g}, world {world}: the same global batch"
+                );
+            }
+            plain_total += heaviest(&plain, g, 4);
+            balanced_total += heaviest(&balanced, g, 4);
+        }
+        assert!(
+            balanced_total < plain_total,
+            "{balanced_total} vs {plain_total}"
+        );
+        assert!(balanced.balances_ranks() && !plain.balances_ranks());
     }
 }

@@ -6,7 +6,7 @@
 //! order (they echo the request id). Per connection at most `max_inflight_per_conn` requests
 //! are prepared at once; beyond that the server stops reading, and TCP pushes back.
 
-use crate::pipeline::{i64_bytes, Batch, Pipeline};
+use crate::pipeline::{i64_bytes, preprocessing_parts, Batch, Pipeline};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -526,16 +526,17 @@ impl Server {
 
 /// The identity of what a worker serves: data version, order and every preprocessing knob.
 pub fn plan_id(p: &Pipeline) -> u64 {
-    let preset = serde_json::to_vec(&p.config.preset).expect("preset serializes");
-    let limits = serde_json::to_vec(&p.config.limits).expect("limits serialize");
-    crate::dataset::index::fingerprint(&[
-        &p.index.version.to_le_bytes(),
-        &p.plan.seed.to_le_bytes(),
-        &p.plan.global_batch_size.to_le_bytes(),
-        &preset,
-        &limits,
-        &p.text.fingerprint.to_le_bytes(),
-    ])
+    let mut parts: Vec<Vec<u8>> = vec![
+        p.index.version.to_le_bytes().to_vec(),
+        p.plan.seed.to_le_bytes().to_vec(),
+        p.plan.global_batch_size.to_le_bytes().to_vec(),
+    ];
+    parts.extend(preprocessing_parts(&p.config, p.text.fingerprint));
+    // Ranks assigned by cost are another plan (unbalanced plans keep their ids).
+    if p.plan.balances_ranks() {
+        parts.push(b"balance-ranks".to_vec());
+    }
+    crate::dataset::index::fingerprint(&parts.iter().map(Vec::as_slice).collect::<Vec<_>>())
 }
 
 #[cfg(test)]
