@@ -1,6 +1,7 @@
 //! The trainer client against real `stoker worker` processes: workers SIGKILLed at random
 //! moments during an epoch (and replaced, as a Deployment would) cost neither a sample nor a
-//! duplicate; and `stoker demo` prints its ablation.
+//! duplicate, with contiguous or cost-balanced rank slices; and `stoker demo` prints its
+//! ablation.
 
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeSet;
@@ -22,6 +23,15 @@ const GLOBAL_BATCH: u32 = 8;
 
 #[test]
 fn random_worker_kills_lose_and_duplicate_no_sample() {
+    kills_lose_and_duplicate_no_sample(false);
+}
+
+#[test]
+fn random_worker_kills_lose_and_duplicate_no_sample_with_balanced_ranks() {
+    kills_lose_and_duplicate_no_sample(true);
+}
+
+fn kills_lose_and_duplicate_no_sample(balance_ranks: bool) {
     let root = tempfile::tempdir().unwrap();
     let o = SynthOptions {
         samples: SAMPLES,
@@ -51,6 +61,11 @@ fn random_worker_kills_lose_and_duplicate_no_sample() {
     cfg.sampling.global_batch_size = GLOBAL_BATCH;
     cfg.concurrency.cpu_threads = Some(1);
     cfg.serving.token_file = Some(token.display().to_string());
+    cfg.sampling.balance_ranks = balance_ranks;
+    let mut plan = Plan::new(SAMPLES as u64, GLOBAL_BATCH, 0);
+    if balance_ranks {
+        plan = plan.with_costs(write_lengths(&s3, &root.path().join("bucket/data")));
+    }
     let env = s3.env();
     let spawn = move || LocalWorker::spawn(STOKER.as_ref(), &cfg, &env);
     let workers = Arc::new(Mutex::new(
@@ -61,7 +76,6 @@ fn random_worker_kills_lose_and_duplicate_no_sample() {
 
     const WORLD: u32 = 2;
     const EPOCHS: u64 = 3;
-    let plan = Plan::new(SAMPLES as u64, GLOBAL_BATCH, 0);
     let bpe = plan.batches_per_epoch();
     let progress = Arc::new(AtomicU64::new(0));
     let ranks: Vec<_> = (0..WORLD)
@@ -146,6 +160,35 @@ fn random_worker_kills_lose_and_duplicate_no_sample() {
     let lost: u64 = results.iter().map(|(_, l)| l).sum();
     println!("3 kills, {lost} requests retried after a lost worker");
     assert!(lost > 0, "no kill hit a request in flight (seed {seed})");
+}
+
+/// `stoker dataset stats --write-lengths` on the dataset; the stored lengths as the plan's costs.
+fn write_lengths(s3: &EmbeddedS3, dir: &std::path::Path) -> Vec<u64> {
+    let out = std::process::Command::new(STOKER)
+        .args([
+            "dataset",
+            "stats",
+            "s3://bucket/data",
+            "--s3-path-style",
+            "--write-lengths",
+        ])
+        .envs(s3.env())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stored: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("stoker-lengths.json")).unwrap()).unwrap();
+    let model = stoker_balance::CostModel::default();
+    stored["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| model.cost(t.as_u64().unwrap()))
+        .collect()
 }
 
 #[test]
