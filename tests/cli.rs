@@ -215,6 +215,7 @@ fn bench_balance_prints_one_json_object_per_world_size() {
             "{r}"
         );
         assert!(f("padding_packed") < f("padding_plain"), "{r}");
+        assert!(f("padding_bucketed") < f("padding_plain"), "{r}");
         assert!(f("step_time_naive_over_balanced") >= 1.0, "{r}");
     }
 }

@@ -1,6 +1,6 @@
 //! The trainer client against real `stoker worker` processes: workers SIGKILLed at random
 //! moments during an epoch (and replaced, as a Deployment would) cost neither a sample nor a
-//! duplicate, with contiguous or cost-balanced rank slices; and `stoker demo` prints its
+//! duplicate, with plain or token-shaped plans (balanced ranks, length buckets); and `stoker demo` prints its
 //! ablation.
 
 use rand::{Rng, SeedableRng};
@@ -15,7 +15,7 @@ use stoker_testkit::embedded_s3::EmbeddedS3;
 use stoker_testkit::http;
 use stoker_testkit::local_worker::LocalWorker;
 use stoker_testkit::synth::{generate, SynthFormat, SynthOptions};
-use stoker_worker::plan::Plan;
+use stoker_worker::plan::{Plan, Shaping};
 
 const STOKER: &str = env!("CARGO_BIN_EXE_stoker");
 const SAMPLES: usize = 48;
@@ -27,11 +27,11 @@ fn random_worker_kills_lose_and_duplicate_no_sample() {
 }
 
 #[test]
-fn random_worker_kills_lose_and_duplicate_no_sample_with_balanced_ranks() {
+fn random_worker_kills_lose_and_duplicate_no_sample_with_balanced_ranks_and_length_buckets() {
     kills_lose_and_duplicate_no_sample(true);
 }
 
-fn kills_lose_and_duplicate_no_sample(balance_ranks: bool) {
+fn kills_lose_and_duplicate_no_sample(shaped: bool) {
     let root = tempfile::tempdir().unwrap();
     let o = SynthOptions {
         samples: SAMPLES,
@@ -61,10 +61,18 @@ fn kills_lose_and_duplicate_no_sample(balance_ranks: bool) {
     cfg.sampling.global_batch_size = GLOBAL_BATCH;
     cfg.concurrency.cpu_threads = Some(1);
     cfg.serving.token_file = Some(token.display().to_string());
-    cfg.sampling.balance_ranks = balance_ranks;
+    cfg.sampling.balance_ranks = shaped;
+    cfg.sampling.bucket_by_length = shaped;
     let mut plan = Plan::new(SAMPLES as u64, GLOBAL_BATCH, 0);
-    if balance_ranks {
-        plan = plan.with_costs(write_lengths(&s3, &root.path().join("bucket/data")));
+    if shaped {
+        let shaping = Shaping {
+            balance_ranks: true,
+            bucket_by_length: true,
+        };
+        plan = plan.with_costs(
+            write_lengths(&s3, &root.path().join("bucket/data")),
+            shaping,
+        );
     }
     let env = s3.env();
     let spawn = move || LocalWorker::spawn(STOKER.as_ref(), &cfg, &env);

@@ -315,6 +315,13 @@ pub struct Sampling {
     #[serde(default)]
     #[cfg_attr(feature = "clap", arg(long))]
     pub balance_ranks: bool,
+    /// Make each global batch's samples similar in length: windows of 32 global batches of the
+    /// shuffled order are sorted by length, cut into batches, and those shuffled (less padding
+    /// for trainers that cannot take packed input; the order is still a function of seed and
+    /// epoch). Needs the dataset's lengths, as `balanceRanks` does.
+    #[serde(default)]
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub bucket_by_length: bool,
 }
 
 impl Default for Sampling {
@@ -324,6 +331,7 @@ impl Default for Sampling {
             global_batch_size: DEFAULT_GLOBAL_BATCH_SIZE,
             on_error: OnError::Skip,
             balance_ranks: false,
+            bucket_by_length: false,
         }
     }
 }
@@ -501,6 +509,7 @@ impl Sampling {
         a.value("global-batch-size", self.global_batch_size);
         a.value("on-error", self.on_error.as_str());
         a.switch("balance-ranks", self.balance_ranks);
+        a.switch("bucket-by-length", self.bucket_by_length);
     }
 }
 
@@ -590,6 +599,7 @@ mod tests {
                 global_batch_size: 256,
                 on_error: OnError::Fail,
                 balance_ranks: true,
+                bucket_by_length: true,
             },
             concurrency: Concurrency {
                 max_fetches: 16,

@@ -64,6 +64,9 @@ struct Row {
     padding_plain: f64,
     /// Padding of packed sequences (each padded to the step's longest sequence).
     padding_packed: f64,
+    /// Padding of plain batches from length buckets: all steps' samples as one window,
+    /// sorted by length and cut into global batches, each sliced over ranks.
+    padding_bucketed: f64,
     /// Sequences per rank per step (packed).
     sequences_per_rank: f64,
     /// Simulated synchronous step time (the heaviest rank's cost), naive over balanced.
@@ -115,11 +118,13 @@ fn world(a: &BalanceArgs, draw: &Draw, model: CostModel, w: usize) -> anyhow::Re
     let n = w * a.samples_per_rank;
     let mut sums = [0.0f64; 6];
     let (mut naive_steps, mut balanced_steps, mut packed_steps) = (0u64, 0u64, 0u64);
+    let mut window = Vec::with_capacity(n * a.steps);
     for _ in 0..a.steps {
         let lengths: Vec<u64> = (0..n)
             .map(|_| draw(&mut rng))
             .collect::<anyhow::Result<_>>()?;
         let lengths: Vec<u64> = lengths.into_iter().map(|l| l.min(a.max_tokens)).collect();
+        window.extend_from_slice(&lengths);
         let costs: Vec<u64> = lengths.iter().map(|&l| model.cost(l)).collect();
         let naive = slice_evenly(n, w);
         let balanced = balance(&costs, w, Some(&vec![a.samples_per_rank; w]));
@@ -143,6 +148,12 @@ fn world(a: &BalanceArgs, draw: &Draw, model: CostModel, w: usize) -> anyhow::Re
         sums[5] += packed[0].len() as f64;
     }
     let mean = |i: usize| sums[i] / a.steps as f64;
+    window.sort_unstable();
+    let padding_bucketed = window
+        .chunks(n)
+        .map(|batch| padding_plain(batch, &slice_evenly(n, w)))
+        .sum::<f64>()
+        / a.steps as f64;
     Ok(Row {
         world_size: w,
         samples_per_rank: a.samples_per_rank,
@@ -152,6 +163,7 @@ fn world(a: &BalanceArgs, draw: &Draw, model: CostModel, w: usize) -> anyhow::Re
         packed_max_over_mean: mean(2),
         padding_plain: mean(3),
         padding_packed: mean(4),
+        padding_bucketed,
         sequences_per_rank: mean(5),
         step_time_naive_over_balanced: naive_steps as f64 / balanced_steps as f64,
         step_time_naive_over_packed: naive_steps as f64 / packed_steps as f64,
@@ -208,26 +220,28 @@ fn print_table(a: &BalanceArgs, rows: &[Row]) {
         a.attention_tokens
     );
     println!(
-        "{:>6} {:>14} {:>14} {:>12} {:>14} {:>15} {:>9} {:>17} {:>15}",
+        "{:>6} {:>14} {:>14} {:>12} {:>14} {:>15} {:>17} {:>9} {:>17} {:>15}",
         "world",
         "naive max/mean",
         "balanced",
         "packed",
         "padding plain",
         "padding packed",
+        "padding bucketed",
         "seq/rank",
         "step naive/bal",
         "step naive/pack"
     );
     for r in rows {
         println!(
-            "{:>6} {:>14.3} {:>14.3} {:>12.3} {:>13.1}% {:>14.1}% {:>9.1} {:>16.2}x {:>14.2}x",
+            "{:>6} {:>14.3} {:>14.3} {:>12.3} {:>13.1}% {:>14.1}% {:>16.1}% {:>9.1} {:>16.2}x {:>14.2}x",
             r.world_size,
             r.naive_max_over_mean,
             r.balanced_max_over_mean,
             r.packed_max_over_mean,
             100.0 * r.padding_plain,
             100.0 * r.padding_packed,
+            100.0 * r.padding_bucketed,
             r.sequences_per_rank,
             r.step_time_naive_over_balanced,
             r.step_time_naive_over_packed

@@ -11,7 +11,7 @@ use crate::dataset::sample::{Conversation, SampleError};
 use crate::limits::{LimitError, SampleLimits};
 use crate::line_cache::{LineCache, Lookup};
 use crate::metrics::Metrics;
-use crate::plan::Plan;
+use crate::plan::{Plan, Shaping};
 use crate::preprocess::preset::{PixelDtype, Preset};
 use crate::preprocess::text::{TextError, TextProcessor, IGNORE_INDEX};
 use crate::preprocess::vision::{
@@ -515,17 +515,20 @@ pub async fn open_pipeline(
         cfg.sampling.global_batch_size,
         cfg.sampling.seed,
     );
-    if cfg.sampling.balance_ranks {
+    let shaping = Shaping {
+        balance_ranks: cfg.sampling.balance_ranks,
+        bucket_by_length: cfg.sampling.bucket_by_length,
+    };
+    if shaping != Shaping::default() {
         let id = preprocessing_id(&config, text.fingerprint);
         let lengths = SampleLengths::load(&store, index.version, id, index.num_samples()).await?;
         let model = stoker_balance::CostModel::default();
-        plan = plan.with_costs(
-            lengths
-                .tokens
-                .iter()
-                .map(|&t| model.cost(t.into()))
-                .collect(),
-        );
+        let costs = lengths
+            .tokens
+            .iter()
+            .map(|&t| model.cost(t.into()))
+            .collect();
+        plan = plan.with_costs(costs, shaping);
     }
     Ok(Arc::new(Pipeline::new(
         store, index, plan, text, config, metrics,

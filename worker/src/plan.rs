@@ -1,8 +1,10 @@
 //! The deterministic plan: which samples form global batch `g` of epoch `e`, and which slice
 //! of it rank `r` of `W` gets. A pure function of (dataset index, seed, epoch), so any worker
 //! answers any request with no coordinator, and a trainer resumes from `(epoch, next g)`.
-//! With sample costs (`--balance-ranks`) the global batch is the same, but its samples go to
-//! ranks by cost (stoker-balance), so no rank draws a heavier slice.
+//! With sample costs, two optional shapings: `--balance-ranks` keeps the global batch but
+//! hands its samples to ranks by cost (stoker-balance), so no rank draws a heavier slice;
+//! `--bucket-by-length` makes each global batch's samples similar in length (less padding for
+//! trainers that cannot take packed input).
 
 use rand::{RngCore, SeedableRng};
 use std::sync::{Arc, Mutex};
@@ -19,13 +21,24 @@ pub struct Plan {
     pub num_samples: u64,
     pub global_batch_size: u32,
     pub seed: u64,
-    /// Each sample's cost (by id): ranks are assigned by it; `None`: contiguous slices.
-    costs: Option<Vec<u64>>,
+    /// Each sample's cost (by id), and what the plan does with it.
+    costs: Option<(Vec<u64>, Shaping)>,
     /// Cache of recent epochs' permutations: consecutive requests share an epoch.
     perms: Mutex<Vec<(u64, Arc<Vec<u32>>)>>,
 }
 
 const CACHED_EPOCHS: usize = 2;
+/// Length bucketing sorts windows of this many global batches of the shuffled order.
+pub const BUCKET_WINDOW: usize = 32;
+
+/// What a plan with sample costs does with them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Shaping {
+    /// Hand each global batch's samples to ranks by cost (equal counts).
+    pub balance_ranks: bool,
+    /// Make each global batch's samples similar in length.
+    pub bucket_by_length: bool,
+}
 
 impl Plan {
     pub fn new(num_samples: u64, global_batch_size: u32, seed: u64) -> Self {
@@ -42,16 +55,16 @@ impl Plan {
         }
     }
 
-    /// The same plan, ranks assigned by these per-sample costs (one per sample id).
-    pub fn with_costs(mut self, costs: Vec<u64>) -> Self {
+    /// The same plan shaped by these per-sample costs (one per sample id).
+    pub fn with_costs(mut self, costs: Vec<u64>, shaping: Shaping) -> Self {
         assert_eq!(costs.len() as u64, self.num_samples, "a cost per sample");
-        self.costs = Some(costs);
+        self.costs = Some((costs, shaping));
         self
     }
 
-    /// Whether ranks are assigned by cost.
-    pub fn balances_ranks(&self) -> bool {
-        self.costs.is_some()
+    /// How costs shape this plan (nothing without costs).
+    pub fn shaping(&self) -> Shaping {
+        self.costs.as_ref().map_or(Shaping::default(), |(_, s)| *s)
     }
 
     /// Batches per epoch; the last one is smaller when the sizes do not divide (nothing is
@@ -78,6 +91,16 @@ impl Plan {
         let mut perm: Vec<u32> = (0..self.num_samples as u32).collect();
         for i in (1..perm.len()).rev() {
             perm.swap(i, below(&mut rng, i as u32 + 1) as usize);
+        }
+        if let Some((
+            costs,
+            Shaping {
+                bucket_by_length: true,
+                ..
+            },
+        )) = &self.costs
+        {
+            perm = bucketed(&perm, costs, self.global_batch_size as usize, &mut rng);
         }
         let perm = Arc::new(perm);
         if cache.len() >= CACHED_EPOCHS {
@@ -111,7 +134,14 @@ impl Plan {
         let start = g * self.global_batch_size as u64;
         let end = (start + self.global_batch_size as u64).min(self.num_samples);
         let batch = &perm[start as usize..end as usize];
-        let Some(costs) = &self.costs else {
+        let Some((
+            costs,
+            Shaping {
+                balance_ranks: true,
+                ..
+            },
+        )) = &self.costs
+        else {
             let b = batch.len();
             let (lo, hi) = (
                 b * rank as usize / world as usize,
@@ -127,6 +157,30 @@ impl Plan {
             .map(|&pos| batch[pos] as u64)
             .collect())
     }
+}
+
+/// Length bucketing of a shuffled order: within each window of [`BUCKET_WINDOW`] global
+/// batches, samples sorted by cost (ties by id; cost grows with length) are cut into global
+/// batches, and those are shuffled (so steps do not run short to long). A final partial batch
+/// stays last, so every global batch keeps its place in the epoch.
+fn bucketed(
+    perm: &[u32],
+    costs: &[u64],
+    batch: usize,
+    rng: &mut rand_chacha::ChaCha8Rng,
+) -> Vec<u32> {
+    let mut out = Vec::with_capacity(perm.len());
+    for window in perm.chunks(batch * BUCKET_WINDOW) {
+        let mut sorted = window.to_vec();
+        sorted.sort_unstable_by_key(|&i| (costs[i as usize], i));
+        let full = sorted.len() / batch;
+        let mut batches: Vec<&[u32]> = sorted.chunks(batch).collect();
+        for i in (1..full).rev() {
+            batches.swap(i, below(rng, i as u32 + 1) as usize);
+        }
+        out.extend(batches.concat());
+    }
+    out
 }
 
 /// Uniform in `0..n` (n > 0): Lemire's widening multiply with rand 0.8's rejection zone, so
@@ -201,7 +255,11 @@ mod tests {
             .map(|i| if i % 8 == 0 { 9000 } else { 400 + i })
             .collect();
         let plain = Plan::new(203, 32, 5);
-        let balanced = Plan::new(203, 32, 5).with_costs(costs.clone());
+        let shaping = Shaping {
+            balance_ranks: true,
+            bucket_by_length: false,
+        };
+        let balanced = Plan::new(203, 32, 5).with_costs(costs.clone(), shaping);
         let heaviest = |plan: &Plan, g: u64, world: u32| {
             (0..world)
                 .map(|r| {
@@ -239,6 +297,49 @@ mod tests {
             balanced_total < plain_total,
             "{balanced_total} vs {plain_total}"
         );
-        assert!(balanced.balances_ranks() && !plain.balances_ranks());
+        assert_eq!(
+            (balanced.shaping(), plain.shaping()),
+            (shaping, Shaping::default())
+        );
+    }
+
+    #[test]
+    fn bucketing_keeps_every_sample_once_and_makes_batches_even_in_length() {
+        let costs: Vec<u64> = (0..1000u64).map(|i| (i * 7919) % 5000 + 100).collect();
+        let shaping = Shaping {
+            balance_ranks: false,
+            bucket_by_length: true,
+        };
+        let plain = Plan::new(1000, 16, 3);
+        let bucketed = Plan::new(1000, 16, 3).with_costs(costs.clone(), shaping);
+        let mut all = bucketed.permutation(0).to_vec();
+        all.sort_unstable();
+        assert_eq!(all, (0..1000).collect::<Vec<u32>>());
+        // Deterministic in (seed, epoch), and another order per epoch.
+        assert_eq!(
+            bucketed.permutation(0),
+            Plan::new(1000, 16, 3)
+                .with_costs(costs.clone(), shaping)
+                .permutation(0)
+        );
+        assert_ne!(bucketed.permutation(0), bucketed.permutation(1));
+        // Spread of cost within a global batch: far smaller than unbucketed.
+        let spread = |plan: &Plan| {
+            (0..plan.batches_per_epoch())
+                .map(|g| {
+                    let ids = plan.rank_slice(0, g, 0, 1).unwrap();
+                    let c: Vec<u64> = ids.iter().map(|&i| costs[i as usize]).collect();
+                    c.iter().max().unwrap() - c.iter().min().unwrap()
+                })
+                .sum::<u64>()
+        };
+        assert!(
+            spread(&bucketed) * 5 < spread(&plain),
+            "{} vs {}",
+            spread(&bucketed),
+            spread(&plain)
+        );
+        // The final partial batch (1000 = 62 x 16 + 8) stays last and whole.
+        assert_eq!(bucketed.rank_slice(0, 62, 0, 1).unwrap().len(), 8);
     }
 }

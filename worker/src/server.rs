@@ -532,9 +532,13 @@ pub fn plan_id(p: &Pipeline) -> u64 {
         p.plan.global_batch_size.to_le_bytes().to_vec(),
     ];
     parts.extend(preprocessing_parts(&p.config, p.text.fingerprint));
-    // Ranks assigned by cost are another plan (unbalanced plans keep their ids).
-    if p.plan.balances_ranks() {
+    // Shaped plans are other plans (unshaped ones keep their ids).
+    let shaping = p.plan.shaping();
+    if shaping.balance_ranks {
         parts.push(b"balance-ranks".to_vec());
+    }
+    if shaping.bucket_by_length {
+        parts.push(b"bucket-by-length".to_vec());
     }
     crate::dataset::index::fingerprint(&parts.iter().map(Vec::as_slice).collect::<Vec<_>>())
 }

@@ -1,6 +1,6 @@
 //! Every sample's sequence length for one set of preprocessing settings, stored beside the
 //! index (`stoker dataset stats --write-lengths`), so a worker knows each sample's cost without
-//! decoding a pixel: the token-aware plan assigns ranks by it.
+//! decoding a pixel: the token-aware plan assigns ranks and buckets lengths by it.
 
 use crate::source::Store;
 use serde::{Deserialize, Serialize};
