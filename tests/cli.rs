@@ -7,7 +7,7 @@ use std::time::Duration;
 use stoker_config::WorkerConfig;
 use stoker_testkit::embedded_s3::EmbeddedS3;
 use stoker_testkit::http;
-use stoker_testkit::local_worker::LocalWorker;
+use stoker_testkit::local_worker::{write_sample_lengths, LocalWorker};
 use stoker_worker::connection::{Answer, Connection};
 
 const STOKER: &str = env!("CARGO_BIN_EXE_stoker");
@@ -265,22 +265,8 @@ async fn balanced_ranks_need_the_datasets_lengths_and_keep_every_global_batch() 
         "{why}"
     );
 
-    let stats = [
-        "dataset",
-        "stats",
-        "s3://bucket/data",
-        "--s3-path-style",
-        "--write-lengths",
-    ];
-    let out = stoker(&s3, &stats);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stored: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(data.join("stoker-lengths.json")).unwrap()).unwrap();
-    let tokens: Vec<u64> = serde_json::from_value(stored["tokens"].clone()).unwrap();
+    let tokens =
+        write_sample_lengths(STOKER.as_ref(), "s3://bucket/data", &s3.env(), &data).unwrap();
     assert_eq!(tokens.len(), 24);
 
     let plain = LocalWorker::spawn(STOKER.as_ref(), &config(false), &s3.env()).unwrap();

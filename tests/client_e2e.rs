@@ -13,7 +13,7 @@ use stoker_config::WorkerConfig;
 use stoker_control::exposition::metric_value;
 use stoker_testkit::embedded_s3::EmbeddedS3;
 use stoker_testkit::http;
-use stoker_testkit::local_worker::LocalWorker;
+use stoker_testkit::local_worker::{write_sample_lengths, LocalWorker};
 use stoker_testkit::synth::{generate, SynthFormat, SynthOptions};
 use stoker_worker::plan::{Plan, Shaping};
 
@@ -69,10 +69,11 @@ fn kills_lose_and_duplicate_no_sample(shaped: bool) {
             balance_ranks: true,
             bucket_by_length: true,
         };
-        plan = plan.with_costs(
-            write_lengths(&s3, &root.path().join("bucket/data")),
-            shaping,
-        );
+        let dir = root.path().join("bucket/data");
+        let tokens = write_sample_lengths(STOKER.as_ref(), "s3://bucket/data", &s3.env(), &dir);
+        let model = stoker_balance::CostModel::default();
+        let costs = tokens.unwrap().iter().map(|&t| model.cost(t)).collect();
+        plan = plan.with_costs(costs, shaping);
     }
     let env = s3.env();
     let spawn = move || LocalWorker::spawn(STOKER.as_ref(), &cfg, &env);
@@ -168,35 +169,6 @@ fn kills_lose_and_duplicate_no_sample(shaped: bool) {
     let lost: u64 = results.iter().map(|(_, l)| l).sum();
     println!("3 kills, {lost} requests retried after a lost worker");
     assert!(lost > 0, "no kill hit a request in flight (seed {seed})");
-}
-
-/// `stoker dataset stats --write-lengths` on the dataset; the stored lengths as the plan's costs.
-fn write_lengths(s3: &EmbeddedS3, dir: &std::path::Path) -> Vec<u64> {
-    let out = std::process::Command::new(STOKER)
-        .args([
-            "dataset",
-            "stats",
-            "s3://bucket/data",
-            "--s3-path-style",
-            "--write-lengths",
-        ])
-        .envs(s3.env())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stored: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("stoker-lengths.json")).unwrap()).unwrap();
-    let model = stoker_balance::CostModel::default();
-    stored["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| model.cost(t.as_u64().unwrap()))
-        .collect()
 }
 
 #[test]

@@ -142,3 +142,32 @@ impl Drop for LocalWorker {
         self.kill();
     }
 }
+
+/// Runs `EXE dataset stats DATA --write-lengths` (with `env`, e.g. the embedded S3's) and
+/// returns the token counts it stored in `dir`/stoker-lengths.json (`dir`: the dataset's
+/// folder on disk): what workers with `--balance-ranks` or `--bucket-by-length` read.
+pub fn write_sample_lengths(
+    exe: &Path,
+    data: &str,
+    env: &[(&'static str, String)],
+    dir: &Path,
+) -> anyhow::Result<Vec<u64>> {
+    let out = Command::new(exe)
+        .args([
+            "dataset",
+            "stats",
+            data,
+            "--s3-path-style",
+            "--write-lengths",
+        ])
+        .envs(env.iter().map(|(k, v)| (*k, v)))
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "dataset stats: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stored: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("stoker-lengths.json"))?)?;
+    Ok(serde_json::from_value(stored["tokens"].clone())?)
+}
