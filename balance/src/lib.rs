@@ -106,9 +106,7 @@ pub fn pack_ranks(
         .max(1);
     loop {
         let seqs = balance(costs, ranks * m, None);
-        let fits = seqs
-            .iter()
-            .all(|s| s.iter().map(|&i| lengths[i]).sum::<u64>() <= max_tokens);
+        let fits = loads(lengths, &seqs).iter().all(|&l| l <= max_tokens);
         if fits {
             let mut seqs = seqs.into_iter();
             return (0..ranks)
@@ -119,12 +117,17 @@ pub fn pack_ranks(
     }
 }
 
+/// Each group's total of `values` (costs or lengths) over its item positions.
+pub fn loads(values: &[u64], groups: &[Vec<usize>]) -> Vec<u64> {
+    groups
+        .iter()
+        .map(|g| g.iter().map(|&i| values[i]).sum())
+        .collect()
+}
+
 /// The heaviest group's cost over the mean group's: 1.0 is a perfect split.
 pub fn max_over_mean(costs: &[u64], groups: &[Vec<usize>]) -> f64 {
-    let loads: Vec<u64> = groups
-        .iter()
-        .map(|g| g.iter().map(|&i| costs[i]).sum())
-        .collect();
+    let loads = loads(costs, groups);
     let max = loads.iter().copied().max().unwrap_or(0) as f64;
     let mean = loads.iter().sum::<u64>() as f64 / loads.len().max(1) as f64;
     if mean == 0.0 {
@@ -149,10 +152,7 @@ pub fn padding_plain(lengths: &[u64], groups: &[Vec<usize>]) -> f64 {
 /// padded to the step's longest. (Varlen attention needs no padding at all; this is the cost
 /// for kernels that want a static shape.)
 pub fn padding_packed(lengths: &[u64], seqs: &[Vec<usize>]) -> f64 {
-    let used: Vec<u64> = seqs
-        .iter()
-        .map(|s| s.iter().map(|&i| lengths[i]).sum())
-        .collect();
+    let used = loads(lengths, seqs);
     let longest = used.iter().copied().max().unwrap_or(0);
     padding(used.iter().sum(), longest * used.len() as u64)
 }
@@ -168,13 +168,6 @@ fn padding(real: u64, slots: u64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn loads(costs: &[u64], groups: &[Vec<usize>]) -> Vec<u64> {
-        groups
-            .iter()
-            .map(|g| g.iter().map(|&i| costs[i]).sum())
-            .collect()
-    }
 
     #[test]
     fn every_item_lands_on_exactly_one_rank() {

@@ -11,7 +11,8 @@
 
 use rand::{Rng, SeedableRng};
 use stoker_balance::{
-    balance, max_over_mean, pack_ranks, padding_packed, padding_plain, slice_evenly, CostModel,
+    balance, loads, max_over_mean, pack_ranks, padding_packed, padding_plain, slice_evenly,
+    CostModel,
 };
 use stoker_config::PresetName;
 use stoker_worker::preprocess::preset::Preset;
@@ -130,13 +131,7 @@ fn world(a: &BalanceArgs, draw: &Draw, model: CostModel, w: usize) -> anyhow::Re
         let balanced = balance(&costs, w, Some(&vec![a.samples_per_rank; w]));
         let packed = pack_ranks(&lengths, &costs, w, a.max_tokens);
         let packed_ranks: Vec<Vec<usize>> = packed.iter().map(|r| r.concat()).collect();
-        let heaviest = |groups: &[Vec<usize>]| {
-            groups
-                .iter()
-                .map(|g| g.iter().map(|&i| costs[i]).sum::<u64>())
-                .max()
-                .unwrap_or(0)
-        };
+        let heaviest = |groups: &[Vec<usize>]| loads(&costs, groups).into_iter().max().unwrap_or(0);
         naive_steps += heaviest(&naive);
         balanced_steps += heaviest(&balanced);
         packed_steps += heaviest(&packed_ranks);

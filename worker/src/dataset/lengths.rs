@@ -30,7 +30,7 @@ impl SampleLengths {
             "run `stoker dataset stats DATA --write-lengths` with the worker's preprocessing flags";
         let data = store.get(LENGTHS_KEY).await.map_err(|e| {
             anyhow::anyhow!(
-                "--balance-ranks needs {}: {e}; {fix}",
+                "--balance-ranks and --bucket-by-length need {}: {e}; {fix}",
                 store.describe(LENGTHS_KEY)
             )
         })?;
