@@ -268,6 +268,24 @@ async fn balanced_ranks_need_the_datasets_lengths_and_keep_every_global_batch() 
     let tokens =
         write_sample_lengths(STOKER.as_ref(), "s3://bucket/data", &s3.env(), &data).unwrap();
     assert_eq!(tokens.len(), 24);
+    // Packs smaller than a sample: refused, naming the longest sample.
+    let mut tiny = config(false);
+    tiny.sampling.pack_max_tokens = Some(10);
+    let refused = Command::new(STOKER)
+        .arg("worker")
+        .args(tiny.to_args())
+        .envs(s3.env())
+        .output()
+        .unwrap();
+    let why = String::from_utf8_lossy(&refused.stderr);
+    let longest = tokens.iter().max().unwrap();
+    assert!(
+        !refused.status.success()
+            && why.contains(&format!(
+                "is {longest} tokens, longer than --pack-max-tokens 10"
+            )),
+        "{why}"
+    );
 
     let plain = LocalWorker::spawn(STOKER.as_ref(), &config(false), &s3.env()).unwrap();
     let balanced = LocalWorker::spawn(STOKER.as_ref(), &config(true), &s3.env()).unwrap();
@@ -277,7 +295,11 @@ async fn balanced_ranks_need_the_datasets_lengths_and_keep_every_global_batch() 
     let heaviest = |ranks: &[Vec<u64>]| {
         ranks
             .iter()
-            .map(|r| r.iter().map(|&i| tokens[i as usize]).sum::<u64>())
+            .map(|r| {
+                r.iter()
+                    .map(|&i| u64::from(tokens[i as usize]))
+                    .sum::<u64>()
+            })
             .max()
             .unwrap()
     };

@@ -1,7 +1,7 @@
 //! The trainer client against real `stoker worker` processes: workers SIGKILLed at random
 //! moments during an epoch (and replaced, as a Deployment would) cost neither a sample nor a
-//! duplicate, with plain or token-shaped plans (balanced ranks, length buckets); and `stoker demo` prints its
-//! ablation.
+//! duplicate, with plain or token-shaped plans (balanced ranks, length buckets, packs); and
+//! `stoker demo` prints its ablation.
 
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeSet;
@@ -23,15 +23,28 @@ const GLOBAL_BATCH: u32 = 8;
 
 #[test]
 fn random_worker_kills_lose_and_duplicate_no_sample() {
-    kills_lose_and_duplicate_no_sample(false);
+    kills_lose_and_duplicate_no_sample(Shaping::default());
 }
 
 #[test]
 fn random_worker_kills_lose_and_duplicate_no_sample_with_balanced_ranks_and_length_buckets() {
-    kills_lose_and_duplicate_no_sample(true);
+    kills_lose_and_duplicate_no_sample(Shaping {
+        balance_ranks: true,
+        bucket_by_length: true,
+        pack_max_tokens: None,
+    });
 }
 
-fn kills_lose_and_duplicate_no_sample(shaped: bool) {
+#[test]
+fn random_worker_kills_lose_and_duplicate_no_sample_with_packed_ranks() {
+    kills_lose_and_duplicate_no_sample(Shaping {
+        // A few of the synthetic samples (64–300 px images) per pack.
+        pack_max_tokens: Some(2048),
+        ..Shaping::default()
+    });
+}
+
+fn kills_lose_and_duplicate_no_sample(shaping: Shaping) {
     let root = tempfile::tempdir().unwrap();
     let o = SynthOptions {
         samples: SAMPLES,
@@ -61,19 +74,14 @@ fn kills_lose_and_duplicate_no_sample(shaped: bool) {
     cfg.sampling.global_batch_size = GLOBAL_BATCH;
     cfg.concurrency.cpu_threads = Some(1);
     cfg.serving.token_file = Some(token.display().to_string());
-    cfg.sampling.balance_ranks = shaped;
-    cfg.sampling.bucket_by_length = shaped;
+    cfg.sampling.balance_ranks = shaping.balance_ranks;
+    cfg.sampling.bucket_by_length = shaping.bucket_by_length;
+    cfg.sampling.pack_max_tokens = shaping.pack_max_tokens;
     let mut plan = Plan::new(SAMPLES as u64, GLOBAL_BATCH, 0);
-    if shaped {
-        let shaping = Shaping {
-            balance_ranks: true,
-            bucket_by_length: true,
-        };
+    if shaping != Shaping::default() {
         let dir = root.path().join("bucket/data");
         let tokens = write_sample_lengths(STOKER.as_ref(), "s3://bucket/data", &s3.env(), &dir);
-        let model = stoker_balance::CostModel::default();
-        let costs = tokens.unwrap().iter().map(|&t| model.cost(t)).collect();
-        plan = plan.with_costs(costs, shaping);
+        plan = plan.with_lengths(&tokens.unwrap(), shaping);
     }
     let env = s3.env();
     let spawn = move || LocalWorker::spawn(STOKER.as_ref(), &cfg, &env);
@@ -154,7 +162,13 @@ fn kills_lose_and_duplicate_no_sample(shaped: bool) {
     for (rank, (got, _)) in results.iter().enumerate() {
         let want: Vec<(u64, u64, Vec<u64>)> = (0..EPOCHS)
             .flat_map(|e| (0..bpe).map(move |g| (e, g)))
-            .map(|(e, g)| (e, g, plan.rank_slice(e, g, rank as u32, WORLD).unwrap()))
+            .map(|(e, g)| {
+                (
+                    e,
+                    g,
+                    plan.rank_slice(e, g, rank as u32, WORLD).unwrap().samples,
+                )
+            })
             .collect();
         assert_eq!(got, &want, "rank {rank} (seed {seed})");
     }

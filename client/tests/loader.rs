@@ -184,7 +184,7 @@ fn expected_slices(world: u32, epochs: u64) -> Vec<Vec<Vec<u64>>> {
         .flat_map(|e| (0..plan.batches_per_epoch()).map(move |g| (e, g)))
         .map(|(e, g)| {
             (0..world)
-                .map(|r| plan.rank_slice(e, g, r, world).unwrap())
+                .map(|r| plan.rank_slice(e, g, r, world).unwrap().samples)
                 .collect()
         })
         .collect()

@@ -322,6 +322,16 @@ pub struct Sampling {
     #[serde(default)]
     #[cfg_attr(feature = "clap", arg(long))]
     pub bucket_by_length: bool,
+    /// Pack each rank's samples into sequences of at most this many tokens, for varlen
+    /// attention: a rank's batch is its packs (every rank gets the same number per global
+    /// batch, balanced by token cost), each row with `cu_seqlens` and position ids that
+    /// restart at every sample (Qwen-VL's rope rows as the model computes them for that
+    /// sample alone). Must be at least the longest sample's length. Needs the dataset's
+    /// lengths, as `balanceRanks` does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub pack_max_tokens: Option<u32>,
 }
 
 impl Default for Sampling {
@@ -332,6 +342,7 @@ impl Default for Sampling {
             on_error: OnError::Skip,
             balance_ranks: false,
             bucket_by_length: false,
+            pack_max_tokens: None,
         }
     }
 }
@@ -510,6 +521,7 @@ impl Sampling {
         a.value("on-error", self.on_error.as_str());
         a.switch("balance-ranks", self.balance_ranks);
         a.switch("bucket-by-length", self.bucket_by_length);
+        a.optional("pack-max-tokens", self.pack_max_tokens);
     }
 }
 
@@ -600,6 +612,7 @@ mod tests {
                 on_error: OnError::Fail,
                 balance_ranks: true,
                 bucket_by_length: true,
+                pack_max_tokens: Some(8192),
             },
             concurrency: Concurrency {
                 max_fetches: 16,

@@ -69,9 +69,10 @@ def _numpy_dtype(name: str) -> np.dtype:
 class Batch:
     """One rank's slice of one global batch.
 
-    ``tensors`` maps names (input_ids, labels, attention_mask, pixel_values, image_grid_thw)
-    to numpy arrays that view ``payload``; ``dtypes`` gives each tensor's wire dtype (it
-    differs from the array's for bfloat16 without ml_dtypes).
+    ``tensors`` maps names (input_ids, labels, attention_mask, pixel_values, image_grid_thw;
+    packed batches add position_ids, cu_seqlens and pack_images, see :meth:`packs`) to numpy
+    arrays that view ``payload``; ``dtypes`` gives each tensor's wire dtype (it differs from
+    the array's for bfloat16 without ml_dtypes).
     """
 
     epoch: int
@@ -113,6 +114,61 @@ class Batch:
 
     def keys(self):
         return self.tensors.keys()
+
+    @property
+    def packed(self) -> bool:
+        """Whether the worker packs (``--pack-max-tokens``): then each row of the token
+        tensors is one pack of samples, not one sample."""
+        return "cu_seqlens" in self.tensors
+
+    def packs(self, device: Any = None, pixel_dtype: str = "float32") -> List[Dict[str, Any]]:
+        """A packed batch's packs, each the keyword arguments of one varlen forward pass.
+
+        Every rank gets the same number of packs per global batch (a synchronous step runs
+        as many micro-batches on every rank). Each pack holds ``input_ids`` and ``labels``
+        ``[1, T]`` (a sample's first label is -100: no loss term crosses into the next
+        sample), ``position_ids`` ``[4, 1, T]`` (a text row restarting at each sample, as
+        Hugging Face's packed-sequence detection reads it, then Qwen-VL's three rope rows as
+        the model's ``get_rope_index`` gives them for each sample alone), its images'
+        ``pixel_values`` (normalized, see :meth:`pixel_values`) and ``image_grid_thw``, and
+        ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32 sample boundaries) with
+        ``max_length_q``/``max_length_k``, the names transformers' flash-attention path takes.
+        ``model(**pack)`` with ``attn_implementation="flash_attention_2"`` trains on it; a
+        custom kernel takes ``cu_seq_lens_q`` as its ``cu_seqlens``. ``batch.sample_ids``
+        lists the samples pack after pack. Arrays are numpy views of the received bytes, or
+        torch tensors on ``device``. A pack can be empty (T = 0) only in a final partial
+        global batch with fewer samples than ranks.
+        """
+        if not self.packed:
+            raise ConfigError("not a packed batch: start the workers with --pack-max-tokens")
+        t = self.tensors
+        pixels = self.pixel_values(device=device, dtype=pixel_dtype)
+        grid = t["image_grid_thw"]
+        pixel_rows = np.concatenate([[0], np.cumsum(grid.prod(axis=1))]).astype(np.int64)
+        first_image = np.concatenate([[0], np.cumsum(t["pack_images"])]).astype(np.int64)
+        out = []
+        for p, cu in enumerate(t["cu_seqlens"]):
+            length = int(cu[-1])
+            bounds = cu[: 1 + int(np.count_nonzero(np.diff(cu)))]
+            images = slice(int(first_image[p]), int(first_image[p + 1]))
+            rows = slice(int(pixel_rows[images.start]), int(pixel_rows[images.stop]))
+            longest = int(np.diff(bounds).max()) if len(bounds) > 1 else 0
+            pack = {
+                "input_ids": t["input_ids"][p : p + 1, :length],
+                "labels": t["labels"][p : p + 1, :length],
+                "position_ids": t["position_ids"][:, p : p + 1, :length],
+                "image_grid_thw": grid[images],
+                "cu_seq_lens_q": bounds,
+                "cu_seq_lens_k": bounds,
+            }
+            if device is not None:
+                import torch
+
+                pack = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in pack.items()}
+            pack["pixel_values"] = pixels[rows]
+            pack["max_length_q"] = pack["max_length_k"] = longest
+            out.append(pack)
+        return out
 
 
 def _lut_index(columns: int) -> np.ndarray:

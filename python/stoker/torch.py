@@ -23,7 +23,8 @@ def to_torch(batch: Batch, device: Any = None, pixel_dtype: str = "float32") -> 
     """The batch as model inputs: token tensors viewing the received memory (moved to
     ``device`` if given), ``pixel_values`` normalized as the Hugging Face processor does
     (``Batch.pixel_values``: with u8 on the wire, the lookup runs on ``device``), plus the
-    batch's metadata."""
+    batch's metadata; a packed batch adds ``packs``, one varlen forward's inputs each
+    (``Batch.packs``)."""
     out: Dict[str, Any] = {}
     for name, arr in batch.tensors.items():
         if name in ("pixel_values", "pixel_lut"):
@@ -31,6 +32,8 @@ def to_torch(batch: Batch, device: Any = None, pixel_dtype: str = "float32") -> 
         t = torch.from_numpy(arr)
         out[name] = t if device is None else t.to(device)
     out["pixel_values"] = batch.pixel_values(device=device or "cpu", dtype=pixel_dtype)
+    if batch.packed:
+        out["packs"] = batch.packs(device=device or "cpu", pixel_dtype=pixel_dtype)
     out["sample_ids"] = batch.sample_ids
     out["epoch"] = batch.epoch
     out["global_batch"] = batch.global_batch

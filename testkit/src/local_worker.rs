@@ -151,7 +151,7 @@ pub fn write_sample_lengths(
     data: &str,
     env: &[(&'static str, String)],
     dir: &Path,
-) -> anyhow::Result<Vec<u64>> {
+) -> anyhow::Result<Vec<u32>> {
     let out = Command::new(exe)
         .args([
             "dataset",

@@ -10,7 +10,6 @@ change a bit); its test runs on CPU where torch is installed and on a GPU where 
 and is skipped otherwise.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +21,8 @@ import stoker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
 from hf_reference import hf_messages, jsonl_samples, load_rgb  # noqa: E402
+from served import STOKER, epoch, serve  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-STOKER = os.environ.get("STOKER_BIN", str(ROOT / "target/release/stoker"))
-TOKENIZER = Path(os.environ.get("STOKER_TOKENIZER", Path.home() / ".cache/stoker/qwen-tokenizer"))
 SAMPLES = 12
 
 
@@ -40,29 +37,10 @@ def dataset(tmp_path_factory) -> Path:
     return out
 
 
-def serve(ds: Path, pixel_dtype: str):
-    proc = subprocess.Popen(
-        [STOKER, "worker", "--data", str(ds), "--listen", "127.0.0.1:0",
-         "--metrics-listen", "127.0.0.1:0", "--no-auth", "--global-batch-size", "4",
-         "--cpu-threads", "1", "--tokenizer", str(TOKENIZER), "--pixel-dtype", pixel_dtype],
-        stdout=subprocess.PIPE, text=True,
-    )
-    for line in proc.stdout:
-        if line.startswith("listening "):
-            return proc, line.split()[1]
-    proc.kill()
-    raise AssertionError(f"the {pixel_dtype} worker exited before listening")
-
-
-def epoch(addr: str):
-    loader = stoker.Loader(addr, rank=0, world_size=1, prefetch=2)
-    return [loader.__next__() for _ in range(len(loader))]
-
-
 @pytest.fixture(scope="module")
 def served(dataset):
     """One epoch from a u8 worker and one from a bf16 worker of the same dataset."""
-    workers = [serve(dataset, "u8"), serve(dataset, "bf16")]
+    workers = [serve(dataset, "--pixel-dtype", dtype) for dtype in ("u8", "bf16")]
     try:
         return [epoch(addr) for _, addr in workers]
     finally:

@@ -17,6 +17,7 @@ pub mod connection;
 pub mod limits;
 pub mod line_cache;
 pub mod metrics;
+pub mod pack;
 pub mod pipeline;
 pub mod plan;
 pub mod server;

@@ -11,7 +11,8 @@ use crate::dataset::sample::{Conversation, SampleError};
 use crate::limits::{LimitError, SampleLimits};
 use crate::line_cache::{LineCache, Lookup};
 use crate::metrics::Metrics;
-use crate::plan::{Plan, Shaping};
+use crate::pack::{collate_packed, Packing, RopeLayout};
+use crate::plan::{Plan, RankSlice, Shaping};
 use crate::preprocess::preset::{PixelDtype, Preset};
 use crate::preprocess::text::{TextError, TextProcessor, IGNORE_INDEX};
 use crate::preprocess::vision::{
@@ -121,7 +122,9 @@ pub struct PreparedSample {
 pub struct Batch {
     pub sample_ids: Vec<u64>,
     pub skipped: Vec<Skipped>,
-    /// `[B, L]` each, right-padded to the longest sample.
+    /// Rows of the token tensors: one per sample, or per pack when packed.
+    pub rows: usize,
+    /// `[rows, L]` each, right-padded to the longest row.
     pub input_ids: Vec<i64>,
     pub labels: Vec<i64>,
     pub attention_mask: Vec<i64>,
@@ -130,6 +133,7 @@ pub struct Batch {
     pub pixel_chunks: Vec<PixelBuf>,
     pub pixel_rows: usize,
     pub image_grid_thw: Vec<i64>,
+    pub packing: Option<Packing>,
 }
 
 impl Batch {
@@ -140,7 +144,8 @@ impl Batch {
             + self.attention_mask.len()
             + self.image_grid_thw.len();
         let pixels: usize = self.pixel_chunks.iter().map(|c| c.as_bytes().len()).sum();
-        (i64s * 8 + pixels) as u64
+        let packing = self.packing.as_ref().map_or(0, Packing::tensor_bytes);
+        (i64s * 8 + pixels) as u64 + packing
     }
 }
 
@@ -394,10 +399,22 @@ impl Pipeline {
         })
     }
 
-    /// Loads `ids` (concurrently, in order) and collates them. Under `OnError::Skip` failed
-    /// samples are listed in `skipped`; under `Fail`, and for a transient store failure
-    /// always, the first failure is returned.
-    pub async fn build_batch(self: &Arc<Self>, ids: &[u64]) -> Result<Batch, SampleFailure> {
+    /// Loads a rank slice's samples (concurrently, in order) and collates them, packed if the
+    /// slice is. Under `OnError::Skip` failed samples are listed in `skipped` (a pack gets
+    /// shorter); under `Fail`, and for a transient store failure always, the first failure is
+    /// returned.
+    pub async fn build_batch(self: &Arc<Self>, slice: &RankSlice) -> Result<Batch, SampleFailure> {
+        let ids = &slice.samples;
+        let mut pack_sizes = slice.packs.clone();
+        // Each sample's pack, so a skipped sample shortens its own.
+        let pack_of: Vec<usize> = slice
+            .packs
+            .iter()
+            .flatten()
+            .enumerate()
+            .flat_map(|(p, &n)| std::iter::repeat_n(p, n))
+            .collect();
+        let mut pack_of = pack_of.into_iter();
         let results: Vec<Result<PreparedSample, SampleFailure>> =
             futures::stream::iter(ids.iter().copied())
                 .map(|id| {
@@ -410,9 +427,13 @@ impl Pipeline {
         let mut samples = Vec::with_capacity(results.len());
         let mut skipped = Vec::new();
         for r in results {
+            let pack = pack_of.next();
             match r {
                 Ok(s) => samples.push(s),
                 Err(f) if self.config.on_error == OnError::Skip && !f.transient => {
+                    if let (Some(sizes), Some(p)) = (&mut pack_sizes, pack) {
+                        sizes[p] -= 1;
+                    }
                     tracing::warn!("skipping {f}");
                     skipped.push(Skipped {
                         sample_id: f.sample_id,
@@ -423,9 +444,20 @@ impl Pipeline {
             }
         }
         let t = Instant::now();
-        let batch = collate(samples, skipped, self.text.pad_id);
+        let pad = self.text.pad_id;
+        let batch = match pack_sizes {
+            Some(sizes) => collate_packed(samples, &sizes, skipped, pad, self.rope_layout()),
+            None => collate(samples, skipped, pad),
+        };
         self.metrics.observe_stage("collate", t.elapsed());
         Ok(batch)
+    }
+
+    fn rope_layout(&self) -> RopeLayout {
+        RopeLayout {
+            image_token: self.text.image_token(),
+            merge_size: self.config.preset.merge_size.into(),
+        }
     }
 }
 
@@ -456,6 +488,7 @@ pub fn collate(samples: Vec<PreparedSample>, skipped: Vec<Skipped>, pad_id: i64)
     Batch {
         sample_ids,
         skipped,
+        rows: b,
         input_ids,
         labels,
         attention_mask,
@@ -463,6 +496,7 @@ pub fn collate(samples: Vec<PreparedSample>, skipped: Vec<Skipped>, pad_id: i64)
         pixel_chunks,
         pixel_rows,
         image_grid_thw,
+        packing: None,
     }
 }
 
@@ -518,17 +552,15 @@ pub async fn open_pipeline(
     let shaping = Shaping {
         balance_ranks: cfg.sampling.balance_ranks,
         bucket_by_length: cfg.sampling.bucket_by_length,
+        pack_max_tokens: cfg.sampling.pack_max_tokens,
     };
     if shaping != Shaping::default() {
         let id = preprocessing_id(&config, text.fingerprint);
         let lengths = SampleLengths::load(&store, index.version, id, index.num_samples()).await?;
-        let model = stoker_balance::CostModel::default();
-        let costs = lengths
-            .tokens
-            .iter()
-            .map(|&t| model.cost(t.into()))
-            .collect();
-        plan = plan.with_costs(costs, shaping);
+        if let Some(max) = shaping.pack_max_tokens {
+            lengths.check_fit(max)?;
+        }
+        plan = plan.with_lengths(&lengths.tokens, shaping);
     }
     Ok(Arc::new(Pipeline::new(
         store, index, plan, text, config, metrics,

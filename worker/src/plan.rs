@@ -4,7 +4,8 @@
 //! With sample costs, two optional shapings: `--balance-ranks` keeps the global batch but
 //! hands its samples to ranks by cost (stoker-balance), so no rank draws a heavier slice;
 //! `--bucket-by-length` makes each global batch's samples similar in length (less padding for
-//! trainers that cannot take packed input).
+//! trainers that cannot take packed input); `--pack-max-tokens` hands each rank the same
+//! number of packs, each at most that many tokens, balanced by cost.
 
 use rand::{RngCore, SeedableRng};
 use std::sync::{Arc, Mutex};
@@ -21,8 +22,8 @@ pub struct Plan {
     pub num_samples: u64,
     pub global_batch_size: u32,
     pub seed: u64,
-    /// Each sample's cost (by id), and what the plan does with it.
-    costs: Option<(Vec<u64>, Shaping)>,
+    /// Each sample's length and cost (by id), and what the plan does with them.
+    costs: Option<(SampleCosts, Shaping)>,
     /// Cache of recent epochs' permutations: consecutive requests share an epoch.
     perms: Mutex<Vec<(u64, Arc<Vec<u32>>)>>,
 }
@@ -38,6 +39,24 @@ pub struct Shaping {
     pub balance_ranks: bool,
     /// Make each global batch's samples similar in length.
     pub bucket_by_length: bool,
+    /// Pack each rank's samples into sequences of at most this many tokens.
+    pub pack_max_tokens: Option<u32>,
+}
+
+/// Per sample id: tokens, and the cost model's cost of them.
+struct SampleCosts {
+    lengths: Vec<u64>,
+    costs: Vec<u64>,
+}
+
+/// One rank's share of a global batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankSlice {
+    /// Sample ids in plan order (packed: pack after pack).
+    pub samples: Vec<u64>,
+    /// Packed: how many of `samples` each pack holds, in order. Every rank gets the same
+    /// number of packs (a pack is empty only when a final partial batch has fewer samples).
+    pub packs: Option<Vec<usize>>,
 }
 
 impl Plan {
@@ -55,10 +74,24 @@ impl Plan {
         }
     }
 
-    /// The same plan shaped by these per-sample costs (one per sample id).
-    pub fn with_costs(mut self, costs: Vec<u64>, shaping: Shaping) -> Self {
-        assert_eq!(costs.len() as u64, self.num_samples, "a cost per sample");
-        self.costs = Some((costs, shaping));
+    /// The same plan shaped by the samples' token lengths (one per sample id); costs are the
+    /// default cost model's. Packing needs every length to fit a pack.
+    pub fn with_lengths(mut self, lengths: &[u32], shaping: Shaping) -> Self {
+        assert_eq!(
+            lengths.len() as u64,
+            self.num_samples,
+            "a length per sample"
+        );
+        let lengths: Vec<u64> = lengths.iter().map(|&t| t.into()).collect();
+        if let Some(max) = shaping.pack_max_tokens {
+            assert!(
+                lengths.iter().all(|&t| t <= max.into()),
+                "a sample over {max}"
+            );
+        }
+        let model = stoker_balance::CostModel::default();
+        let costs = lengths.iter().map(|&t| model.cost(t)).collect();
+        self.costs = Some((SampleCosts { lengths, costs }, shaping));
         self
     }
 
@@ -93,14 +126,15 @@ impl Plan {
             perm.swap(i, below(&mut rng, i as u32 + 1) as usize);
         }
         if let Some((
-            costs,
+            sample,
             Shaping {
                 bucket_by_length: true,
                 ..
             },
         )) = &self.costs
         {
-            perm = bucketed(&perm, costs, self.global_batch_size as usize, &mut rng);
+            let batch = self.global_batch_size as usize;
+            perm = bucketed(&perm, &sample.costs, batch, &mut rng);
         }
         let perm = Arc::new(perm);
         if cache.len() >= CACHED_EPOCHS {
@@ -110,8 +144,8 @@ impl Plan {
         perm
     }
 
-    /// Sample ids of rank `rank`'s slice of global batch `g`, in plan order: contiguous,
-    /// near-equal slices, or (with costs) the same counts chosen by cost. Either way the
+    /// Rank `rank`'s share of global batch `g`: contiguous, near-equal slices; with costs the
+    /// same counts chosen by cost (`balance_ranks`), or the rank's packs. Either way the
     /// global batch is the same for any world size.
     pub fn rank_slice(
         &self,
@@ -119,7 +153,7 @@ impl Plan {
         g: u64,
         rank: u32,
         world: u32,
-    ) -> Result<Vec<u64>, PlanError> {
+    ) -> Result<RankSlice, PlanError> {
         let n = self.batches_per_epoch();
         if g >= n {
             return Err(PlanError::BatchOutOfRange { g, n });
@@ -134,28 +168,36 @@ impl Plan {
         let start = g * self.global_batch_size as u64;
         let end = (start + self.global_batch_size as u64).min(self.num_samples);
         let batch = &perm[start as usize..end as usize];
-        let Some((
-            costs,
-            Shaping {
-                balance_ranks: true,
-                ..
-            },
-        )) = &self.costs
-        else {
-            let b = batch.len();
-            let (lo, hi) = (
-                b * rank as usize / world as usize,
-                b * (rank as usize + 1) / world as usize,
-            );
-            return Ok(batch[lo..hi].iter().map(|&i| i as u64).collect());
+        let ids = |positions: &[usize]| positions.iter().map(|&p| batch[p] as u64).collect();
+        let (rank, world) = (rank as usize, world as usize);
+        let contiguous = || stoker_balance::slice_evenly(batch.len(), world).swap_remove(rank);
+        let Some((sample, shaping)) = &self.costs else {
+            return Ok(RankSlice {
+                samples: ids(&contiguous()),
+                packs: None,
+            });
         };
-        let batch_costs: Vec<u64> = batch.iter().map(|&i| costs[i as usize]).collect();
-        let counts = stoker_balance::even_counts(batch.len(), world as usize);
-        let ranks = stoker_balance::balance(&batch_costs, world as usize, Some(&counts));
-        Ok(ranks[rank as usize]
-            .iter()
-            .map(|&pos| batch[pos] as u64)
-            .collect())
+        let of_batch = |v: &[u64]| batch.iter().map(|&i| v[i as usize]).collect::<Vec<_>>();
+        let costs = of_batch(&sample.costs);
+        if let Some(max) = shaping.pack_max_tokens {
+            let lengths = of_batch(&sample.lengths);
+            let mut ranks = stoker_balance::pack_ranks(&lengths, &costs, world, max.into());
+            let packs = ranks.swap_remove(rank);
+            return Ok(RankSlice {
+                samples: ids(&packs.concat()),
+                packs: Some(packs.iter().map(Vec::len).collect()),
+            });
+        }
+        let positions: Vec<usize> = if shaping.balance_ranks {
+            let counts = stoker_balance::even_counts(batch.len(), world);
+            stoker_balance::balance(&costs, world, Some(&counts)).swap_remove(rank)
+        } else {
+            contiguous()
+        };
+        Ok(RankSlice {
+            samples: ids(&positions),
+            packs: None,
+        })
     }
 }
 
@@ -207,10 +249,10 @@ mod tests {
             for g in 0..plan.batches_per_epoch() {
                 let mut global = Vec::new();
                 for r in 0..world {
-                    global.extend(plan.rank_slice(0, g, r, world).unwrap());
+                    global.extend(plan.rank_slice(0, g, r, world).unwrap().samples);
                 }
                 // The global batch does not depend on the world size.
-                let mut one = plan.rank_slice(0, g, 0, 1).unwrap();
+                let mut one = plan.rank_slice(0, g, 0, 1).unwrap().samples;
                 assert_eq!(global, one);
                 seen.append(&mut one);
             }
@@ -237,7 +279,7 @@ mod tests {
     fn out_of_range_requests_are_refused() {
         let plan = Plan::new(10, 4, 0);
         assert_eq!(plan.batches_per_epoch(), 3);
-        assert_eq!(plan.rank_slice(0, 2, 0, 1).unwrap().len(), 2);
+        assert_eq!(plan.rank_slice(0, 2, 0, 1).unwrap().samples.len(), 2);
         assert!(matches!(
             plan.rank_slice(0, 3, 0, 1),
             Err(PlanError::BatchOutOfRange { .. })
@@ -251,20 +293,23 @@ mod tests {
     #[test]
     fn with_costs_every_sample_once_the_same_global_batches_and_lighter_heaviest_ranks() {
         // Every eighth sample is heavy, as multi-image samples among VQA ones.
-        let costs: Vec<u64> = (0..203)
+        let lengths: Vec<u32> = (0..203)
             .map(|i| if i % 8 == 0 { 9000 } else { 400 + i })
             .collect();
+        let model = stoker_balance::CostModel::default();
+        let costs: Vec<u64> = lengths.iter().map(|&t| model.cost(t.into())).collect();
         let plain = Plan::new(203, 32, 5);
         let shaping = Shaping {
             balance_ranks: true,
-            bucket_by_length: false,
+            ..Shaping::default()
         };
-        let balanced = Plan::new(203, 32, 5).with_costs(costs.clone(), shaping);
+        let balanced = Plan::new(203, 32, 5).with_lengths(&lengths, shaping);
         let heaviest = |plan: &Plan, g: u64, world: u32| {
             (0..world)
                 .map(|r| {
                     plan.rank_slice(1, g, r, world)
                         .unwrap()
+                        .samples
                         .iter()
                         .map(|&i| costs[i as usize])
                         .sum::<u64>()
@@ -277,13 +322,16 @@ mod tests {
             for world in [1, 3, 4, 32] {
                 let mut global = Vec::new();
                 for r in 0..world {
-                    let mine = balanced.rank_slice(1, g, r, world).unwrap();
+                    let mine = balanced.rank_slice(1, g, r, world).unwrap().samples;
                     // Same counts as the contiguous slices; plan order within a rank.
-                    assert_eq!(mine.len(), plain.rank_slice(1, g, r, world).unwrap().len());
+                    assert_eq!(
+                        mine.len(),
+                        plain.rank_slice(1, g, r, world).unwrap().samples.len()
+                    );
                     global.extend(mine);
                 }
                 global.sort_unstable();
-                let mut want = plain.rank_slice(1, g, 0, 1).unwrap();
+                let mut want = plain.rank_slice(1, g, 0, 1).unwrap().samples;
                 want.sort_unstable();
                 assert_eq!(
                     global, want,
@@ -305,13 +353,13 @@ mod tests {
 
     #[test]
     fn bucketing_keeps_every_sample_once_and_makes_batches_even_in_length() {
-        let costs: Vec<u64> = (0..1000u64).map(|i| (i * 7919) % 5000 + 100).collect();
+        let lengths: Vec<u32> = (0..1000u32).map(|i| (i * 7919) % 5000 + 100).collect();
         let shaping = Shaping {
-            balance_ranks: false,
             bucket_by_length: true,
+            ..Shaping::default()
         };
         let plain = Plan::new(1000, 16, 3);
-        let bucketed = Plan::new(1000, 16, 3).with_costs(costs.clone(), shaping);
+        let bucketed = Plan::new(1000, 16, 3).with_lengths(&lengths, shaping);
         let mut all = bucketed.permutation(0).to_vec();
         all.sort_unstable();
         assert_eq!(all, (0..1000).collect::<Vec<u32>>());
@@ -319,19 +367,19 @@ mod tests {
         assert_eq!(
             bucketed.permutation(0),
             Plan::new(1000, 16, 3)
-                .with_costs(costs.clone(), shaping)
+                .with_lengths(&lengths, shaping)
                 .permutation(0)
         );
         assert_ne!(bucketed.permutation(0), bucketed.permutation(1));
-        // Spread of cost within a global batch: far smaller than unbucketed.
+        // Spread of length within a global batch: far smaller than unbucketed.
         let spread = |plan: &Plan| {
             (0..plan.batches_per_epoch())
                 .map(|g| {
-                    let ids = plan.rank_slice(0, g, 0, 1).unwrap();
-                    let c: Vec<u64> = ids.iter().map(|&i| costs[i as usize]).collect();
+                    let ids = plan.rank_slice(0, g, 0, 1).unwrap().samples;
+                    let c: Vec<u32> = ids.iter().map(|&i| lengths[i as usize]).collect();
                     c.iter().max().unwrap() - c.iter().min().unwrap()
                 })
-                .sum::<u64>()
+                .sum::<u32>()
         };
         assert!(
             spread(&bucketed) * 5 < spread(&plain),
@@ -340,6 +388,52 @@ mod tests {
             spread(&plain)
         );
         // The final partial batch (1000 = 62 x 16 + 8) stays last and whole.
-        assert_eq!(bucketed.rank_slice(0, 62, 0, 1).unwrap().len(), 8);
+        assert_eq!(bucketed.rank_slice(0, 62, 0, 1).unwrap().samples.len(), 8);
+    }
+
+    #[test]
+    fn packs_hold_every_sample_once_fit_and_give_every_rank_as_many() {
+        let lengths: Vec<u32> = (0..203u32).map(|i| (i * 7919) % 3000 + 50).collect();
+        let shaping = Shaping {
+            pack_max_tokens: Some(4096),
+            ..Shaping::default()
+        };
+        let plain = Plan::new(203, 32, 5);
+        let packed = Plan::new(203, 32, 5).with_lengths(&lengths, shaping);
+        for g in 0..packed.batches_per_epoch() {
+            for world in [1, 3, 4, 32] {
+                let slices: Vec<RankSlice> = (0..world)
+                    .map(|r| packed.rank_slice(2, g, r, world).unwrap())
+                    .collect();
+                let packs = |s: &RankSlice| s.packs.clone().expect("packed");
+                let counts: Vec<usize> = slices.iter().map(|s| packs(s).len()).collect();
+                assert!(
+                    counts.iter().all(|&c| c == counts[0] && c > 0),
+                    "{counts:?}"
+                );
+                let mut global: Vec<u64> = Vec::new();
+                for s in &slices {
+                    assert_eq!(packs(s).iter().sum::<usize>(), s.samples.len());
+                    let mut rest = s.samples.as_slice();
+                    for n in packs(s) {
+                        let (pack, tail) = rest.split_at(n);
+                        let tokens: u32 = pack.iter().map(|&i| lengths[i as usize]).sum();
+                        assert!(tokens <= 4096, "a pack of {tokens} tokens");
+                        rest = tail;
+                    }
+                    global.extend(&s.samples);
+                }
+                global.sort_unstable();
+                let mut want = plain.rank_slice(2, g, 0, 1).unwrap().samples;
+                want.sort_unstable();
+                assert_eq!(global, want, "batch {g}, world {world}");
+            }
+        }
+        // A pure function of its inputs: another plan object answers the same.
+        let again = Plan::new(203, 32, 5).with_lengths(&lengths, shaping);
+        assert_eq!(
+            again.rank_slice(0, 3, 1, 4).unwrap(),
+            packed.rank_slice(0, 3, 1, 4).unwrap()
+        );
     }
 }

@@ -72,7 +72,7 @@ async fn write_batch<W: AsyncWrite + Unpin>(
     pixel_dtype: stoker_wire::DType,
     pixel_lut: Option<&[u8]>,
 ) -> std::io::Result<u64> {
-    let b = batch.sample_ids.len() as u64;
+    let b = batch.rows as u64;
     let l = batch.seq_len as u64;
     let ids = i64_bytes(&batch.input_ids);
     let labels = i64_bytes(&batch.labels);
@@ -111,6 +111,20 @@ async fn write_batch<W: AsyncWrite + Unpin>(
             &grid,
         ),
     ];
+    let packing = batch.packing.as_ref().map(|p| {
+        let cu: Vec<u8> = p.cu_seqlens.iter().flat_map(|x| x.to_le_bytes()).collect();
+        (p, i64_bytes(&p.position_ids), cu, i64_bytes(&p.pack_images))
+    });
+    if let Some((p, positions, cu, images)) = &packing {
+        tensors.push(i64_tensor("position_ids", vec![4, b, l], positions));
+        tensors.push(TensorRef {
+            name: "cu_seqlens",
+            dtype: stoker_wire::DType::I32,
+            shape: vec![b, p.max_samples as u64 + 1],
+            chunks: vec![cu],
+        });
+        tensors.push(i64_tensor("pack_images", vec![b], images));
+    }
     if let Some(lut) = pixel_lut {
         tensors.push(TensorRef {
             name: "pixel_lut",
@@ -481,20 +495,20 @@ impl Server {
                 ),
             );
         }
-        let ids = match self.pipeline.plan.rank_slice(
+        let slice = match self.pipeline.plan.rank_slice(
             req.epoch,
             req.global_batch,
             req.rank,
             req.world_size,
         ) {
-            Ok(ids) => ids,
+            Ok(slice) => slice,
             Err(e) => {
                 self.refuse("bad_request");
                 return err(ErrorCode::BadRequest, e.to_string());
             }
         };
         // A slice larger than the whole budget takes all of it (and waits for it to be free).
-        let want = ids.len().clamp(1, self.config.max_inflight_samples.max(1)) as u32;
+        let want = (slice.samples.len()).clamp(1, self.config.max_inflight_samples.max(1)) as u32;
         let queue = self
             .pipeline
             .metrics
@@ -508,7 +522,7 @@ impl Server {
             .await
             .expect("never closed");
         queue.dec();
-        match self.pipeline.build_batch(&ids).await {
+        match self.pipeline.build_batch(&slice).await {
             Ok(batch) => match check_frame_size(&batch, stoker_wire::MAX_PAYLOAD) {
                 Ok(()) => Outgoing::Batch(Box::new(Ready {
                     request: req,
@@ -540,6 +554,9 @@ pub fn plan_id(p: &Pipeline) -> u64 {
     if shaping.bucket_by_length {
         parts.push(b"bucket-by-length".to_vec());
     }
+    if let Some(max) = shaping.pack_max_tokens {
+        parts.push(format!("pack-max-tokens={max}").into_bytes());
+    }
     crate::dataset::index::fingerprint(&parts.iter().map(Vec::as_slice).collect::<Vec<_>>())
 }
 
@@ -553,6 +570,7 @@ mod tests {
         let batch = Batch {
             sample_ids: vec![0],
             skipped: vec![],
+            rows: 1,
             input_ids: vec![1; 10],
             labels: vec![1; 10],
             attention_mask: vec![1; 10],
@@ -560,6 +578,7 @@ mod tests {
             pixel_chunks: vec![PixelBuf::F32(vec![0.0; 1000])],
             pixel_rows: 1,
             image_grid_thw: vec![1, 1, 1],
+            packing: None,
         };
         assert_eq!(batch.tensor_bytes(), 33 * 8 + 4000);
         assert!(check_frame_size(&batch, FRAME_HEAD_ROOM + 4264).is_ok());

@@ -19,7 +19,13 @@ async fn serves_planned_slices_with_consistent_tensors() {
     for g in 0..3 {
         for rank in 0..2 {
             let (head, payload) = c.get(request(&welcome, 0, g, rank, 2)).await.batch();
-            let planned = w.server.pipeline.plan.rank_slice(0, g, rank, 2).unwrap();
+            let planned = w
+                .server
+                .pipeline
+                .plan
+                .rank_slice(0, g, rank, 2)
+                .unwrap()
+                .samples;
             assert_eq!(head.sample_ids, planned, "batch {g} rank {rank}");
             assert!(head.skipped.is_empty(), "{:?}", head.skipped);
             let b = head.sample_ids.len() as u64;
@@ -190,7 +196,13 @@ async fn a_slow_object_delays_only_its_own_batch() {
     let mut ds = synth_dataset(8, SynthFormat::Llava).await;
     // Find a sample of batch 0 and make its first image a straggler.
     let probe = start_worker(&ds.config(4)).await;
-    let victim = probe.server.pipeline.plan.rank_slice(0, 0, 0, 1).unwrap()[0];
+    let victim = probe
+        .server
+        .pipeline
+        .plan
+        .rank_slice(0, 0, 0, 1)
+        .unwrap()
+        .samples[0];
     let (shard, line) = probe.server.pipeline.index.locate(victim).unwrap();
     let text = std::fs::read(ds.dir().join(&shard.key)).unwrap();
     let raw = &text[line.1 as usize..(line.1 + line.2 as u64) as usize];

@@ -4,6 +4,7 @@
 
 use crate::source::Store;
 use serde::{Deserialize, Serialize};
+use std::cmp::Reverse;
 
 /// Where `stoker dataset stats --write-lengths` writes the lengths, at the dataset root.
 pub const LENGTHS_KEY: &str = "stoker-lengths.json";
@@ -30,7 +31,7 @@ impl SampleLengths {
             "run `stoker dataset stats DATA --write-lengths` with the worker's preprocessing flags";
         let data = store.get(LENGTHS_KEY).await.map_err(|e| {
             anyhow::anyhow!(
-                "--balance-ranks and --bucket-by-length need {}: {e}; {fix}",
+                "--balance-ranks, --bucket-by-length and --pack-max-tokens need {}: {e}; {fix}",
                 store.describe(LENGTHS_KEY)
             )
         })?;
@@ -47,5 +48,21 @@ impl SampleLengths {
             store.describe(LENGTHS_KEY)
         );
         Ok(lengths)
+    }
+
+    /// Every sample fits a pack of `max_tokens`, or an error naming the longest.
+    pub fn check_fit(&self, max_tokens: u32) -> anyhow::Result<()> {
+        let longest = self
+            .tokens
+            .iter()
+            .enumerate()
+            .max_by_key(|&(i, &t)| (t, Reverse(i)));
+        match longest {
+            Some((id, &tokens)) if tokens > max_tokens => anyhow::bail!(
+                "sample {id} is {tokens} tokens, longer than --pack-max-tokens {max_tokens}: \
+                 raise it to at least {tokens}, or truncate samples with --max-length"
+            ),
+            _ => Ok(()),
+        }
     }
 }

@@ -84,6 +84,11 @@ fn template_from_json(path: &Path) -> anyhow::Result<Option<String>> {
 }
 
 impl TextProcessor {
+    /// The token id an image's placeholder expands to (one per merged patch).
+    pub fn image_token(&self) -> i64 {
+        self.image_pad.into()
+    }
+
     /// `tokenizer` is a tokenizer.json or a folder holding one. `template` overrides the
     /// preset's built-in format: a .jinja file, or a chat_template.json / tokenizer_config.json.
     pub fn load(

@@ -1,0 +1,32 @@
+"""Real `stoker worker` processes for the parity tests, and one epoch read from one."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import stoker
+
+ROOT = Path(__file__).resolve().parents[2]
+STOKER = os.environ.get("STOKER_BIN", str(ROOT / "target/release/stoker"))
+TOKENIZER = Path(os.environ.get("STOKER_TOKENIZER", Path.home() / ".cache/stoker/qwen-tokenizer"))
+
+
+def serve(ds: Path, *args: str, global_batch: int = 4):
+    """A worker serving `ds` with the real Qwen tokenizer: (process, address)."""
+    proc = subprocess.Popen(
+        [STOKER, "worker", "--data", str(ds), "--listen", "127.0.0.1:0",
+         "--metrics-listen", "127.0.0.1:0", "--no-auth", "--global-batch-size",
+         str(global_batch), "--cpu-threads", "1", "--tokenizer", str(TOKENIZER), *args],
+        stdout=subprocess.PIPE, text=True,
+    )
+    for line in proc.stdout:
+        if line.startswith("listening "):
+            return proc, line.split()[1]
+    proc.kill()
+    raise AssertionError(f"the worker {' '.join(args)} exited before listening")
+
+
+def epoch(addr: str, rank: int = 0, world_size: int = 1):
+    """One epoch of one rank's batches."""
+    loader = stoker.Loader(addr, rank=rank, world_size=world_size, prefetch=2)
+    return [loader.__next__() for _ in range(len(loader))]
