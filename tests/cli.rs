@@ -268,6 +268,21 @@ async fn balanced_ranks_need_the_datasets_lengths_and_keep_every_global_batch() 
     let tokens =
         write_sample_lengths(STOKER.as_ref(), "s3://bucket/data", &s3.env(), &data).unwrap();
     assert_eq!(tokens.len(), 24);
+    // Measured at index time from text and image headers (EXIF-rotated JPEGs among them):
+    // the lengths the whole decoding pipeline gives.
+    let decoded = root.path().join("decoded.json");
+    let stats = [
+        "dataset",
+        "stats",
+        "s3://bucket/data",
+        "--s3-path-style",
+        "--decode",
+        "--lengths-out",
+        decoded.to_str().unwrap(),
+    ];
+    assert!(stoker(&s3, &stats).status.success());
+    let decoded: Vec<u32> = serde_json::from_slice(&std::fs::read(&decoded).unwrap()).unwrap();
+    assert_eq!(decoded, tokens);
     // Packs smaller than a sample: refused, naming the longest sample.
     let mut tiny = config(false);
     tiny.sampling.pack_max_tokens = Some(10);

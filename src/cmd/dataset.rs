@@ -8,7 +8,7 @@ use stoker_testkit::synth::{generate, SynthOptions};
 use stoker_worker::dataset::index::{DatasetIndex, Progress, INDEX_KEY};
 use stoker_worker::dataset::lengths::{SampleLengths, LENGTHS_KEY};
 use stoker_worker::metrics::Metrics;
-use stoker_worker::pipeline::{collate, open_pipeline, preprocessing_id, Pipeline};
+use stoker_worker::pipeline::{collate, open_pipeline, preprocessing_id, Pipeline, SampleShape};
 use stoker_worker::source::Store;
 
 #[derive(Subcommand)]
@@ -34,6 +34,13 @@ pub enum DatasetCommand {
         /// Exit 0 even when bad lines were found (they are excluded from the plan).
         #[arg(long)]
         allow_bad: bool,
+        /// Also measure every sample's length from its text and image headers (no pixel is
+        /// decoded) and store them (stoker-lengths.json) for workers with `--balance-ranks`,
+        /// `--bucket-by-length` or `--pack-max-tokens` and these preprocessing flags.
+        #[arg(long, conflicts_with = "dry_run")]
+        write_lengths: bool,
+        #[command(flatten)]
+        pre: Preprocessing,
     },
     /// Show what the model will see for one sample: chat text, tokens, image sizes and grids.
     Inspect {
@@ -49,9 +56,16 @@ pub enum DatasetCommand {
         out: Option<PathBuf>,
     },
     /// The distribution of sequence lengths (tokens per sample, vision tokens, images): each
-    /// sample through the real pipeline, so the lengths are exactly what the model gets.
+    /// sample's text through the real tokenizer and template, its images' sizes from their
+    /// headers (EXIF orientation applied) through smart_resize — exactly what the model gets,
+    /// without decoding a pixel.
     Stats {
         uri: String,
+        /// Run every sample through the whole pipeline instead (decode, resize, patchify): the
+        /// same lengths, slower; samples whose pixels fail to decode count as 0 rather than
+        /// at their headers' length.
+        #[arg(long)]
+        decode: bool,
         /// The first N samples [default: all].
         #[arg(long)]
         samples: Option<u64>,
@@ -116,6 +130,8 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
             s3,
             dry_run,
             allow_bad,
+            write_lengths,
+            pre,
         } => {
             let store = Store::open(&uri, &s3).await?;
             let pb = bar("index");
@@ -140,6 +156,11 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
                 store.put(INDEX_KEY, idx.to_json()).await?;
                 println!("wrote {}", store.describe(INDEX_KEY));
             }
+            if write_lengths {
+                let p =
+                    open_pipeline(&one_sample_config(uri, s3, pre, None), Metrics::new()).await?;
+                store_lengths(&p, &sample_lengths(&p, None, false).await).await?;
+            }
             if !idx.bad_lines.is_empty() && !allow_bad {
                 anyhow::bail!("{} bad lines (listed above)", idx.bad_lines.len());
             }
@@ -154,6 +175,7 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
         } => inspect(&one_sample_config(uri, s3, pre, Some(1)), sample, out).await,
         DatasetCommand::Stats {
             uri,
+            decode,
             samples,
             lengths_out,
             write_lengths,
@@ -163,27 +185,15 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
         } => {
             let cfg = one_sample_config(uri, s3, pre, None);
             let p = open_pipeline(&cfg, Metrics::new()).await?;
-            let by_id = sample_lengths(&p, samples).await;
-            let lengths: Vec<&SampleLength> = by_id.iter().flatten().collect();
+            let by_id = sample_lengths(&p, samples, decode).await;
+            let lengths: Vec<&SampleShape> = by_id.iter().flatten().collect();
             if let Some(path) = lengths_out {
                 let tokens: Vec<u64> = lengths.iter().map(|l| l.tokens).collect();
                 std::fs::write(&path, serde_json::to_vec(&tokens)?)?;
                 eprintln!("wrote {} lengths to {}", tokens.len(), path.display());
             }
             if write_lengths {
-                let stored = SampleLengths {
-                    index_version: p.index.version,
-                    preprocessing: preprocessing_id(&p.config, p.text.fingerprint),
-                    // A sample that cannot be loaded costs nothing (workers skip it too).
-                    tokens: by_id
-                        .iter()
-                        .map(|l| l.as_ref().map_or(0, |l| l.tokens as u32))
-                        .collect(),
-                };
-                p.store
-                    .put(LENGTHS_KEY, serde_json::to_vec(&stored)?)
-                    .await?;
-                eprintln!("wrote {}", p.store.describe(LENGTHS_KEY));
+                store_lengths(&p, &by_id).await?;
             }
             print_stats(&LengthStats::of(&lengths), json)
         }
@@ -293,26 +303,36 @@ fn write_safetensors(
     Ok(())
 }
 
-/// One sample's length as the model sees it.
-struct SampleLength {
-    tokens: u64,
-    vision_tokens: u64,
-    images: usize,
-}
-
-/// Every (or the first `limit`) sample's length, by sample id, through the real pipeline
-/// (`None` for a sample that fails, reported by name).
-async fn sample_lengths(p: &Arc<Pipeline>, limit: Option<u64>) -> Vec<Option<SampleLength>> {
+/// Every (or the first `limit`) sample's length, by sample id, from headers or (`decode`)
+/// through the whole pipeline (`None` for a sample that fails, reported by name).
+async fn sample_lengths(
+    p: &Arc<Pipeline>,
+    limit: Option<u64>,
+    decode: bool,
+) -> Vec<Option<SampleShape>> {
     use futures::StreamExt;
     let n = limit.map_or(p.index.num_samples(), |l| l.min(p.index.num_samples()));
-    let merge2 = u64::from(p.config.preset.merge_size).pow(2);
+    let preset = &p.config.preset;
     let in_flight = 2 * std::thread::available_parallelism().map_or(1, |n| n.get());
     let pb = bar("stats");
     pb.set_length(n);
     let results: Vec<_> = futures::stream::iter(0..n)
         .map(|id| {
             let p = p.clone();
-            async move { p.load_sample(id).await }
+            async move {
+                if !decode {
+                    return p.measure_sample(id).await;
+                }
+                p.load_sample(id).await.map(|s| SampleShape {
+                    tokens: s.input_ids.len() as u64,
+                    vision_tokens: s
+                        .images
+                        .iter()
+                        .map(|i| preset.image_tokens(i.resized) as u64)
+                        .sum(),
+                    images: s.images.len(),
+                })
+            }
         })
         .buffered(in_flight)
         .inspect(|_| pb.inc(1))
@@ -321,18 +341,27 @@ async fn sample_lengths(p: &Arc<Pipeline>, limit: Option<u64>) -> Vec<Option<Sam
     pb.finish_and_clear();
     results
         .into_iter()
-        .map(|r| match r {
-            Ok(s) => Some(SampleLength {
-                tokens: s.input_ids.len() as u64,
-                vision_tokens: s.images.iter().map(|i| i.rows as u64).sum::<u64>() / merge2,
-                images: s.images.len(),
-            }),
-            Err(e) => {
-                eprintln!("left out: {e}");
-                None
-            }
-        })
+        .map(|r| r.inspect_err(|e| eprintln!("left out: {e}")).ok())
         .collect()
+}
+
+/// Stores every sample's length (stoker-lengths.json) with the index version and
+/// preprocessing they hold for.
+async fn store_lengths(p: &Pipeline, by_id: &[Option<SampleShape>]) -> anyhow::Result<()> {
+    let stored = SampleLengths {
+        index_version: p.index.version,
+        preprocessing: preprocessing_id(&p.config, p.text.fingerprint),
+        // A sample that cannot be loaded costs nothing (workers skip it too).
+        tokens: by_id
+            .iter()
+            .map(|l| l.as_ref().map_or(0, |l| l.tokens as u32))
+            .collect(),
+    };
+    p.store
+        .put(LENGTHS_KEY, serde_json::to_vec(&stored)?)
+        .await?;
+    eprintln!("wrote {}", p.store.describe(LENGTHS_KEY));
+    Ok(())
 }
 
 /// The distribution `dataset stats` prints.
@@ -355,7 +384,7 @@ struct LengthStats {
 }
 
 impl LengthStats {
-    fn of(lengths: &[&SampleLength]) -> LengthStats {
+    fn of(lengths: &[&SampleShape]) -> LengthStats {
         let mut tokens: Vec<u64> = lengths.iter().map(|l| l.tokens).collect();
         tokens.sort_unstable();
         let at = |q: f64| {

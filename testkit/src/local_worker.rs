@@ -143,9 +143,10 @@ impl Drop for LocalWorker {
     }
 }
 
-/// Runs `EXE dataset stats DATA --write-lengths` (with `env`, e.g. the embedded S3's) and
+/// Runs `EXE dataset index DATA --write-lengths` (with `env`, e.g. the embedded S3's) and
 /// returns the token counts it stored in `dir`/stoker-lengths.json (`dir`: the dataset's
-/// folder on disk): what workers with `--balance-ranks` or `--bucket-by-length` read.
+/// folder on disk): what workers with `--balance-ranks`, `--bucket-by-length` or
+/// `--pack-max-tokens` read.
 pub fn write_sample_lengths(
     exe: &Path,
     data: &str,
@@ -155,7 +156,7 @@ pub fn write_sample_lengths(
     let out = Command::new(exe)
         .args([
             "dataset",
-            "stats",
+            "index",
             data,
             "--s3-path-style",
             "--write-lengths",
@@ -164,7 +165,7 @@ pub fn write_sample_lengths(
         .output()?;
     anyhow::ensure!(
         out.status.success(),
-        "dataset stats: {}",
+        "dataset index: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     let stored: serde_json::Value =

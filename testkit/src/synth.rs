@@ -88,7 +88,7 @@ fn sentence(rng: &mut ChaCha8Rng, min: usize, max: usize) -> String {
 }
 
 /// Kinds of image the generator mixes, with what makes each realistic to decode.
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 enum ImageKind {
     Jpeg,
     JpegGray,
@@ -371,7 +371,7 @@ pub fn generate(out: &Path, o: &SynthOptions, on_sample: &(dyn Fn() + Sync)) -> 
 mod tests {
     use super::*;
     use stoker_worker::dataset::sample::Conversation;
-    use stoker_worker::preprocess::vision::{decode, DecodeLimits};
+    use stoker_worker::preprocess::vision::{decode, read_header, DecodeLimits};
 
     #[test]
     fn generated_samples_parse_and_images_decode_upright() {
@@ -423,5 +423,45 @@ mod tests {
         let (_, bytes) = encode(&mut rng, ImageKind::JpegRotated(6), 64, 32).unwrap();
         let rgb = decode(&bytes, DecodeLimits::default()).unwrap();
         assert_eq!((rgb.width, rgb.height), (32, 64));
+    }
+
+    #[test]
+    fn headers_give_the_decoded_upright_size_from_the_first_bytes() {
+        let mut rng = ChaCha8Rng::seed_from_u64(2);
+        let kinds = [
+            ImageKind::Jpeg,
+            ImageKind::JpegGray,
+            ImageKind::JpegCmyk,
+            ImageKind::Png,
+            ImageKind::PngGray,
+        ];
+        let rotations = (1..=8).map(ImageKind::JpegRotated);
+        for kind in kinds.into_iter().chain(rotations) {
+            let (_, bytes) = encode(&mut rng, kind, 300, 120).unwrap();
+            let rgb = decode(&bytes, DecodeLimits::default()).unwrap();
+            let want = Some((rgb.height as u32, rgb.width as u32));
+            let whole = read_header(&bytes, true).unwrap().map(|h| h.upright());
+            let prefix = read_header(&bytes[..200], false)
+                .unwrap()
+                .map(|h| h.upright());
+            assert_eq!((whole, prefix), (want, want), "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn a_header_past_the_prefix_asks_for_the_whole_file() {
+        use jpeg_encoder::{ColorType, Encoder};
+        // Two large APP2 segments (an ICC profile, say) before the frame header.
+        let mut bytes = Vec::new();
+        let mut enc = Encoder::new(&mut bytes, 90);
+        enc.add_app_segment(2, &[7; 60_000]).unwrap();
+        enc.add_app_segment(2, &[7; 60_000]).unwrap();
+        enc.encode(&[128; 3 * 40 * 30], 40, 30, ColorType::Rgb)
+            .unwrap();
+        assert_eq!(read_header(&bytes[..65_536], false).unwrap(), None);
+        let h = read_header(&bytes, true).unwrap().unwrap();
+        assert_eq!(h.upright(), (30, 40));
+        // A cut file whose header never comes is corrupt, not a hang or a guess.
+        assert!(read_header(&bytes[..65_536], true).is_err());
     }
 }

@@ -16,7 +16,8 @@ use crate::plan::{Plan, RankSlice, Shaping};
 use crate::preprocess::preset::{PixelDtype, Preset};
 use crate::preprocess::text::{TextError, TextProcessor, IGNORE_INDEX};
 use crate::preprocess::vision::{
-    normalization_table, process_image, ImageError, ImageOut, ImageTimings, PixelBuf, PixelLut,
+    check_limits, normalization_table, process_image, read_header, smart_resize, ImageError,
+    ImageHeader, ImageOut, ImageTimings, PixelBuf, PixelLut,
 };
 use crate::source::{resolve_relative, FetchError, PathError, Store};
 use futures::{FutureExt, StreamExt};
@@ -105,6 +106,18 @@ async fn on_blocking_pool<T: Send + 'static>(
             Err(Cause::Panicked(why))
         }
     }
+}
+
+/// Bytes of an image read first for its header: JPEG's frame header and EXIF, and PNG's
+/// header chunks, fit in it in every file we have seen; a file that does not is read whole.
+pub const HEADER_PREFIX: u64 = 64 << 10;
+
+/// A sample's length as the model sees it, measured without decoding pixels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SampleShape {
+    pub tokens: u64,
+    pub vision_tokens: u64,
+    pub images: usize,
 }
 
 /// A preprocessed sample, ready to collate.
@@ -263,13 +276,33 @@ impl Pipeline {
         self: &Arc<Self>,
         sample_id: u64,
     ) -> Result<PreparedSample, SampleFailure> {
+        let (shard, line, location) = self.locate(sample_id)?;
+        self.prepare(sample_id, shard, line)
+            .await
+            .map_err(|c| self.failure(sample_id, location, c))
+    }
+
+    /// What loading one sample would give in tokens, from its line and its images' headers
+    /// alone: no pixel is decoded, and an image is read whole only when its header (or a
+    /// WebP's or TIFF's orientation) lies beyond the first [`HEADER_PREFIX`] bytes. The same
+    /// limits and truncation apply as when serving it.
+    pub async fn measure_sample(
+        self: &Arc<Self>,
+        sample_id: u64,
+    ) -> Result<SampleShape, SampleFailure> {
+        let (shard, line, location) = self.locate(sample_id)?;
+        self.measure(shard, line)
+            .await
+            .map_err(|c| self.failure(sample_id, location, c))
+    }
+
+    /// A sample's shard, (offset, length) of its line, and its location for messages.
+    fn locate(&self, sample_id: u64) -> Result<(&ShardIndex, (u64, u64), String), SampleFailure> {
         let Some((shard, line)) = self.index.locate(sample_id) else {
             return Err(self.failure(sample_id, "-".into(), Cause::NoSuchSample));
         };
         let location = format!("{}:{}", shard.key, line.0);
-        self.prepare(sample_id, shard, line.1, line.2 as u64)
-            .await
-            .map_err(|c| self.failure(sample_id, location, c))
+        Ok((shard, (line.1, line.2 as u64), location))
     }
 
     fn failure(&self, sample_id: u64, location: String, cause: Cause) -> SampleFailure {
@@ -314,22 +347,30 @@ impl Pipeline {
         Ok(line)
     }
 
-    async fn prepare(
+    /// A sample's conversation and its images' keys, limits checked.
+    async fn read_sample(
         self: &Arc<Self>,
-        sample_id: u64,
         shard: &ShardIndex,
-        offset: u64,
-        len: u64,
-    ) -> Result<PreparedSample, Cause> {
+        (offset, len): (u64, u64),
+    ) -> Result<(Conversation, Vec<String>), Cause> {
         self.config.limits.check_line(len)?;
         let line = self.read_line(shard, offset, len).await?;
-        let shard = shard.key.as_str();
         let conv = Conversation::parse(&line)?;
         self.config.limits.check_conversation(&conv)?;
         let keys = conv
             .image_paths()
-            .map(|p| resolve_relative(shard, p))
+            .map(|p| resolve_relative(&shard.key, p))
             .collect::<Result<Vec<_>, _>>()?;
+        Ok((conv, keys))
+    }
+
+    async fn prepare(
+        self: &Arc<Self>,
+        sample_id: u64,
+        shard: &ShardIndex,
+        line: (u64, u64),
+    ) -> Result<PreparedSample, Cause> {
+        let (conv, keys) = self.read_sample(shard, line).await?;
         let fetches = keys
             .iter()
             .map(|k| async move { (k.clone(), self.fetch(k, None).await) });
@@ -383,8 +424,10 @@ impl Pipeline {
             self.metrics.observe_stage("decode", timings.decode);
             self.metrics.observe_stage("resize", timings.resize);
         }
-        let merge2 = (preset.merge_size * preset.merge_size) as usize;
-        let tokens: Vec<usize> = outs.iter().map(|o| o.rows / merge2).collect();
+        let tokens: Vec<usize> = outs
+            .iter()
+            .map(|o| preset.image_tokens(o.resized))
+            .collect();
         let t = Instant::now();
         let tok = self.text.tokenize(&conv, &tokens)?;
         self.metrics.observe_stage("tokenize", t.elapsed());
@@ -397,6 +440,58 @@ impl Pipeline {
             text: tok.text,
             truncated: tok.truncated,
         })
+    }
+
+    async fn measure(
+        self: &Arc<Self>,
+        shard: &ShardIndex,
+        line: (u64, u64),
+    ) -> Result<SampleShape, Cause> {
+        let (conv, keys) = self.read_sample(shard, line).await?;
+        let headers = futures::future::join_all(keys.iter().map(|k| self.image_header(k))).await;
+        let (preset, limits) = (&self.config.preset, &self.config.limits);
+        let mut tokens = Vec::with_capacity(keys.len());
+        let mut decoded_pixels = 0;
+        for (key, header) in keys.into_iter().zip(headers) {
+            let header = header?;
+            let refused = |err| match limits.classify(key.clone(), err) {
+                Ok(err) => Cause::Image {
+                    key: key.clone(),
+                    err,
+                },
+                Err(over) => Cause::Limit(over),
+            };
+            let (w, h) = (header.width, header.height);
+            check_limits(w, h, limits.next_image(decoded_pixels)).map_err(refused)?;
+            decoded_pixels += u64::from(w) * u64::from(h);
+            let (h, w) = header.upright();
+            let resized = smart_resize(h, w, preset.factor(), preset.min_pixels, preset.max_pixels)
+                .map_err(refused)?;
+            tokens.push(preset.image_tokens(resized));
+        }
+        let tok = self.text.tokenize(&conv, &tokens)?;
+        Ok(SampleShape {
+            tokens: tok.input_ids.len() as u64,
+            vision_tokens: tokens[..tok.kept_images].iter().sum::<usize>() as u64,
+            images: tok.kept_images,
+        })
+    }
+
+    /// An image's header: from its first bytes, or the whole object when they do not hold it.
+    async fn image_header(&self, key: &str) -> Result<ImageHeader, Cause> {
+        let image_error = |err| Cause::Image {
+            key: key.to_string(),
+            err,
+        };
+        let prefix = self.fetch(key, Some((0, HEADER_PREFIX))).await?;
+        let complete = (prefix.len() as u64) < HEADER_PREFIX;
+        if let Some(h) = read_header(&prefix, complete).map_err(image_error)? {
+            return Ok(h);
+        }
+        let whole = self.fetch(key, None).await?;
+        read_header(&whole, true)
+            .map_err(image_error)?
+            .ok_or_else(|| image_error(ImageError::Corrupt("no image header".into())))
     }
 
     /// Loads a rank slice's samples (concurrently, in order) and collates them, packed if the

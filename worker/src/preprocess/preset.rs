@@ -59,6 +59,11 @@ impl Preset {
         self.patch_size * self.merge_size
     }
 
+    /// Tokens of one image of this (smart-resized) height and width: one per merged patch.
+    pub fn image_tokens(&self, (height, width): (u32, u32)) -> usize {
+        (height / self.factor()) as usize * (width / self.factor()) as usize
+    }
+
     /// Values per row of `pixel_values`: C·T·P·P.
     pub fn patch_dim(&self) -> usize {
         (3 * self.temporal_patch_size * self.patch_size * self.patch_size) as usize

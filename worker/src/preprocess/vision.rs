@@ -81,7 +81,76 @@ pub fn decode(bytes: &[u8], limits: DecodeLimits) -> Result<Rgb, ImageError> {
     Ok(upright_rgb(img, orientation))
 }
 
-fn check_limits(w: u32, h: u32, limits: DecodeLimits) -> Result<(), ImageError> {
+/// An image's size as its header gives it, and its EXIF orientation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImageHeader {
+    pub width: u32,
+    pub height: u32,
+    pub orientation: Option<image::metadata::Orientation>,
+}
+
+impl ImageHeader {
+    /// (height, width) once upright: what `decode` gives, so what smart_resize sees.
+    pub fn upright(&self) -> (u32, u32) {
+        use image::metadata::Orientation::*;
+        match self.orientation {
+            Some(Rotate90 | Rotate270 | Rotate90FlipH | Rotate270FlipH) => {
+                (self.width, self.height)
+            }
+            _ => (self.height, self.width),
+        }
+    }
+}
+
+/// Reads an image's header without decoding a pixel. `bytes` may be only the file's first
+/// bytes (`complete` false): then `None` means the header runs past them, or the format may
+/// keep its orientation past them (only JPEG's and PNG's come before the pixels), and the
+/// whole file is needed.
+pub fn read_header(bytes: &[u8], complete: bool) -> Result<Option<ImageHeader>, ImageError> {
+    let reader = ImageReader::new(Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| ImageError::Corrupt(e.to_string()))?;
+    use image::ImageFormat::{Bmp, Gif, Jpeg, Png};
+    let format = reader.format().ok_or(ImageError::Unsupported)?;
+    let header = if format == Jpeg {
+        jpeg_frame_size(bytes).map(|(width, height)| ImageHeader {
+            width,
+            height,
+            orientation: jpeg_orientation(bytes),
+        })
+    } else if complete || matches!(format, Png | Gif | Bmp) {
+        match reader.into_decoder() {
+            Ok(mut d) => {
+                let (width, height) = d.dimensions();
+                let orientation = d.orientation().ok();
+                Some(ImageHeader {
+                    width,
+                    height,
+                    orientation,
+                })
+            }
+            Err(e) if complete => return Err(classify(e)),
+            Err(_) => None,
+        }
+    } else {
+        None
+    };
+    match header {
+        None if complete => Err(ImageError::Corrupt("no image header".into())),
+        h => Ok(h),
+    }
+}
+
+/// A JPEG's (width, height) from its start-of-frame segment.
+fn jpeg_frame_size(bytes: &[u8]) -> Option<(u32, u32)> {
+    let is_frame = |m: u8| (0xc0..=0xcf).contains(&m) && ![0xc4, 0xc8, 0xcc].contains(&m);
+    let (_, body) = jpeg_segments(bytes).find(|(m, b)| is_frame(*m) && b.len() >= 5)?;
+    let height = u16::from_be_bytes([body[1], body[2]]);
+    let width = u16::from_be_bytes([body[3], body[4]]);
+    Some((width.into(), height.into()))
+}
+
+pub fn check_limits(w: u32, h: u32, limits: DecodeLimits) -> Result<(), ImageError> {
     if w > limits.max_side || h > limits.max_side || w as u64 * h as u64 > limits.max_pixels {
         return Err(ImageError::TooLarge {
             w,
