@@ -352,3 +352,81 @@ async fn sample_ids(conn: &mut Connection, g: u64, rank: u32, world: u32) -> Vec
         Answer::Error(e) => panic!("batch {g} rank {rank}: {e:?}"),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mix_serves_each_dataset_by_weight_and_counts_it() {
+    let root = tempfile::tempdir().unwrap();
+    let s3 = EmbeddedS3::start(root.path(), "127.0.0.1:0", Duration::ZERO)
+        .await
+        .unwrap();
+    // A large dataset and a small one (drawn twice an epoch: its own epochs run on).
+    for (name, samples, format) in [("chat", "24", "messages"), ("vqa", "8", "llava")] {
+        let out = root.path().join("bucket/sft").join(name);
+        let synth = [
+            "dataset",
+            "synth",
+            "--out",
+            out.to_str().unwrap(),
+            "--samples",
+            samples,
+            "--format",
+            format,
+            "--max-side",
+            "300",
+        ];
+        assert!(stoker(&s3, &synth).status.success());
+    }
+    let mut cfg = WorkerConfig {
+        data: "s3://bucket/sft/chat".into(),
+        ..WorkerConfig::default()
+    };
+    cfg.s3.path_style = true;
+    cfg.serving.no_auth = true;
+    cfg.sampling.global_batch_size = 8;
+    cfg.sampling.mix = vec!["s3://bucket/sft/vqa=1".parse().unwrap()];
+    let worker = LocalWorker::spawn(STOKER.as_ref(), &cfg, &s3.env()).unwrap();
+    let mut conn = Connection::open(&worker.addr, "").await.unwrap().unwrap();
+    assert_eq!(conn.welcome.num_samples, 32);
+    let mut per_epoch = Vec::new();
+    for epoch in 0..2 {
+        let (mut chat, mut vqa) = (Vec::new(), Vec::new());
+        for g in 0..4 {
+            let req = conn.request(epoch * 10 + g + 1, epoch, g, 0, 1);
+            conn.send(&req).await.unwrap();
+            let head = match conn.recv().await.unwrap() {
+                Answer::Batch(head, _) => head,
+                Answer::Error(e) => panic!("epoch {epoch} batch {g}: {e:?}"),
+            };
+            // Every sample of both datasets loads: the shared store finds both folders.
+            assert!(head.skipped.is_empty(), "{:?}", head.skipped);
+            for id in head.sample_ids {
+                if id < 24 {
+                    chat.push(id)
+                } else {
+                    vqa.push(id)
+                }
+            }
+        }
+        // Equal weights: 16 draws each; the 8-sample dataset comes twice, each time whole.
+        assert_eq!((chat.len(), vqa.len()), (16, 16), "epoch {epoch}");
+        for own in vqa.chunks(8) {
+            let mut own = own.to_vec();
+            own.sort_unstable();
+            assert_eq!(own, (24..32).collect::<Vec<u64>>());
+        }
+        per_epoch.push(chat);
+    }
+    // The large dataset continues where it stopped: its 24 samples over 1.5 epochs, once each.
+    let mut first_24: Vec<u64> = per_epoch.concat()[..24].to_vec();
+    first_24.sort_unstable();
+    assert_eq!(first_24, (0..24).collect::<Vec<u64>>());
+    let metrics = http::get_ok(&worker.metrics_addr, "/metrics").unwrap();
+    for dataset in ["s3://bucket/sft/chat", "s3://bucket/sft/vqa"] {
+        let served = stoker_control::exposition::metric_value_with(
+            &metrics,
+            "stoker_worker_dataset_samples_served_total",
+            &[("dataset", dataset)],
+        );
+        assert_eq!(served, Some(32.0), "{dataset}");
+    }
+}

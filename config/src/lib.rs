@@ -332,6 +332,62 @@ pub struct Sampling {
     #[schemars(range(min = 1))]
     #[cfg_attr(feature = "clap", arg(long))]
     pub pack_max_tokens: Option<u32>,
+    /// More datasets mixed into the plan with the main one (`--mix s3://bucket/vqa=1`, once
+    /// per dataset; all in the main dataset's bucket, or all local folders). An epoch draws
+    /// as many samples as all the datasets hold, each dataset's share by weight, shuffled
+    /// together by (seed, epoch); a dataset drawn more often than it has samples starts its
+    /// own next epoch (a new shuffle), one drawn less often continues where it stopped.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[cfg_attr(feature = "clap", arg(long, value_name = "DATA=WEIGHT"))]
+    pub mix: Vec<MixSource>,
+    /// The main dataset's weight when others are mixed in.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = 1))]
+    pub data_weight: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(v: &u32) -> bool {
+    *v == 1
+}
+
+/// A dataset mixed into the plan, and its weight (relative to the others').
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MixSource {
+    /// s3://bucket/prefix (the main dataset's bucket and connection) or a local folder.
+    pub data: String,
+    #[schemars(range(min = 1))]
+    pub weight: u32,
+}
+
+impl std::str::FromStr for MixSource {
+    type Err = String;
+    /// `DATA=WEIGHT`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (data, weight) = s
+            .rsplit_once('=')
+            .ok_or_else(|| format!("{s:?}: expected DATA=WEIGHT, e.g. s3://bucket/vqa=1"))?;
+        let weight = weight
+            .parse()
+            .ok()
+            .filter(|&w| w > 0)
+            .ok_or_else(|| format!("{s:?}: the weight must be a whole number above 0"))?;
+        Ok(MixSource {
+            data: data.to_string(),
+            weight,
+        })
+    }
+}
+
+impl std::fmt::Display for MixSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}={}", self.data, self.weight)
+    }
 }
 
 impl Default for Sampling {
@@ -343,6 +399,8 @@ impl Default for Sampling {
             balance_ranks: false,
             bucket_by_length: false,
             pack_max_tokens: None,
+            mix: Vec::new(),
+            data_weight: 1,
         }
     }
 }
@@ -522,6 +580,12 @@ impl Sampling {
         a.switch("balance-ranks", self.balance_ranks);
         a.switch("bucket-by-length", self.bucket_by_length);
         a.optional("pack-max-tokens", self.pack_max_tokens);
+        for m in &self.mix {
+            a.value("mix", m);
+        }
+        if self.data_weight != 1 {
+            a.value("data-weight", self.data_weight);
+        }
     }
 }
 
@@ -613,6 +677,11 @@ mod tests {
                 balance_ranks: true,
                 bucket_by_length: true,
                 pack_max_tokens: Some(8192),
+                mix: vec![
+                    "s3://b/vqa=2".parse().unwrap(),
+                    "/data/chat=1".parse().unwrap(),
+                ],
+                data_weight: 3,
             },
             concurrency: Concurrency {
                 max_fetches: 16,

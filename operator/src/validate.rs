@@ -17,6 +17,7 @@ pub fn problems(spec: &DataPipelineSpec) -> Vec<String> {
     if let Some(t) = &spec.preprocessing.tokenizer {
         tokenizer(t, spec.source.s3.is_some(), &mut out);
     }
+    mix(spec, &mut out);
     if let Some(r) = &spec.worker.resources {
         for (kind, list) in [("limits", &r.limits), ("requests", &r.requests)] {
             if let Some(cpu) = list.as_ref().and_then(|l| l.get("cpu")) {
@@ -30,6 +31,28 @@ pub fn problems(spec: &DataPipelineSpec) -> Vec<String> {
         }
     }
     out
+}
+
+/// Mixed datasets are read with the source's connection and credentials, from its bucket.
+fn mix(spec: &DataPipelineSpec, out: &mut Vec<String>) {
+    let Some(main) = spec.plan.sampling.mix.first().and(spec.source.s3.as_ref()) else {
+        if !spec.plan.sampling.mix.is_empty() {
+            out.push("plan.mix needs source.s3 (mixed datasets are S3 prefixes)".into());
+        }
+        return;
+    };
+    let bucket = |uri: &str| {
+        uri.strip_prefix("s3://")
+            .map(|r| r.split('/').next().unwrap_or("").to_string())
+    };
+    for m in &spec.plan.sampling.mix {
+        if bucket(&m.data).is_none() || bucket(&m.data) != bucket(&main.uri) {
+            out.push(format!(
+                "plan.mix: {:?} is not in source.s3's bucket ({})",
+                m.data, main.uri
+            ));
+        }
+    }
 }
 
 fn metric_source(m: &MetricSource, out: &mut Vec<String>) {
@@ -103,6 +126,25 @@ mod tests {
         ] {
             assert!(p.contains(needle), "{needle} missing from:\n{p}");
         }
+    }
+
+    #[test]
+    fn mixed_datasets_are_s3_prefixes_in_the_sources_bucket() {
+        let mut s = spec();
+        s.plan.sampling.mix = vec![
+            "s3://datasets/vqa=1".parse().unwrap(),
+            "s3://other/chat=2".parse().unwrap(),
+        ];
+        assert_eq!(
+            problems(&s),
+            ["plan.mix: \"s3://other/chat\" is not in source.s3's bucket (s3://datasets/llava-sft)"]
+        );
+        s.source.s3 = None;
+        s.source.volume = Some(crate::crd::VolumeSource {
+            claim_name: "pvc".into(),
+            path: String::new(),
+        });
+        assert!(problems(&s)[0].contains("plan.mix needs source.s3"));
     }
 
     #[test]

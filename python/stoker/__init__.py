@@ -132,9 +132,11 @@ class Batch:
         the model's ``get_rope_index`` gives them for each sample alone), its images'
         ``pixel_values`` (normalized, see :meth:`pixel_values`) and ``image_grid_thw``, and
         ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32 sample boundaries) with
-        ``max_length_q``/``max_length_k``, the names transformers' flash-attention path takes.
-        ``model(**pack)`` with ``attn_implementation="flash_attention_2"`` trains on it; a
-        custom kernel takes ``cu_seq_lens_q`` as its ``cu_seqlens``. ``batch.sample_ids``
+        ``max_length_q``/``max_length_k``, the names transformers' flash-attention path takes,
+        and ``use_cache=False`` (transformers keeps packed samples apart only without a KV
+        cache). ``model(**pack)`` trains on it with any attention implementation (the model
+        masks across samples from the text position row; flash-attention takes the boundaries
+        as they are); a custom kernel takes ``cu_seq_lens_q`` as its ``cu_seqlens``. ``batch.sample_ids``
         lists the samples pack after pack. Arrays are numpy views of the received bytes, or
         torch tensors on ``device``. A pack can be empty (T = 0) only in a final partial
         global batch with fewer samples than ranks.
@@ -167,6 +169,8 @@ class Batch:
                 pack = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in pack.items()}
             pack["pixel_values"] = pixels[rows]
             pack["max_length_q"] = pack["max_length_k"] = longest
+            # transformers separates packed samples only without a KV cache (training).
+            pack["use_cache"] = False
             out.append(pack)
         return out
 

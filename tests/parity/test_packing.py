@@ -4,9 +4,10 @@ Two ranks read one epoch from a packing worker; a plain worker of the same datas
 same samples one per row. Every sample arrives once, every rank gets as many packs per global
 batch, each pack fits, and each sample inside a pack is the plain sample token for token and
 pixel for pixel, its first label ignored and its text positions restarting at 0. Its three
-rope rows are what transformers' Qwen2-VL `get_rope_index` gives for that sample alone (where
-torch is installed; without it the worker's unit test holds them to a fixture this test
-writes, `STOKER_WRITE_ROPE_FIXTURE=path`).
+rope rows are what transformers' Qwen2-VL `get_rope_index` gives for that sample alone, and a
+tiny Qwen2-VL's forward of a whole pack gives each sample the hidden states of its own
+forward (both where torch is installed; without it the worker's unit test holds the rope rows
+to a fixture the first test writes, `STOKER_WRITE_ROPE_FIXTURE=path`).
 """
 
 import json
@@ -141,25 +142,33 @@ def test_each_packed_sample_is_the_plain_sample_with_its_own_positions(served):
     assert checked == len(samples)
 
 
-def test_rope_rows_are_the_models_get_rope_index_on_each_sample_alone(served):
+@pytest.fixture(scope="module")
+def tiny_qwen2vl():
+    """A randomly initialized Qwen2-VL small enough for a CPU: the real model code (rope
+    index, vision tower, packed-sequence masking), tiny widths."""
     torch = pytest.importorskip("torch")
     from transformers import Qwen2VLConfig
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLForConditionalGeneration
 
-    # A tiny model: get_rope_index reads only the vision merge size and the token ids.
+    torch.manual_seed(0)
     config = Qwen2VLConfig(
-        text_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=16, vocab_size=152064,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
+        text_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=32, vocab_size=152064,
+                         rope_parameters={"rope_type": "default", "mrope_section": [4, 2, 2],
                                           "rope_theta": 10000.0}),
-        vision_config=dict(depth=1, embed_dim=16, hidden_size=16, num_heads=2),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2),
     )
-    model = Qwen2VLModel(config)
     assert config.image_token_id == IMAGE_TOKEN
+    return Qwen2VLForConditionalGeneration(config).eval()
+
+
+def test_rope_rows_are_the_models_get_rope_index_on_each_sample_alone(served, tiny_qwen2vl):
+    import torch
+
     cases = []
     for sid, got in packed_samples(served):
         ids = torch.from_numpy(np.ascontiguousarray(got["input_ids"]))[None]
-        want, _ = model.get_rope_index(
+        want, _ = tiny_qwen2vl.model.get_rope_index(
             ids, (ids == IMAGE_TOKEN).int(), image_grid_thw=torch.from_numpy(got["grids"])
         )
         np.testing.assert_array_equal(got["positions"][1:], want[:, 0].numpy(), f"sample {sid}")
@@ -167,6 +176,40 @@ def test_rope_rows_are_the_models_get_rope_index_on_each_sample_alone(served):
     fixture = os.environ.get("STOKER_WRITE_ROPE_FIXTURE")
     if fixture:
         write_fixture(Path(fixture), cases)
+
+
+def test_a_packs_forward_is_each_samples_own_forward(served, tiny_qwen2vl):
+    """`model(**pack)` as a trainer calls it: the model's packed-sequence masking reads the
+    text position row, so each sample attends only to itself and its logits are those of its
+    own unpacked forward."""
+    import torch
+
+    _, ranks = served
+    pack = next(p for b in ranks[0] for p in b.packs(device="cpu") if len(p["cu_seq_lens_q"]) > 2)
+    with torch.no_grad():
+        out = tiny_qwen2vl(**pack)
+        assert torch.isfinite(out.loss)
+        packed = out.logits[0]
+        tokens = pack["input_ids"][0]
+        bounds = pack["cu_seq_lens_q"].tolist()
+        images = 0
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            ids = tokens[lo:hi][None]
+            grids, rows = image_span(
+                pack["image_grid_thw"].numpy(),
+                int((tokens[:lo] == IMAGE_TOKEN).sum()),
+                int((tokens[lo:hi] == IMAGE_TOKEN).sum()),
+            )
+            alone = tiny_qwen2vl(
+                input_ids=ids,
+                mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
+                pixel_values=pack["pixel_values"][rows] if len(grids) else None,
+                image_grid_thw=torch.from_numpy(grids) if len(grids) else None,
+                use_cache=False,
+            ).logits[0]
+            torch.testing.assert_close(packed[lo:hi], alone, atol=1e-4, rtol=1e-4)
+            images += len(grids)
+    assert images > 0, "the pack had no image"
 
 
 def write_fixture(path: Path, cases):

@@ -14,6 +14,8 @@ pub struct Metrics {
     pub stage_seconds: HistogramVec,
     pub request_seconds: Histogram,
     pub samples_total: IntCounter,
+    /// Samples served, by the dataset they come from (one label per dataset of a mix).
+    pub dataset_samples_served: IntCounterVec,
     pub batches_total: IntCounter,
     pub bytes_sent_total: IntCounter,
     pub object_bytes_total: IntCounter,
@@ -101,6 +103,14 @@ impl Metrics {
                 "stoker_worker_object_store_read_bytes_total",
                 "Bytes read from the object store.",
             ),
+            dataset_samples_served: IntCounterVec::new(
+                Opts::new(
+                    "stoker_worker_dataset_samples_served_total",
+                    "Samples served in batches, by the dataset they come from (a mix's share).",
+                ),
+                &["dataset"],
+            )
+            .expect("metric"),
             sample_errors_total: IntCounterVec::new(
                 Opts::new(
                     "stoker_worker_sample_errors_total",
@@ -166,6 +176,8 @@ impl Metrics {
             r.register(Box::new(c.clone())).expect("register");
         }
         r.register(Box::new(m.sample_errors_total.clone()))
+            .expect("register");
+        r.register(Box::new(m.dataset_samples_served.clone()))
             .expect("register");
         r.register(Box::new(m.requests_refused_total.clone()))
             .expect("register");

@@ -190,6 +190,8 @@ pub struct Pipeline {
     fetch_slots: Semaphore,
     cpu_slots: Arc<Semaphore>,
     line_cache: LineCache,
+    /// Each dataset's name and first sample id (one dataset unless mixed).
+    datasets: Vec<(String, u64)>,
 }
 
 /// Converts i64s to little-endian bytes (the wire is little endian).
@@ -219,6 +221,7 @@ impl Pipeline {
             fetch_slots: Semaphore::new(config.max_fetches.max(1)),
             cpu_slots: Arc::new(Semaphore::new(config.cpu_threads.max(1))),
             line_cache: LineCache::new(config.line_cache_bytes),
+            datasets: vec![(store.describe(""), 0)],
             store,
             index,
             plan,
@@ -226,6 +229,25 @@ impl Pipeline {
             config,
             metrics,
         }
+    }
+
+    /// Names the datasets (name, sample count), in sample-id order.
+    pub fn with_dataset_names(mut self, names: Vec<(String, u64)>) -> Self {
+        let mut first = 0;
+        self.datasets = names
+            .into_iter()
+            .map(|(name, n)| {
+                first += n;
+                (name, first - n)
+            })
+            .collect();
+        self
+    }
+
+    /// The name of the dataset sample `id` comes from (the metrics' `dataset` label).
+    pub fn dataset_of(&self, id: u64) -> &str {
+        let i = self.datasets.partition_point(|(_, first)| *first <= id);
+        &self.datasets[i.saturating_sub(1)].0
     }
 
     pub fn pixel_dtype(&self) -> DType {
@@ -611,21 +633,76 @@ pub fn preprocessing_id(config: &PipelineConfig, text_fingerprint: u64) -> u64 {
     crate::dataset::index::fingerprint(&parts.iter().map(Vec::as_slice).collect::<Vec<_>>())
 }
 
-/// Opens the store, loads (or builds) the index and assembles the pipeline `cfg` describes.
+/// One dataset of a pipeline: where it is, its weight in a mix, its own store (its index
+/// and lengths live at its root) and index.
+struct Dataset {
+    uri: String,
+    weight: u32,
+    store: Store,
+    index: DatasetIndex,
+}
+
+impl Dataset {
+    async fn open(uri: &str, weight: u32, cfg: &WorkerConfig) -> anyhow::Result<Dataset> {
+        let store = Store::open(uri, &cfg.s3).await?;
+        let index = DatasetIndex::load_or_build(&store).await?;
+        if !index.bad_lines.is_empty() {
+            tracing::warn!(
+                "{uri}: {} invalid lines are excluded from the plan (first: {}); `stoker dataset index` lists them",
+                index.bad_lines.len(),
+                index.bad_lines[0]
+            );
+        }
+        anyhow::ensure!(index.num_samples() > 0, "{uri}: no valid samples");
+        Ok(Dataset {
+            uri: uri.to_string(),
+            weight,
+            store,
+            index,
+        })
+    }
+
+    /// Its samples' lengths for these preprocessing settings, each fitting a pack if packing.
+    async fn lengths(&self, preprocessing: u64, shaping: Shaping) -> anyhow::Result<Vec<u32>> {
+        let n = self.index.num_samples();
+        let lengths =
+            SampleLengths::load(&self.store, self.index.version, preprocessing, n).await?;
+        if let Some(max) = shaping.pack_max_tokens {
+            lengths
+                .check_fit(max)
+                .map_err(|e| e.context(self.uri.clone()))?;
+        }
+        Ok(lengths.tokens)
+    }
+}
+
+/// The main dataset and those mixed in, read through one store: the main one's, or for a
+/// mix one rooted at the datasets' common folder with one index over all of them.
+async fn open_datasets(cfg: &WorkerConfig) -> anyhow::Result<(Vec<Dataset>, Store, DatasetIndex)> {
+    let mut datasets = vec![Dataset::open(&cfg.data, cfg.sampling.data_weight, cfg).await?];
+    for m in &cfg.sampling.mix {
+        datasets.push(Dataset::open(&m.data, m.weight, cfg).await?);
+    }
+    if datasets.len() == 1 {
+        let store = Store::open(&cfg.data, &cfg.s3).await?;
+        let index = datasets[0].index.clone();
+        return Ok((datasets, store, index));
+    }
+    let uris: Vec<&str> = datasets.iter().map(|d| d.uri.as_str()).collect();
+    let (root, folders) = crate::source::common_root(&uris)?;
+    let store = Store::open(&root, &cfg.s3).await?;
+    let parts = folders.into_iter().zip(&datasets);
+    let index = DatasetIndex::concat(parts.map(|(f, d)| (f, d.index.clone())).collect());
+    Ok((datasets, store, index))
+}
+
+/// Opens the datasets, loads (or builds) their indexes and assembles the pipeline `cfg`
+/// describes.
 pub async fn open_pipeline(
     cfg: &WorkerConfig,
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<Arc<Pipeline>> {
-    let store = Store::open(&cfg.data, &cfg.s3).await?;
-    let index = DatasetIndex::load_or_build(&store).await?;
-    if !index.bad_lines.is_empty() {
-        tracing::warn!(
-            "{} invalid lines are excluded from the plan (first: {}); `stoker dataset index` lists them",
-            index.bad_lines.len(),
-            index.bad_lines[0]
-        );
-    }
-    anyhow::ensure!(index.num_samples() > 0, "{}: no valid samples", cfg.data);
+    let (datasets, store, index) = open_datasets(cfg).await?;
     let text = crate::tokenizer_source::text_processor(&cfg.preprocessing, &cfg.s3).await?;
     let c = &cfg.concurrency;
     let config = PipelineConfig {
@@ -644,6 +721,11 @@ pub async fn open_pipeline(
         cfg.sampling.global_batch_size,
         cfg.sampling.seed,
     );
+    let sizes: Vec<u64> = datasets.iter().map(|d| d.index.num_samples()).collect();
+    if datasets.len() > 1 {
+        let weights: Vec<u32> = datasets.iter().map(|d| d.weight).collect();
+        plan = plan.with_mix(&sizes, &weights);
+    }
     let shaping = Shaping {
         balance_ranks: cfg.sampling.balance_ranks,
         bucket_by_length: cfg.sampling.bucket_by_length,
@@ -651,15 +733,15 @@ pub async fn open_pipeline(
     };
     if shaping != Shaping::default() {
         let id = preprocessing_id(&config, text.fingerprint);
-        let lengths = SampleLengths::load(&store, index.version, id, index.num_samples()).await?;
-        if let Some(max) = shaping.pack_max_tokens {
-            lengths.check_fit(max)?;
+        let mut lengths = Vec::with_capacity(index.num_samples() as usize);
+        for d in &datasets {
+            lengths.extend(d.lengths(id, shaping).await?);
         }
-        plan = plan.with_lengths(&lengths.tokens, shaping);
+        plan = plan.with_lengths(&lengths, shaping);
     }
-    Ok(Arc::new(Pipeline::new(
-        store, index, plan, text, config, metrics,
-    )))
+    let names = datasets.into_iter().map(|d| d.uri).zip(sizes).collect();
+    let pipeline = Pipeline::new(store, index, plan, text, config, metrics);
+    Ok(Arc::new(pipeline.with_dataset_names(names)))
 }
 
 #[cfg(test)]

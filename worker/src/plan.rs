@@ -24,6 +24,8 @@ pub struct Plan {
     pub seed: u64,
     /// Each sample's length and cost (by id), and what the plan does with them.
     costs: Option<(SampleCosts, Shaping)>,
+    /// Several datasets mixed by weight (their ids follow each other).
+    mix: Option<Mix>,
     /// Cache of recent epochs' permutations: consecutive requests share an epoch.
     perms: Mutex<Vec<(u64, Arc<Vec<u32>>)>>,
 }
@@ -70,6 +72,7 @@ impl Plan {
             global_batch_size: global_batch_size.max(1),
             seed,
             costs: None,
+            mix: None,
             perms: Mutex::new(Vec::new()),
         }
     }
@@ -95,6 +98,25 @@ impl Plan {
         self
     }
 
+    /// The same plan over several datasets mixed by weight: ids `0..sizes[0]` are the first
+    /// dataset's, the next `sizes[1]` the second's, and so on.
+    pub fn with_mix(mut self, sizes: &[u64], weights: &[u32]) -> Self {
+        assert_eq!(
+            sizes.iter().sum::<u64>(),
+            self.num_samples,
+            "the datasets' ids"
+        );
+        self.mix = Some(Mix::new(sizes, weights));
+        self
+    }
+
+    /// Draws per epoch from each mixed dataset (one entry without a mix).
+    pub fn draws_per_epoch(&self) -> Vec<u64> {
+        self.mix
+            .as_ref()
+            .map_or(vec![self.num_samples], |m| m.draws.clone())
+    }
+
     /// How costs shape this plan (nothing without costs).
     pub fn shaping(&self) -> Shaping {
         self.costs.as_ref().map_or(Shaping::default(), |(_, s)| *s)
@@ -116,15 +138,11 @@ impl Plan {
         if let Some((_, p)) = cache.iter().find(|(e, _)| *e == epoch) {
             return p.clone();
         }
-        let mut seed = [0u8; 32];
-        seed[..8].copy_from_slice(&self.seed.to_le_bytes());
-        seed[8..16].copy_from_slice(&epoch.to_le_bytes());
-        seed[16..24].copy_from_slice(b"stokerv1");
-        let mut rng = rand_chacha::ChaCha8Rng::from_seed(seed);
-        let mut perm: Vec<u32> = (0..self.num_samples as u32).collect();
-        for i in (1..perm.len()).rev() {
-            perm.swap(i, below(&mut rng, i as u32 + 1) as usize);
-        }
+        let mut rng = stream(self.seed, epoch, 0);
+        let mut perm = match &self.mix {
+            None => shuffled(self.num_samples, &mut rng),
+            Some(mix) => mix.order(self.seed, epoch, &mut rng),
+        };
         if let Some((
             sample,
             Shaping {
@@ -217,12 +235,106 @@ fn bucketed(
         sorted.sort_unstable_by_key(|&i| (costs[i as usize], i));
         let full = sorted.len() / batch;
         let mut batches: Vec<&[u32]> = sorted.chunks(batch).collect();
-        for i in (1..full).rev() {
-            batches.swap(i, below(rng, i as u32 + 1) as usize);
-        }
+        fisher_yates(&mut batches[..full], rng);
         out.extend(batches.concat());
     }
     out
+}
+
+/// The ChaCha8 stream of (seed, epoch, part): part 0 orders an epoch, part s + 1 shuffles
+/// mixed dataset s's own epoch `epoch`.
+fn stream(seed: u64, epoch: u64, part: u64) -> rand_chacha::ChaCha8Rng {
+    let mut bytes = [0u8; 32];
+    bytes[..8].copy_from_slice(&seed.to_le_bytes());
+    bytes[8..16].copy_from_slice(&epoch.to_le_bytes());
+    bytes[16..24].copy_from_slice(b"stokerv1");
+    bytes[24..].copy_from_slice(&part.to_le_bytes());
+    rand_chacha::ChaCha8Rng::from_seed(bytes)
+}
+
+/// `0..n` in Fisher–Yates order.
+fn shuffled(n: u64, rng: &mut rand_chacha::ChaCha8Rng) -> Vec<u32> {
+    let mut v: Vec<u32> = (0..n as u32).collect();
+    fisher_yates(&mut v, rng);
+    v
+}
+
+fn fisher_yates<T>(v: &mut [T], rng: &mut rand_chacha::ChaCha8Rng) {
+    for i in (1..v.len()).rev() {
+        v.swap(i, below(rng, i as u32 + 1) as usize);
+    }
+}
+
+/// Datasets mixed by weight. An epoch draws as many samples as the datasets hold; dataset s
+/// gets `draws[s]` of them (its weight's share, largest remainders rounded up, ties to the
+/// earlier dataset). Its k-th draw over the whole run (`epoch · draws[s] + j`) is position
+/// `k mod n` of its own shuffle number `k div n`: every dataset walks its own epochs, each a
+/// fresh shuffle, across the plan's epochs — no sample of it repeats before all of it came.
+struct Mix {
+    sizes: Vec<u64>,
+    draws: Vec<u64>,
+}
+
+impl Mix {
+    fn new(sizes: &[u64], weights: &[u32]) -> Mix {
+        assert_eq!(sizes.len(), weights.len(), "a weight per dataset");
+        assert!(sizes.iter().all(|&n| n > 0), "no empty dataset");
+        let total: u64 = sizes.iter().sum();
+        let w_sum: u64 = weights.iter().map(|&w| u64::from(w)).sum();
+        let shares: Vec<(u64, u64)> = weights
+            .iter()
+            .map(|&w| {
+                let x = u128::from(total) * u128::from(w);
+                (
+                    (x / u128::from(w_sum)) as u64,
+                    (x % u128::from(w_sum)) as u64,
+                )
+            })
+            .collect();
+        let mut draws: Vec<u64> = shares.iter().map(|s| s.0).collect();
+        let mut by_remainder: Vec<usize> = (0..sizes.len()).collect();
+        by_remainder.sort_by_key(|&s| (std::cmp::Reverse(shares[s].1), s));
+        let short = total - draws.iter().sum::<u64>();
+        for &s in by_remainder.iter().take(short as usize) {
+            draws[s] += 1;
+        }
+        Mix {
+            sizes: sizes.to_vec(),
+            draws,
+        }
+    }
+
+    /// Epoch `epoch`'s sample ids: which dataset each draw takes is shuffled by `rng`.
+    fn order(&self, seed: u64, epoch: u64, rng: &mut rand_chacha::ChaCha8Rng) -> Vec<u32> {
+        let mut which: Vec<u32> = (0..self.draws.len() as u32)
+            .flat_map(|s| std::iter::repeat_n(s, self.draws[s as usize] as usize))
+            .collect();
+        fisher_yates(&mut which, rng);
+        let offsets: Vec<u64> = self
+            .sizes
+            .iter()
+            .scan(0, |acc, &n| {
+                *acc += n;
+                Some(*acc - n)
+            })
+            .collect();
+        let mut taken = vec![0u64; self.sizes.len()];
+        let mut own: Vec<(u64, Vec<u32>)> = vec![(u64::MAX, Vec::new()); self.sizes.len()];
+        which
+            .into_iter()
+            .map(|s| {
+                let s = s as usize;
+                let k = epoch * self.draws[s] + taken[s];
+                taken[s] += 1;
+                let (own_epoch, at) = (k / self.sizes[s], k % self.sizes[s]);
+                if own[s].0 != own_epoch {
+                    let mut rng = stream(seed, own_epoch, s as u64 + 1);
+                    own[s] = (own_epoch, shuffled(self.sizes[s], &mut rng));
+                }
+                (offsets[s] + u64::from(own[s].1[at as usize])) as u32
+            })
+            .collect()
+    }
 }
 
 /// Uniform in `0..n` (n > 0): Lemire's widening multiply with rand 0.8's rejection zone, so
@@ -435,5 +547,54 @@ mod tests {
             again.rank_slice(0, 3, 1, 4).unwrap(),
             packed.rank_slice(0, 3, 1, 4).unwrap()
         );
+    }
+
+    #[test]
+    fn a_mix_draws_each_dataset_by_weight_and_walks_its_own_epochs() {
+        // A 3:1:1 mix of 60, 25 and 15 samples: the small third dataset is drawn 20 times an
+        // epoch, more than it holds; the second 20 times, fewer.
+        let plan = Plan::new(100, 10, 9).with_mix(&[60, 25, 15], &[3, 1, 1]);
+        assert_eq!(plan.draws_per_epoch(), [60, 20, 20]);
+        let source = |id: u32| match id {
+            0..60 => 0,
+            60..85 => 1,
+            _ => 2,
+        };
+        let mut drawn: [Vec<u32>; 3] = Default::default();
+        for epoch in 0..4 {
+            let perm = plan.permutation(epoch);
+            assert_eq!(perm.len(), 100);
+            let mut counts = [0; 3];
+            for &id in perm.iter() {
+                counts[source(id)] += 1;
+                drawn[source(id)].push(id);
+            }
+            assert_eq!(counts, [60, 20, 20], "epoch {epoch}");
+            // Deterministic, and another interleaving per epoch.
+            let again = Plan::new(100, 10, 9).with_mix(&[60, 25, 15], &[3, 1, 1]);
+            assert_eq!(again.permutation(epoch), perm);
+            assert_ne!(plan.permutation(epoch + 1), perm);
+        }
+        // Each dataset's draws, across the plan's epochs, are its own epochs back to back:
+        // every sample once per own epoch, each own epoch another shuffle.
+        for (s, (range, n)) in [(0..60u32, 60), (60..85, 25), (85..100, 15)]
+            .into_iter()
+            .enumerate()
+        {
+            let own: Vec<&[u32]> = drawn[s].chunks_exact(n).collect();
+            for chunk in &own {
+                let mut sorted = chunk.to_vec();
+                sorted.sort_unstable();
+                assert_eq!(sorted, range.clone().collect::<Vec<_>>(), "dataset {s}");
+            }
+            assert_ne!(own[0], own[1], "dataset {s}");
+        }
+    }
+
+    #[test]
+    fn mix_shares_round_to_the_largest_remainders() {
+        assert_eq!(Mix::new(&[10, 10, 10], &[1, 1, 1]).draws, [10, 10, 10]);
+        assert_eq!(Mix::new(&[5, 5], &[2, 1]).draws, [7, 3]);
+        assert_eq!(Mix::new(&[1, 1, 1, 1], &[1, 1, 1, 3]).draws, [1, 1, 0, 2]);
     }
 }

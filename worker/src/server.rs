@@ -402,6 +402,13 @@ impl Server {
                     metrics.bytes_sent_total.inc_by(n);
                     metrics.batches_total.inc();
                     metrics.samples_total.inc_by(batch.sample_ids.len() as u64);
+                    for &id in &batch.sample_ids {
+                        let dataset = self.pipeline.dataset_of(id);
+                        metrics
+                            .dataset_samples_served
+                            .with_label_values(&[dataset])
+                            .inc();
+                    }
                 }
             }
             wr.flush().await?;
@@ -556,6 +563,11 @@ pub fn plan_id(p: &Pipeline) -> u64 {
     }
     if let Some(max) = shaping.pack_max_tokens {
         parts.push(format!("pack-max-tokens={max}").into_bytes());
+    }
+    // A mix's datasets are in the index version; their shares are here.
+    let draws = p.plan.draws_per_epoch();
+    if draws.len() > 1 {
+        parts.push(format!("mix={draws:?}").into_bytes());
     }
     crate::dataset::index::fingerprint(&parts.iter().map(Vec::as_slice).collect::<Vec<_>>())
 }

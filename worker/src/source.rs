@@ -101,6 +101,69 @@ pub struct PathError {
     pub why: &'static str,
 }
 
+/// The folder holding several datasets, and each one's folder relative to it (empty or
+/// ending in '/'): one store rooted there reads every dataset's shards and images. They must
+/// share a bucket (or all be local folders), and none may lie inside another.
+pub fn common_root(uris: &[&str]) -> anyhow::Result<(String, Vec<String>)> {
+    let mut bucket = None;
+    let mut folders = Vec::with_capacity(uris.len());
+    for uri in uris {
+        let (b, path) = match uri.strip_prefix("s3://") {
+            Some(rest) => {
+                let (b, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+                (Some(b.to_string()), prefix.to_string())
+            }
+            None => {
+                let path = uri.strip_prefix("file://").unwrap_or(uri);
+                let path = std::path::Path::new(path)
+                    .canonicalize()
+                    .map_err(|e| anyhow::anyhow!("{uri}: {e}"))?;
+                (None, path.display().to_string())
+            }
+        };
+        anyhow::ensure!(
+            folders.is_empty() || b == bucket,
+            "mixed datasets must all be in one bucket or all be local folders: {uri} is not \
+             where {} is",
+            uris[0]
+        );
+        bucket = b;
+        folders.push(
+            path.split('/')
+                .filter(|p| !p.is_empty())
+                .map(str::to_string)
+                .collect::<Vec<_>>(),
+        );
+    }
+    let common = (0..)
+        .take_while(|&i| {
+            folders
+                .iter()
+                .all(|f| f.get(i).is_some() && f[i] == folders[0][i])
+        })
+        .count();
+    let relative: Vec<String> = folders
+        .iter()
+        .map(|f| f[common..].iter().map(|p| format!("{p}/")).collect())
+        .collect();
+    for (a, ra) in relative.iter().enumerate() {
+        for (b, rb) in relative.iter().enumerate() {
+            anyhow::ensure!(
+                a == b || !rb.starts_with(ra.as_str()),
+                "mixed datasets may not lie inside each other: {} holds {}",
+                uris[a],
+                uris[b]
+            );
+        }
+    }
+    let root = folders[0][..common].join("/");
+    let root = match bucket {
+        Some(b) => format!("s3://{b}/{root}"),
+        None => format!("/{root}"),
+    };
+    Ok((root, relative))
+}
+
 /// Resolves `rel` against the folder of `base_key` (a JSONL shard), within the dataset root.
 pub fn resolve_relative(base_key: &str, rel: &str) -> Result<String, PathError> {
     let err = |why| PathError {
@@ -515,5 +578,35 @@ mod tests {
         }
         let e = resolve_relative("d/s.jsonl", "../../etc/passwd").unwrap_err();
         assert!(e.to_string().contains("escapes the dataset root"), "{e}");
+    }
+
+    #[test]
+    fn mixed_datasets_share_a_root_and_keep_their_folders() {
+        let (root, rel) =
+            common_root(&["s3://b/sft/chat", "s3://b/sft/vqa/v2", "s3://b/sft/mt"]).unwrap();
+        assert_eq!(
+            (root.as_str(), rel),
+            (
+                "s3://b/sft",
+                vec!["chat/".into(), "vqa/v2/".into(), "mt/".into()]
+            )
+        );
+        let (root, rel) = common_root(&["s3://b/x", "s3://b/y/"]).unwrap();
+        assert_eq!(
+            (root.as_str(), rel),
+            ("s3://b/", vec!["x/".into(), "y/".into()])
+        );
+        let e = common_root(&["s3://b/x", "s3://c/y"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("one bucket"), "{e}");
+        let e = common_root(&["s3://b/x", "s3://b/x/y"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("inside each other"), "{e}");
+        let e = common_root(&["s3://b/x", "s3://b/x"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("inside each other"), "{e}");
     }
 }

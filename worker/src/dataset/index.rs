@@ -94,6 +94,35 @@ impl DatasetIndex {
         self
     }
 
+    /// Several datasets' indexes as one, for a store rooted at their common folder: each
+    /// part's shard keys get its folder relative to that root (`prefix`, empty or ending in
+    /// '/'), its sample ids follow the previous part's.
+    pub fn concat(parts: Vec<(String, DatasetIndex)>) -> DatasetIndex {
+        let mut versions: Vec<Vec<u8>> = Vec::new();
+        let mut idx = DatasetIndex {
+            format: FORMAT,
+            version: 0,
+            shards: Vec::new(),
+            bad_lines: Vec::new(),
+            starts: Vec::new(),
+        };
+        for (prefix, part) in parts {
+            versions.push(format!("{prefix}\0{}", part.version).into_bytes());
+            idx.shards
+                .extend(part.shards.into_iter().map(|s| ShardIndex {
+                    key: format!("{prefix}{}", s.key),
+                    ..s
+                }));
+            idx.bad_lines
+                .extend(part.bad_lines.into_iter().map(|b| BadLine {
+                    shard: format!("{prefix}{}", b.shard),
+                    ..b
+                }));
+        }
+        idx.version = fingerprint(&versions.iter().map(Vec::as_slice).collect::<Vec<_>>());
+        idx.finish()
+    }
+
     pub fn num_samples(&self) -> u64 {
         self.shards.iter().map(|s| s.lines.len() as u64).sum()
     }
