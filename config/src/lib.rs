@@ -361,6 +361,7 @@ fn is_one(v: &u32) -> bool {
 pub struct MixSource {
     /// s3://bucket/prefix (the main dataset's bucket and connection) or a local folder.
     pub data: String,
+    /// Its share of each epoch's draws, relative to the other datasets' weights.
     #[schemars(range(min = 1))]
     pub weight: u32,
 }
