@@ -98,29 +98,32 @@ impl DatasetIndex {
     /// part's shard keys get its folder relative to that root (`prefix`, empty or ending in
     /// '/'), its sample ids follow the previous part's.
     pub fn concat(parts: Vec<(String, DatasetIndex)>) -> DatasetIndex {
-        let mut versions: Vec<Vec<u8>> = Vec::new();
-        let mut idx = DatasetIndex {
-            format: FORMAT,
-            version: 0,
-            shards: Vec::new(),
-            bad_lines: Vec::new(),
-            starts: Vec::new(),
-        };
+        let (mut versions, mut shards, mut bad_lines) = (Vec::new(), Vec::new(), Vec::new());
         for (prefix, part) in parts {
             versions.push(format!("{prefix}\0{}", part.version).into_bytes());
-            idx.shards
-                .extend(part.shards.into_iter().map(|s| ShardIndex {
-                    key: format!("{prefix}{}", s.key),
-                    ..s
-                }));
-            idx.bad_lines
-                .extend(part.bad_lines.into_iter().map(|b| BadLine {
-                    shard: format!("{prefix}{}", b.shard),
-                    ..b
-                }));
+            shards.extend(part.shards.into_iter().map(|s| ShardIndex {
+                key: format!("{prefix}{}", s.key),
+                ..s
+            }));
+            bad_lines.extend(part.bad_lines.into_iter().map(|b| BadLine {
+                shard: format!("{prefix}{}", b.shard),
+                ..b
+            }));
         }
-        idx.version = fingerprint(&versions.iter().map(Vec::as_slice).collect::<Vec<_>>());
-        idx.finish()
+        Self::assemble(shards, bad_lines, &versions)
+    }
+
+    /// An index of these shards, its version the fingerprint of `parts`.
+    fn assemble(shards: Vec<ShardIndex>, bad_lines: Vec<BadLine>, parts: &[Vec<u8>]) -> Self {
+        let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+        DatasetIndex {
+            format: FORMAT,
+            version: fingerprint(&refs),
+            shards,
+            bad_lines,
+            starts: Vec::new(),
+        }
+        .finish()
     }
 
     pub fn num_samples(&self) -> u64 {
@@ -183,22 +186,13 @@ impl DatasetIndex {
             .buffered(SHARD_FETCH_CONCURRENCY)
             .try_collect()
             .await?;
-        let mut parts: Vec<Vec<u8>> = Vec::new();
-        let mut idx = DatasetIndex {
-            format: FORMAT,
-            version: 0,
-            shards: Vec::new(),
-            bad_lines: Vec::new(),
-            starts: Vec::new(),
-        };
+        let (mut parts, mut shards, mut bad_lines) = (Vec::new(), Vec::new(), Vec::new());
         for (shard, bad) in results {
             parts.push(format!("{}\0{}\0{}", shard.key, shard.size, shard.version).into_bytes());
-            idx.shards.push(shard);
-            idx.bad_lines.extend(bad);
+            shards.push(shard);
+            bad_lines.extend(bad);
         }
-        let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
-        idx.version = fingerprint(&refs);
-        Ok(idx.finish())
+        Ok(Self::assemble(shards, bad_lines, &parts))
     }
 
     /// The stored index if it still describes the store's shards, else a fresh one.
