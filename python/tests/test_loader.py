@@ -1,6 +1,7 @@
 """The Python package against real workers: zero-copy views, order, resume, wait accounting."""
 
 import hashlib
+import subprocess
 import threading
 import time
 import urllib.request
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 import stoker
+from conftest import stoker_bin
 
 
 def digest(batch: stoker.Batch) -> str:
@@ -72,8 +74,14 @@ def test_an_epoch_holds_every_sample_once_then_the_next_begins(worker):
     assert loader.state_dict()["epoch"] == 2
 
 
-def test_resume_is_exact_and_keeps_global_order_on_another_world_size(worker):
-    w = worker()
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_resume_is_exact_and_keeps_global_order_on_another_world_size(worker, dataset, packed):
+    args = []
+    if packed:
+        subprocess.run([stoker_bin(), "dataset", "index", str(dataset), "--write-lengths"],
+                       check=True, capture_output=True)
+        args = ["--pack-max-tokens", "2048"]
+    w = worker(*args)
     reference = [digest(b) for b in stoker.Loader(w.addr)]
     reference_ids = [b.sample_ids for b in stoker.Loader(w.addr)]
 
@@ -89,10 +97,15 @@ def test_resume_is_exact_and_keeps_global_order_on_another_world_size(worker):
     resumed.load_state_dict(state)
     assert digest(next(resumed)) == reference[2]
 
-    # Two ranks resuming the one-rank state split the same global batches.
+    # Two ranks resuming the one-rank state split the same global batches (packed: into as
+    # many packs each, chosen by cost).
     ranks = [stoker.Loader(w.addr, rank=r, world_size=2, state=state) for r in range(2)]
     for g, (a, b) in enumerate(zip(*ranks)):
-        assert a.sample_ids + b.sample_ids == reference_ids[2 + g]
+        if packed:
+            assert a.packed and len(a.packs()) == len(b.packs())
+            assert sorted(a.sample_ids + b.sample_ids) == sorted(reference_ids[2 + g])
+        else:
+            assert a.sample_ids + b.sample_ids == reference_ids[2 + g]
 
     with pytest.raises(stoker.PlanMismatch, match="plan"):
         loader.load_state_dict({**state, "plan_id": state["plan_id"] ^ 1})
