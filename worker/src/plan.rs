@@ -1,9 +1,9 @@
 //! The deterministic plan: which samples form global batch `g` of epoch `e`, and which slice
 //! of it rank `r` of `W` gets. A pure function of (dataset index, seed, epoch), so any worker
 //! answers any request with no coordinator, and a trainer resumes from `(epoch, next g)`.
-//! With sample costs, two optional shapings: `--balance-ranks` keeps the global batch but
-//! hands its samples to ranks by cost (stoker-balance), so no rank draws a heavier slice;
-//! `--bucket-by-length` makes each global batch's samples similar in length (less padding for
+//! Several datasets can be mixed by weight (`--mix`). With sample costs, three optional
+//! shapings: `--balance-ranks` keeps the global batch but hands its samples to ranks by cost
+//! (stoker-balance), so no rank draws a heavier slice; `--bucket-by-length` makes each global batch's samples similar in length (less padding for
 //! trainers that cannot take packed input); `--pack-max-tokens` hands each rank the same
 //! number of packs, each at most that many tokens, balanced by cost.
 
@@ -28,9 +28,15 @@ pub struct Plan {
     mix: Option<Mix>,
     /// Cache of recent epochs' permutations: consecutive requests share an epoch.
     perms: Mutex<Vec<(u64, Arc<Vec<u32>>)>>,
+    /// Cache of recently shaped global batches, by (epoch, batch, world size): all ranks'.
+    shaped: Mutex<Vec<ShapedBatch>>,
 }
 
+type ShapedBatch = ((u64, u64, usize), Arc<Vec<RankSlice>>);
+
 const CACHED_EPOCHS: usize = 2;
+/// Shaped global batches kept: a worker serves a few batches ahead of the slowest rank.
+const CACHED_SHAPES: usize = 16;
 /// Length bucketing sorts windows of this many global batches of the shuffled order.
 pub const BUCKET_WINDOW: usize = 32;
 
@@ -74,6 +80,7 @@ impl Plan {
             costs: None,
             mix: None,
             perms: Mutex::new(Vec::new()),
+            shaped: Mutex::new(Vec::new()),
         }
     }
 
@@ -186,37 +193,64 @@ impl Plan {
         let start = g * self.global_batch_size as u64;
         let end = (start + self.global_batch_size as u64).min(self.num_samples);
         let batch = &perm[start as usize..end as usize];
-        let ids = |positions: &[usize]| positions.iter().map(|&p| batch[p] as u64).collect();
         let (rank, world) = (rank as usize, world as usize);
-        let contiguous = || stoker_balance::slice_evenly(batch.len(), world).swap_remove(rank);
         let Some((sample, shaping)) = &self.costs else {
+            let contiguous = stoker_balance::slice_evenly(batch.len(), world).swap_remove(rank);
             return Ok(RankSlice {
-                samples: ids(&contiguous()),
+                samples: contiguous.iter().map(|&p| batch[p] as u64).collect(),
                 packs: None,
             });
         };
-        let of_batch = |v: &[u64]| batch.iter().map(|&i| v[i as usize]).collect::<Vec<_>>();
-        let costs = of_batch(&sample.costs);
-        if let Some(max) = shaping.pack_max_tokens {
-            let lengths = of_batch(&sample.lengths);
-            let mut ranks = stoker_balance::pack_ranks(&lengths, &costs, world, max.into());
-            let packs = ranks.swap_remove(rank);
-            return Ok(RankSlice {
+        // Every rank of the batch asks: shape it once for all of them.
+        let key = (epoch, g, world);
+        if let Some((_, all)) = self
+            .shaped
+            .lock()
+            .expect("plan cache")
+            .iter()
+            .find(|(k, _)| *k == key)
+        {
+            return Ok(all[rank].clone());
+        }
+        let all = Arc::new(shape(batch, sample, *shaping, world));
+        let mut cache = self.shaped.lock().expect("plan cache");
+        if cache.len() >= CACHED_SHAPES {
+            cache.remove(0);
+        }
+        cache.push((key, all.clone()));
+        Ok(all[rank].clone())
+    }
+}
+
+/// Every rank's share of a global batch (`batch`: its sample ids) under `shaping`.
+fn shape(batch: &[u32], sample: &SampleCosts, shaping: Shaping, world: usize) -> Vec<RankSlice> {
+    let ids = |positions: &[usize]| positions.iter().map(|&p| batch[p] as u64).collect();
+    let of_batch = |v: &[u64]| batch.iter().map(|&i| v[i as usize]).collect::<Vec<_>>();
+    let costs = of_batch(&sample.costs);
+    if let Some(max) = shaping.pack_max_tokens {
+        let lengths = of_batch(&sample.lengths);
+        let ranks = stoker_balance::pack_ranks(&lengths, &costs, world, max.into());
+        return ranks
+            .iter()
+            .map(|packs| RankSlice {
                 samples: ids(&packs.concat()),
                 packs: Some(packs.iter().map(Vec::len).collect()),
-            });
-        }
-        let positions: Vec<usize> = if shaping.balance_ranks {
-            let counts = stoker_balance::even_counts(batch.len(), world);
-            stoker_balance::balance(&costs, world, Some(&counts)).swap_remove(rank)
-        } else {
-            contiguous()
-        };
-        Ok(RankSlice {
-            samples: ids(&positions),
+            })
+            .collect();
+    }
+    let ranks = if shaping.balance_ranks {
+        let counts = stoker_balance::even_counts(batch.len(), world);
+        stoker_balance::balance(&costs, world, Some(&counts))
+    } else {
+        stoker_balance::slice_evenly(batch.len(), world)
+    };
+    ranks
+        .iter()
+        .map(|positions| RankSlice {
+            samples: ids(positions),
             packs: None,
         })
-    }
+        .collect()
 }
 
 /// Length bucketing of a shuffled order: within each window of [`BUCKET_WINDOW`] global
