@@ -213,6 +213,51 @@ async fn skip_policy_serves_the_rest_and_names_every_skipped_sample() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lengths_from_headers_and_a_packed_batch_without_its_skipped_samples() {
+    use stoker_worker::dataset::lengths::{SampleLengths, LENGTHS_KEY};
+    let b = bad_dataset().await;
+    let mut cfg = b.ds.config(6);
+    cfg.sampling.on_error = stoker_config::OnError::Skip;
+    // Measured from headers: the good image and the truncated one (its header is whole; its
+    // pixels fail only when decoded) have lengths, the others fail by name.
+    let plain = start_worker(&cfg).await;
+    let p = &plain.server.pipeline;
+    let mut tokens = Vec::new();
+    for id in 0..6 {
+        match p.measure_sample(id).await {
+            Ok(shape) => tokens.push(shape.tokens as u32),
+            Err(e) => {
+                assert!(id >= 2, "sample {id}: {e}");
+                tokens.push(0);
+            }
+        }
+    }
+    assert!(tokens[0] > 0 && tokens[1] > 0, "{tokens:?}");
+    let lengths = SampleLengths {
+        index_version: p.index.version,
+        preprocessing: stoker_worker::pipeline::preprocessing_id(&p.config, p.text.fingerprint),
+        tokens: tokens.clone(),
+    };
+    let json = serde_json::to_vec(&lengths).unwrap();
+    p.store.put(LENGTHS_KEY, json).await.unwrap();
+
+    cfg.sampling.pack_max_tokens = Some(4096);
+    let w = start_worker(&cfg).await;
+    let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+    let (head, payload) = c.get(request(&welcome, 0, 0, 0, 1)).await.batch();
+    // One pack of six planned; five skipped by name, the pack holds the good sample alone.
+    assert_eq!(head.sample_ids, vec![0]);
+    assert_eq!(head.skipped.len(), 5, "{:?}", head.skipped);
+    let cu: Vec<i32> = tensor(&head, &payload, "cu_seqlens")
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(head.tensor("cu_seqlens").unwrap().shape, [1, 2]);
+    assert_eq!(cu, [0, tokens[0] as i32]);
+    assert_eq!(i64s(tensor(&head, &payload, "pack_images")), [1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_policy_fails_the_request_naming_the_sample() {
     let b = bad_dataset().await;
     let mut cfg = b.ds.config(6);
