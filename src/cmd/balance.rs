@@ -16,7 +16,6 @@ use stoker_balance::{
 };
 use stoker_config::PresetName;
 use stoker_worker::preprocess::preset::Preset;
-use stoker_worker::preprocess::vision::smart_resize;
 
 const WORLD_SIZES: [usize; 3] = [8, 64, 512];
 const ASPECTS: [(u32, u32); 5] = [(1, 1), (4, 3), (3, 2), (16, 9), (2, 1)];
@@ -196,9 +195,8 @@ fn image_tokens(rng: &mut impl Rng, preset: &Preset) -> anyhow::Result<u64> {
     } else {
         (short, long)
     };
-    let (rh, rw) = smart_resize(h, w, preset.factor(), preset.min_pixels, preset.max_pixels)?;
-    let f = u64::from(preset.factor());
-    Ok(u64::from(rh) * u64::from(rw) / (f * f) + 2)
+    // The image's tokens plus its vision start and end tokens.
+    Ok(preset.image_tokens(preset.resized((h, w))?) as u64 + 2)
 }
 
 fn print_table(a: &BalanceArgs, rows: &[Row]) {

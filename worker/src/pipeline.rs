@@ -16,8 +16,8 @@ use crate::plan::{Plan, RankSlice, Shaping};
 use crate::preprocess::preset::{PixelDtype, Preset};
 use crate::preprocess::text::{TextError, TextProcessor, IGNORE_INDEX};
 use crate::preprocess::vision::{
-    check_limits, normalization_table, process_image, read_header, smart_resize, ImageError,
-    ImageHeader, ImageOut, ImageTimings, PixelBuf, PixelLut,
+    check_limits, normalization_table, process_image, read_header, ImageError, ImageHeader,
+    ImageOut, ImageTimings, PixelBuf, PixelLut,
 };
 use crate::source::{resolve_relative, FetchError, PathError, Store};
 use futures::{FutureExt, StreamExt};
@@ -105,6 +105,18 @@ async fn on_blocking_pool<T: Send + 'static>(
             };
             Err(Cause::Panicked(why))
         }
+    }
+}
+
+/// An image's error as a sample failure: the image's own fault, or (refused only because of
+/// the sample's pixel budget) the sample's.
+fn image_cause(limits: &SampleLimits, key: &str, err: ImageError) -> Cause {
+    match limits.classify(key.to_string(), err) {
+        Ok(err) => Cause::Image {
+            key: key.to_string(),
+            err,
+        },
+        Err(over) => Cause::Limit(over),
     }
 }
 
@@ -432,13 +444,8 @@ impl Pipeline {
         let mut decoded_pixels = 0;
         for (key, bytes) in images {
             let decode = limits.next_image(decoded_pixels);
-            let out =
-                process_image(&bytes, preset, &self.lut, decode, &mut timings).map_err(|err| {
-                    match limits.classify(key.clone(), err) {
-                        Ok(err) => Cause::Image { key, err },
-                        Err(over) => Cause::Limit(over),
-                    }
-                })?;
+            let out = process_image(&bytes, preset, &self.lut, decode, &mut timings)
+                .map_err(|err| image_cause(limits, &key, err))?;
             decoded_pixels += out.original.0 as u64 * out.original.1 as u64;
             outs.push(out);
         }
@@ -476,19 +483,11 @@ impl Pipeline {
         let mut decoded_pixels = 0;
         for (key, header) in keys.into_iter().zip(headers) {
             let header = header?;
-            let refused = |err| match limits.classify(key.clone(), err) {
-                Ok(err) => Cause::Image {
-                    key: key.clone(),
-                    err,
-                },
-                Err(over) => Cause::Limit(over),
-            };
+            let refused = |err| image_cause(limits, &key, err);
             let (w, h) = (header.width, header.height);
             check_limits(w, h, limits.next_image(decoded_pixels)).map_err(refused)?;
             decoded_pixels += u64::from(w) * u64::from(h);
-            let (h, w) = header.upright();
-            let resized = smart_resize(h, w, preset.factor(), preset.min_pixels, preset.max_pixels)
-                .map_err(refused)?;
+            let resized = preset.resized(header.upright()).map_err(refused)?;
             tokens.push(preset.image_tokens(resized));
         }
         let tok = self.text.tokenize(&conv, &tokens)?;
@@ -630,7 +629,7 @@ pub fn preprocessing_parts(config: &PipelineConfig, text_fingerprint: u64) -> [V
 /// measured with the same.
 pub fn preprocessing_id(config: &PipelineConfig, text_fingerprint: u64) -> u64 {
     let parts = preprocessing_parts(config, text_fingerprint);
-    crate::dataset::index::fingerprint(&parts.iter().map(Vec::as_slice).collect::<Vec<_>>())
+    crate::dataset::index::fingerprint(&parts)
 }
 
 /// One dataset of a pipeline: where it is, its weight in a mix, its own store (its index
@@ -676,24 +675,30 @@ impl Dataset {
     }
 }
 
-/// The main dataset and those mixed in, read through one store: the main one's, or for a
-/// mix one rooted at the datasets' common folder with one index over all of them.
-async fn open_datasets(cfg: &WorkerConfig) -> anyhow::Result<(Vec<Dataset>, Store, DatasetIndex)> {
+/// The main dataset and those mixed in.
+async fn open_datasets(cfg: &WorkerConfig) -> anyhow::Result<Vec<Dataset>> {
     let mut datasets = vec![Dataset::open(&cfg.data, cfg.sampling.data_weight, cfg).await?];
     for m in &cfg.sampling.mix {
         datasets.push(Dataset::open(&m.data, m.weight, cfg).await?);
     }
+    Ok(datasets)
+}
+
+/// The datasets read through one store with one index: the main dataset's own, or for a mix
+/// a store rooted at the datasets' common folder and their indexes concatenated.
+async fn combine(
+    mut datasets: Vec<Dataset>,
+    cfg: &WorkerConfig,
+) -> anyhow::Result<(Store, DatasetIndex)> {
     if datasets.len() == 1 {
-        let store = Store::open(&cfg.data, &cfg.s3).await?;
-        let index = datasets[0].index.clone();
-        return Ok((datasets, store, index));
+        let d = datasets.pop().expect("one dataset");
+        return Ok((d.store, d.index));
     }
     let uris: Vec<&str> = datasets.iter().map(|d| d.uri.as_str()).collect();
     let (root, folders) = crate::source::common_root(&uris)?;
     let store = Store::open(&root, &cfg.s3).await?;
-    let parts = folders.into_iter().zip(&datasets);
-    let index = DatasetIndex::concat(parts.map(|(f, d)| (f, d.index.clone())).collect());
-    Ok((datasets, store, index))
+    let parts = folders.into_iter().zip(datasets).map(|(f, d)| (f, d.index));
+    Ok((store, DatasetIndex::concat(parts.collect())))
 }
 
 /// Opens the datasets, loads (or builds) their indexes and assembles the pipeline `cfg`
@@ -702,7 +707,7 @@ pub async fn open_pipeline(
     cfg: &WorkerConfig,
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<Arc<Pipeline>> {
-    let (datasets, store, index) = open_datasets(cfg).await?;
+    let datasets = open_datasets(cfg).await?;
     let text = crate::tokenizer_source::text_processor(&cfg.preprocessing, &cfg.s3).await?;
     let c = &cfg.concurrency;
     let config = PipelineConfig {
@@ -716,12 +721,12 @@ pub async fn open_pipeline(
         sample_parallelism: c.sample_parallelism.unwrap_or(usize::MAX),
         line_cache_bytes: c.line_cache_mib << 20,
     };
+    let sizes: Vec<u64> = datasets.iter().map(|d| d.index.num_samples()).collect();
     let mut plan = Plan::new(
-        index.num_samples(),
+        sizes.iter().sum(),
         cfg.sampling.global_batch_size,
         cfg.sampling.seed,
     );
-    let sizes: Vec<u64> = datasets.iter().map(|d| d.index.num_samples()).collect();
     if datasets.len() > 1 {
         let weights: Vec<u32> = datasets.iter().map(|d| d.weight).collect();
         plan = plan.with_mix(&sizes, &weights);
@@ -733,13 +738,14 @@ pub async fn open_pipeline(
     };
     if shaping != Shaping::default() {
         let id = preprocessing_id(&config, text.fingerprint);
-        let mut lengths = Vec::with_capacity(index.num_samples() as usize);
+        let mut lengths = Vec::with_capacity(plan.num_samples as usize);
         for d in &datasets {
             lengths.extend(d.lengths(id, shaping).await?);
         }
         plan = plan.with_lengths(&lengths, shaping);
     }
-    let names = datasets.into_iter().map(|d| d.uri).zip(sizes).collect();
+    let names = datasets.iter().map(|d| d.uri.clone()).zip(sizes).collect();
+    let (store, index) = combine(datasets, cfg).await?;
     let pipeline = Pipeline::new(store, index, plan, text, config, metrics);
     Ok(Arc::new(pipeline.with_dataset_names(names)))
 }

@@ -515,7 +515,10 @@ impl Server {
             }
         };
         // A slice larger than the whole budget takes all of it (and waits for it to be free).
-        let want = (slice.samples.len()).clamp(1, self.config.max_inflight_samples.max(1)) as u32;
+        let want = slice
+            .samples
+            .len()
+            .clamp(1, self.config.max_inflight_samples.max(1)) as u32;
         let queue = self
             .pipeline
             .metrics
@@ -569,7 +572,7 @@ pub fn plan_id(p: &Pipeline) -> u64 {
     if draws.len() > 1 {
         parts.push(format!("mix={draws:?}").into_bytes());
     }
-    crate::dataset::index::fingerprint(&parts.iter().map(Vec::as_slice).collect::<Vec<_>>())
+    crate::dataset::index::fingerprint(&parts)
 }
 
 #[cfg(test)]

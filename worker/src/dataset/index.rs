@@ -68,10 +68,10 @@ pub struct DatasetIndex {
 }
 
 /// FNV-1a: a stable 64-bit fingerprint (std's hasher may change between Rust releases).
-pub fn fingerprint(parts: &[&[u8]]) -> u64 {
+pub fn fingerprint<P: AsRef<[u8]>>(parts: &[P]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for p in parts {
-        for b in p.iter().chain(&[0xff]) {
+        for b in p.as_ref().iter().chain(&[0xff]) {
             h ^= *b as u64;
             h = h.wrapping_mul(0x0100_0000_01b3);
         }
@@ -115,10 +115,9 @@ impl DatasetIndex {
 
     /// An index of these shards, its version the fingerprint of `parts`.
     fn assemble(shards: Vec<ShardIndex>, bad_lines: Vec<BadLine>, parts: &[Vec<u8>]) -> Self {
-        let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
         DatasetIndex {
             format: FORMAT,
-            version: fingerprint(&refs),
+            version: fingerprint(parts),
             shards,
             bad_lines,
             starts: Vec::new(),

@@ -1,5 +1,6 @@
 //! Model-family presets: the constants of the Qwen-VL image processors and chat formats.
 
+use super::vision::{smart_resize, ImageError};
 use serde::{Deserialize, Serialize};
 pub use stoker_config::{PixelDtype, PresetName};
 
@@ -57,6 +58,18 @@ impl Preset {
 
     pub fn factor(&self) -> u32 {
         self.patch_size * self.merge_size
+    }
+
+    /// The size an upright image of this (height, width) is resized to: `smart_resize` with
+    /// this preset's factor and pixel bounds.
+    pub fn resized(&self, (height, width): (u32, u32)) -> Result<(u32, u32), ImageError> {
+        smart_resize(
+            height,
+            width,
+            self.factor(),
+            self.min_pixels,
+            self.max_pixels,
+        )
     }
 
     /// Tokens of one image of this (smart-resized) height and width: one per merged patch.

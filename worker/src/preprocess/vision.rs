@@ -522,13 +522,7 @@ pub fn process_image(
     let t0 = std::time::Instant::now();
     let rgb = decode(bytes, limits)?;
     let t1 = std::time::Instant::now();
-    let (h, w) = smart_resize(
-        rgb.height as u32,
-        rgb.width as u32,
-        preset.factor(),
-        preset.min_pixels,
-        preset.max_pixels,
-    )?;
+    let (h, w) = preset.resized((rgb.height as u32, rgb.width as u32))?;
     let original = (rgb.height as u32, rgb.width as u32);
     let resized = Rgb {
         data: if (h as usize, w as usize) == (rgb.height, rgb.width) {
