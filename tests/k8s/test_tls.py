@@ -29,6 +29,7 @@ def https_endpoint(tmp_path):
     sock.bind(("127.0.0.1", port))
     sock.listen(16)
     handshakes = []
+    reached = threading.Event()
 
     def serve():
         while True:
@@ -41,14 +42,15 @@ def https_endpoint(tmp_path):
                     handshakes.append("ok")
             except (ssl.SSLError, OSError) as e:
                 handshakes.append(str(e))
+            reached.set()
 
     threading.Thread(target=serve, daemon=True).start()
-    yield f"https://127.0.0.1:{port}", handshakes
+    yield f"https://127.0.0.1:{port}", handshakes, reached
     sock.close()
 
 
 def test_the_s3_client_speaks_tls_and_names_the_failure(https_endpoint):
-    url, handshakes = https_endpoint
+    url, handshakes, reached = https_endpoint
     r = subprocess.run(
         [stoker_bin(), "dataset", "index", "s3://bucket/data", "--s3-endpoint", url,
          "--s3-path-style", "--s3-region", "us-east-1"],
@@ -60,5 +62,8 @@ def test_the_s3_client_speaks_tls_and_names_the_failure(https_endpoint):
     assert r.returncode != 0
     assert "panicked" not in out and "CryptoProvider" not in out, out
     assert "s3://bucket/data" in out, out
-    # The client reached the TLS handshake (and refused the untrusted certificate).
+    # The client reached the TLS handshake (and refused the untrusted certificate). The server
+    # thread records it once its side of the handshake ends, which can be after the client
+    # has exited: wait for that (a liveness bound, not a timing check).
+    reached.wait(timeout=30)
     assert handshakes, "no TLS handshake reached the server"
