@@ -1,6 +1,7 @@
 //! The trainer client against real `stoker worker` processes: workers SIGKILLed at random
 //! moments during an epoch (and replaced, as a Deployment would) cost neither a sample nor a
-//! duplicate, with plain or token-shaped plans (balanced ranks, length buckets, packs); and
+//! duplicate, with plain or token-shaped plans (balanced ranks, length buckets, packs: each
+//! delivered pack holds the plan's samples); and
 //! `stoker demo` prints its ablation.
 
 use rand::{Rng, SeedableRng};
@@ -106,7 +107,12 @@ fn kills_lose_and_duplicate_no_sample(shaping: Shaping) {
                 let mut got = Vec::new();
                 while (got.len() as u64) < EPOCHS * bpe {
                     if let Some(b) = loader.next_batch().unwrap() {
-                        got.push((b.epoch, b.global_batch, b.sample_ids.clone()));
+                        // Packed: how many samples each pack holds, as the client read it.
+                        let packs = b
+                            .packs
+                            .as_ref()
+                            .map(|ps| ps.iter().map(|p| p.samples.len()).collect::<Vec<_>>());
+                        got.push((b.epoch, b.global_batch, b.sample_ids.clone(), packs));
                         progress.fetch_add(1, Ordering::Release);
                     }
                     // A trainer step, so that kills land mid-epoch.
@@ -160,14 +166,11 @@ fn kills_lose_and_duplicate_no_sample(shaping: Shaping) {
     killer.join().unwrap();
 
     for (rank, (got, _)) in results.iter().enumerate() {
-        let want: Vec<(u64, u64, Vec<u64>)> = (0..EPOCHS)
+        let want: Vec<_> = (0..EPOCHS)
             .flat_map(|e| (0..bpe).map(move |g| (e, g)))
             .map(|(e, g)| {
-                (
-                    e,
-                    g,
-                    plan.rank_slice(e, g, rank as u32, WORLD).unwrap().samples,
-                )
+                let slice = plan.rank_slice(e, g, rank as u32, WORLD).unwrap();
+                (e, g, slice.samples, slice.packs)
             })
             .collect();
         assert_eq!(got, &want, "rank {rank} (seed {seed})");

@@ -1,6 +1,7 @@
 //! A batch as the trainer receives it: metadata plus tensors that are views of one buffer.
 
 use crate::buffer::AlignedBuf;
+use std::ops::Range;
 use std::sync::Arc;
 use stoker_wire::{BatchHead, DType, Skipped, TensorMeta};
 
@@ -18,6 +19,30 @@ pub struct Batch {
     pub payload: Arc<AlignedBuf>,
     /// The worker that served it.
     pub worker: String,
+    /// A packed batch's packs in row order; `None` for plain batches (one sample per row).
+    pub packs: Option<Vec<Pack>>,
+}
+
+/// One pack of a packed batch (workers started with `--pack-max-tokens`): where its samples,
+/// tokens and images lie in the batch's tensors, checked when the batch arrived. A varlen
+/// forward takes row `row`'s first `tokens` columns of `input_ids` and `labels` (and of
+/// `position_ids`, `[4, packs, L]`), `cu_seqlens`, the `image_grid_thw` rows `images` and the
+/// `pixel_values` rows `pixel_rows`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Pack {
+    pub row: usize,
+    pub tokens: usize,
+    /// Sample boundaries: 0, the end of each sample, the last one `tokens` (the wire row's
+    /// padding repeats left out).
+    pub cu_seqlens: Vec<i32>,
+    /// The longest sample's tokens: a varlen kernel's `max_seqlen`.
+    pub max_seqlen: i32,
+    /// The pack's entries of [`Batch::sample_ids`].
+    pub samples: Range<usize>,
+    /// Its rows of `image_grid_thw`.
+    pub images: Range<usize>,
+    /// Its rows of `pixel_values`.
+    pub pixel_rows: Range<usize>,
 }
 
 /// One tensor of a batch: metadata and its bytes, borrowed from the batch payload.
@@ -29,8 +54,14 @@ pub struct TensorView<'a> {
 }
 
 impl Batch {
-    pub(crate) fn new(head: BatchHead, payload: AlignedBuf, worker: String) -> Self {
-        Batch {
+    /// The batch a worker answered, or why its tensors do not fit together (then it is
+    /// never delivered: a packed layout that points past its tensors or skips samples).
+    pub(crate) fn new(
+        head: BatchHead,
+        payload: AlignedBuf,
+        worker: String,
+    ) -> std::result::Result<Self, String> {
+        let mut batch = Batch {
             epoch: head.request.epoch,
             global_batch: head.request.global_batch,
             rank: head.request.rank,
@@ -40,7 +71,12 @@ impl Batch {
             tensors: head.tensors,
             payload: Arc::new(payload),
             worker,
+            packs: None,
+        };
+        if batch.tensor("cu_seqlens").is_some() {
+            batch.packs = Some(packs(&batch).map_err(|e| format!("packed layout: {e}"))?);
         }
+        Ok(batch)
     }
 
     pub fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
@@ -68,5 +104,300 @@ impl Batch {
     /// Bytes of the frame payload (head and tensors).
     pub fn payload_bytes(&self) -> u64 {
         self.payload.len() as u64
+    }
+}
+
+/// A tensor's values as i64, with its shape, if it has `dims` dimensions and an integer dtype.
+fn ints(
+    batch: &Batch,
+    name: &str,
+    dims: usize,
+) -> std::result::Result<(Vec<i64>, Vec<usize>), String> {
+    let t = batch
+        .tensor(name)
+        .ok_or_else(|| format!("no {name} tensor"))?;
+    if t.shape.len() != dims {
+        return Err(format!(
+            "{name} has shape {:?}, not {dims} dimensions",
+            t.shape
+        ));
+    }
+    let values = match t.dtype {
+        DType::I32 => t
+            .bytes
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as i64)
+            .collect(),
+        DType::I64 => t
+            .bytes
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+            .collect(),
+        other => return Err(format!("{name} is {}, not an integer tensor", other.name())),
+    };
+    Ok((values, t.shape.iter().map(|&d| d as usize).collect()))
+}
+
+/// The packs a packed batch's tensors describe, every range checked against the tensor it
+/// points into: a worker of another version (or a hostile one) never makes a trainer index
+/// past a tensor, and every sample and image belongs to exactly one pack.
+fn packs(batch: &Batch) -> std::result::Result<Vec<Pack>, String> {
+    let (cu, cu_shape) = ints(batch, "cu_seqlens", 2)?;
+    let (pack_images, _) = ints(batch, "pack_images", 1)?;
+    let (grid, _) = ints(batch, "image_grid_thw", 2)?;
+    let (rows, width) = match batch.tensor("input_ids").map(|t| t.shape) {
+        Some(&[rows, width]) => (rows as usize, width as usize),
+        shape => return Err(format!("input_ids has shape {shape:?}")),
+    };
+    if cu_shape[0] != rows || cu_shape[1] == 0 || pack_images.len() != rows {
+        return Err(format!(
+            "input_ids has {rows} rows, cu_seqlens shape {cu_shape:?}, pack_images {} rows",
+            pack_images.len()
+        ));
+    }
+    let positions = batch.tensor("position_ids").map(|t| t.shape);
+    if positions != Some(&[4, rows as u64, width as u64][..]) {
+        return Err(format!(
+            "position_ids has shape {positions:?}, not [4, {rows}, {width}]"
+        ));
+    }
+    let first_pixel_row = pixel_row_starts(&grid)?;
+    let mut next = Pack::default();
+    let mut out = Vec::with_capacity(rows);
+    for (row, (bounds, &images)) in cu.chunks_exact(cu_shape[1]).zip(&pack_images).enumerate() {
+        let cu_seqlens = sample_bounds(bounds, width).map_err(|e| format!("pack {row}: {e}"))?;
+        let samples = next.samples.end..next.samples.end + cu_seqlens.len() - 1;
+        let images = usize::try_from(images)
+            .ok()
+            .and_then(|n| next.images.end.checked_add(n))
+            .filter(|&end| end < first_pixel_row.len())
+            .map(|end| next.images.end..end)
+            .ok_or_else(|| {
+                format!(
+                    "pack {row}: {images} images, past image_grid_thw's {}",
+                    grid.len() / 3
+                )
+            })?;
+        next = Pack {
+            row,
+            tokens: *cu_seqlens.last().unwrap() as usize,
+            max_seqlen: cu_seqlens
+                .windows(2)
+                .map(|w| w[1] - w[0])
+                .max()
+                .unwrap_or(0),
+            cu_seqlens,
+            samples,
+            pixel_rows: first_pixel_row[images.start]..first_pixel_row[images.end],
+            images,
+        };
+        out.push(next.clone());
+    }
+    let pixel_rows = batch
+        .tensor("pixel_values")
+        .map_or(0, |t| t.shape.first().copied().unwrap_or(0) as usize);
+    let ends = (next.samples.end, next.images.end, next.pixel_rows.end);
+    let want = (batch.sample_ids.len(), grid.len() / 3, pixel_rows);
+    if ends != want {
+        return Err(format!(
+            "packs hold (samples, images, pixel rows) {ends:?}, the batch {want:?}"
+        ));
+    }
+    Ok(out)
+}
+
+/// Each image's first row of `pixel_values` (t·h·w rows per image), and the end.
+fn pixel_row_starts(grid: &[i64]) -> std::result::Result<Vec<usize>, String> {
+    let mut starts = vec![0usize];
+    for thw in grid.chunks_exact(3) {
+        let rows = thw.iter().try_fold(1usize, |n, &d| {
+            usize::try_from(d).ok().and_then(|d| n.checked_mul(d))
+        });
+        let end = rows.and_then(|r| starts.last().unwrap().checked_add(r));
+        starts.push(end.ok_or_else(|| format!("image_grid_thw holds {thw:?}"))?);
+    }
+    Ok(starts)
+}
+
+/// A pack's sample boundaries without the row's padding: they start at 0, rise with every
+/// sample, then repeat the pack's length, which fits the row's `width`.
+fn sample_bounds(row: &[i64], width: usize) -> std::result::Result<Vec<i32>, String> {
+    let samples = row.windows(2).take_while(|w| w[1] > w[0]).count();
+    let (bounds, padding) = row.split_at(samples + 1);
+    let tokens = bounds[samples];
+    if bounds[0] != 0 || padding.iter().any(|&b| b != tokens) || tokens > width as i64 {
+        return Err(format!(
+            "cu_seqlens {row:?} do not rise from 0 to at most {width} then repeat"
+        ));
+    }
+    Ok(bounds.iter().map(|&b| b as i32).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stoker_wire::BatchRequest;
+
+    fn le<T: Copy, const N: usize>(values: &[T], bytes: fn(T) -> [u8; N]) -> Vec<u8> {
+        values.iter().flat_map(|&v| bytes(v)).collect()
+    }
+
+    /// A batch of two packs over a row width of 6: samples of 3 and 2 tokens with images of
+    /// 4 and 2 pixel rows, then one sample of 4 tokens without images.
+    fn tensors() -> Vec<(&'static str, DType, Vec<u64>, Vec<u8>)> {
+        vec![
+            ("input_ids", DType::I64, vec![2, 6], vec![0; 96]),
+            ("pixel_values", DType::U8, vec![6, 4], vec![0; 24]),
+            (
+                "image_grid_thw",
+                DType::I64,
+                vec![2, 3],
+                le(&[1i64, 2, 2, 1, 1, 2], i64::to_le_bytes),
+            ),
+            (
+                "cu_seqlens",
+                DType::I32,
+                vec![2, 3],
+                le(&[0i32, 3, 5, 0, 4, 4], i32::to_le_bytes),
+            ),
+            (
+                "pack_images",
+                DType::I64,
+                vec![2],
+                le(&[2i64, 0], i64::to_le_bytes),
+            ),
+            ("position_ids", DType::I64, vec![4, 2, 6], vec![0; 384]),
+        ]
+    }
+
+    fn batch(samples: u64, tensors: &[(&str, DType, Vec<u64>, Vec<u8>)]) -> Result<Batch, String> {
+        let mut payload = Vec::new();
+        let mut metas = Vec::new();
+        for (name, dtype, shape, bytes) in tensors {
+            payload.resize(payload.len().next_multiple_of(8), 0);
+            metas.push(TensorMeta {
+                name: name.to_string(),
+                dtype: *dtype,
+                shape: shape.clone(),
+                offset: payload.len() as u64,
+                nbytes: bytes.len() as u64,
+            });
+            payload.extend_from_slice(bytes);
+        }
+        let mut buf = AlignedBuf::zeroed(payload.len());
+        buf.as_mut_slice().copy_from_slice(&payload);
+        let head = BatchHead {
+            request: BatchRequest {
+                request_id: 1,
+                plan_id: 1,
+                epoch: 0,
+                global_batch: 0,
+                rank: 0,
+                world_size: 1,
+            },
+            sample_ids: (0..samples).collect(),
+            skipped: Vec::new(),
+            tensors: metas,
+            payload_len: payload.len() as u64,
+        };
+        Batch::new(head, buf, "w".into())
+    }
+
+    #[test]
+    fn packs_locate_their_samples_tokens_and_images() {
+        let packs = batch(3, &tensors()).unwrap().packs.unwrap();
+        assert_eq!(
+            packs,
+            [
+                Pack {
+                    row: 0,
+                    tokens: 5,
+                    cu_seqlens: vec![0, 3, 5],
+                    max_seqlen: 3,
+                    samples: 0..2,
+                    images: 0..2,
+                    pixel_rows: 0..6
+                },
+                Pack {
+                    row: 1,
+                    tokens: 4,
+                    cu_seqlens: vec![0, 4],
+                    max_seqlen: 4,
+                    samples: 2..3,
+                    images: 2..2,
+                    pixel_rows: 6..6
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn a_plain_batch_has_no_packs() {
+        let plain: Vec<_> = tensors().into_iter().take(3).collect();
+        assert_eq!(batch(3, &plain).unwrap().packs, None);
+    }
+
+    #[test]
+    fn a_layout_that_does_not_fit_its_tensors_is_refused_with_the_reason() {
+        let with = |name: &str, shape: Vec<u64>, bytes: Vec<u8>| {
+            let mut t = tensors();
+            let at = t.iter().position(|t| t.0 == name).unwrap();
+            t[at].2 = shape;
+            t[at].3 = bytes;
+            t
+        };
+        let i32s = |v: &[i32]| le(v, i32::to_le_bytes);
+        let i64s = |v: &[i64]| le(v, i64::to_le_bytes);
+        let mut float_bounds = tensors();
+        float_bounds[3].1 = DType::F32;
+        let cases = [
+            (
+                3,
+                with("cu_seqlens", vec![2, 3], i32s(&[0, 3, 7, 0, 4, 4])),
+                "at most 6",
+            ),
+            (
+                3,
+                with("cu_seqlens", vec![2, 3], i32s(&[1, 3, 5, 0, 4, 4])),
+                "rise from 0",
+            ),
+            (
+                3,
+                with("cu_seqlens", vec![2, 3], i32s(&[0, 0, 5, 0, 4, 4])),
+                "then repeat",
+            ),
+            (
+                3,
+                with("cu_seqlens", vec![1, 3], i32s(&[0, 3, 5])),
+                "cu_seqlens shape",
+            ),
+            (4, tensors(), "samples, images, pixel rows"),
+            (
+                3,
+                with("pack_images", vec![2], i64s(&[2, 1])),
+                "past image_grid_thw",
+            ),
+            (3, with("pack_images", vec![2], i64s(&[-1, 3])), "-1 images"),
+            (
+                3,
+                with("pack_images", vec![2], i64s(&[1, 0])),
+                "samples, images, pixel rows",
+            ),
+            (
+                3,
+                with("image_grid_thw", vec![2, 3], i64s(&[1, 2, 2, 1, -1, 2])),
+                "image_grid_thw holds",
+            ),
+            (3, float_bounds, "not an integer tensor"),
+            (
+                3,
+                with("position_ids", vec![4, 1, 6], vec![0; 192]),
+                "position_ids has shape",
+            ),
+        ];
+        for (samples, tensors, want) in cases {
+            let why = batch(samples, &tensors).err().expect(want);
+            assert!(why.contains(want), "{why:?} should say {want:?}");
+        }
     }
 }

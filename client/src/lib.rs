@@ -24,7 +24,7 @@ mod metrics;
 pub mod policy;
 mod scheduler;
 
-pub use batch::{Batch, TensorView};
+pub use batch::{Batch, Pack, TensorView};
 pub use buffer::{AlignedBuf, BufferPool};
 pub use discovery::{Discovery, WorkerSet};
 pub use error::{Error, Result};

@@ -143,7 +143,7 @@ impl ClientMetrics {
             ),
             errors: counter_vec(
                 "stoker_trainer_worker_errors_total",
-                "Problems with workers, by kind (connect, refused, plan_mismatch, lost, answer, poison, wrong_batch).",
+                "Problems with workers, by kind (connect, refused, plan_mismatch, lost, answer, poison, wrong_batch, malformed_batch).",
                 "kind",
             ),
             worker_latency,

@@ -540,19 +540,25 @@ impl Scheduler {
                     let s = elapsed.as_secs_f64();
                     l.latency_ewma = Some(l.latency_ewma.map_or(s, |e| 0.8 * e + 0.2 * s));
                 }
-                if let Some(why) = self.wrong_answer(&head.request, f.position) {
-                    // Never deliver it: this worker is not trusted again, the batch is
-                    // asked for elsewhere.
-                    self.metrics
-                        .errors
-                        .with_label_values(&["wrong_batch"])
-                        .inc();
-                    if let Some(l) = self.links.get_mut(&link) {
-                        l.draining = true;
+                let checked = match self.wrong_answer(&head.request, f.position) {
+                    Some(why) => Err(("wrong_batch", why)),
+                    None => {
+                        Batch::new(head, buf, addr.clone()).map_err(|why| ("malformed_batch", why))
                     }
-                    self.count_failure(f.position, request_id, &addr, &why);
-                    return;
-                }
+                };
+                let batch = match checked {
+                    Ok(batch) => batch,
+                    Err((kind, why)) => {
+                        // Never deliver it: this worker is not trusted again, the batch is
+                        // asked for elsewhere.
+                        self.metrics.errors.with_label_values(&[kind]).inc();
+                        if let Some(l) = self.links.get_mut(&link) {
+                            l.draining = true;
+                        }
+                        self.count_failure(f.position, request_id, &addr, &why);
+                        return;
+                    }
+                };
                 let Some(p) = self.pending.remove(&f.position) else {
                     return; // a hedge lost the race, or a seek made it stale
                 };
@@ -561,8 +567,7 @@ impl Scheduler {
                 }
                 // A duplicate still in flight will find no pending position and be dropped.
                 drop(p);
-                self.ready
-                    .insert(f.position, Ok(Batch::new(head, buf, addr)));
+                self.ready.insert(f.position, Ok(batch));
             }
             Err(e) if !self.pending.contains_key(&f.position) => {
                 // A hedge already won, or a seek made it stale: nothing to do.

@@ -3,8 +3,9 @@
 //! sockets and no timing: links are channels the test holds.
 
 use super::*;
+use crate::buffer::AlignedBuf;
 use crate::policy::HedgePolicy;
-use stoker_wire::BatchHead;
+use stoker_wire::{BatchHead, DType, TensorMeta};
 
 const BATCHES_PER_EPOCH: u64 = 4;
 
@@ -101,33 +102,48 @@ impl Machine {
     /// The worker's answer to `request_id`: the batch it was asked for, one sample whose id
     /// is the request id (so a test sees which request won).
     fn answer(&mut self, link: LinkId, request_id: u64) {
+        let request = self.request(request_id);
+        self.answer_with(link, request);
+    }
+
+    /// The request `request_id` as the worker received it.
+    fn request(&self, request_id: u64) -> BatchRequest {
         let position = self.s.in_flight.get(&request_id).map_or(0, |f| f.position);
         let plan_id = self.s.identity.as_ref().map_or(0, |p| p.plan_id);
-        let request = BatchRequest {
+        BatchRequest {
             request_id,
             plan_id,
             epoch: position / BATCHES_PER_EPOCH,
             global_batch: position % BATCHES_PER_EPOCH,
             rank: 1,
             world_size: 2,
-        };
-        self.answer_with(link, request);
+        }
     }
 
     fn answer_with(&mut self, link: LinkId, request: BatchRequest) {
+        self.answer_frame(link, request, Vec::new(), AlignedBuf::zeroed(0));
+    }
+
+    /// An answer to `request` with these tensors in this payload.
+    fn answer_frame(
+        &mut self,
+        link: LinkId,
+        request: BatchRequest,
+        tensors: Vec<TensorMeta>,
+        payload: AlignedBuf,
+    ) {
         let request_id = request.request_id;
         let head = BatchHead {
             request,
             sample_ids: vec![request_id],
             skipped: Vec::new(),
-            tensors: Vec::new(),
-            payload_len: 0,
+            tensors,
+            payload_len: payload.len() as u64,
         };
-        let answer = Ok((head, crate::buffer::AlignedBuf::zeroed(0)));
         self.s.on_event(Event::Answer {
             link,
             request_id,
-            answer,
+            answer: Ok((head, payload)),
         });
     }
 
@@ -493,25 +509,54 @@ async fn an_error_is_never_dropped_for_a_full_channel_and_takes_no_batch_s_place
 
 #[tokio::test]
 async fn an_answer_for_another_batch_is_never_delivered_and_is_asked_for_elsewhere() {
+    a_bad_answer_is_never_delivered_and_is_asked_for_elsewhere("wrong_batch", |m, a, request| {
+        // Batch 2 for batch 0.
+        m.answer_with(
+            a,
+            BatchRequest {
+                global_batch: 2,
+                ..request
+            },
+        );
+    });
+}
+
+/// A packed batch whose layout does not fit its tensors (here: pack boundaries without the
+/// images per pack) would make the trainer index past a tensor or lose samples.
+#[tokio::test]
+async fn a_packed_answer_whose_layout_does_not_fit_is_never_delivered() {
+    a_bad_answer_is_never_delivered_and_is_asked_for_elsewhere(
+        "malformed_batch",
+        |m, a, request| {
+            let bounds = TensorMeta {
+                name: "cu_seqlens".into(),
+                dtype: DType::I32,
+                shape: vec![1, 2],
+                offset: 0,
+                nbytes: 8,
+            };
+            m.answer_frame(a, request, vec![bounds], AlignedBuf::zeroed(8));
+        },
+    );
+}
+
+/// Worker a answers batch 0 badly: nothing is delivered, the error is counted as `kind`, b
+/// is asked for batch 0 and its answer delivered, a is not asked again.
+fn a_bad_answer_is_never_delivered_and_is_asked_for_elsewhere(
+    kind: &str,
+    answer_badly: impl FnOnce(&mut Machine, LinkId, BatchRequest),
+) {
     let mut m = Machine::new(config(1));
     let a = m.worker_up("a", plan(7));
     m.s.step();
     let asked = m.asked(a);
     let b = m.worker_up("b", plan(7));
-    // Worker a answers batch 0's request with batch 2.
-    m.answer_with(
-        a,
-        BatchRequest {
-            request_id: asked[0].0,
-            plan_id: 7,
-            epoch: 0,
-            global_batch: 2,
-            rank: 1,
-            world_size: 2,
-        },
-    );
+    let request = m.request(asked[0].0);
+    assert_eq!((request.epoch, request.global_batch), (0, 0));
+    answer_badly(&mut m, a, request);
     m.s.step();
-    assert!(m.delivered().is_empty(), "the wrong batch was delivered");
+    assert!(m.delivered().is_empty(), "the bad answer was delivered");
+    assert_eq!(m.s.metrics.errors.with_label_values(&[kind]).get(), 1);
     let retried = m.asked(b);
     assert_eq!((retried[0].1, retried[0].2), (0, 0), "batch 0, from b");
     m.answer(b, retried[0].0);

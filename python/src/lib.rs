@@ -144,6 +144,12 @@ impl NativeLoader {
             })
             .collect();
         d.set_item("tensors", tensors)?;
+        // A packed batch's packs, as the client checked them against the tensors.
+        let packs: Option<Vec<PackRanges>> = batch
+            .packs
+            .as_ref()
+            .map(|packs| packs.iter().map(pack_ranges).collect());
+        d.set_item("packs", packs)?;
         // The scheduler let go of the batch: this Arc is the only owner.
         let buf = Arc::try_unwrap(batch.payload)
             .map_err(|_| PyRuntimeError::new_err("batch payload still shared"))?;
@@ -247,6 +253,21 @@ create_exception!(
 );
 
 /// The Python exception of a client error's kind.
+/// (row, tokens, cu_seqlens, max_seqlen, images, pixel rows): a pack for `Batch.packs()`.
+type PackRanges = (usize, usize, Vec<i32>, i32, (usize, usize), (usize, usize));
+
+fn pack_ranges(p: &stoker_client::Pack) -> PackRanges {
+    let range = |r: &std::ops::Range<usize>| (r.start, r.end);
+    (
+        p.row,
+        p.tokens,
+        p.cu_seqlens.clone(),
+        p.max_seqlen,
+        range(&p.images),
+        range(&p.pixel_rows),
+    )
+}
+
 fn py_error(e: stoker_client::Error) -> PyErr {
     use stoker_client::Error as E;
     let message = e.to_string();

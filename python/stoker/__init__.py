@@ -65,6 +65,9 @@ def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+_PackRanges = Tuple[int, int, List[int], int, Tuple[int, int], Tuple[int, int]]
+
+
 @dataclass
 class Batch:
     """One rank's slice of one global batch.
@@ -83,6 +86,9 @@ class Batch:
     dtypes: Dict[str, str]
     worker: str
     payload: Any = field(repr=False)
+    # A packed batch's packs as the native client checked them against the tensors: (row,
+    # tokens, cu_seqlens, max_seqlen, image rows, pixel rows); None for a plain batch.
+    pack_ranges: Optional[List[_PackRanges]] = field(default=None, repr=False)
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.tensors[name]
@@ -119,7 +125,7 @@ class Batch:
     def packed(self) -> bool:
         """Whether the worker packs (``--pack-max-tokens``): then each row of the token
         tensors is one pack of samples, not one sample."""
-        return "cu_seqlens" in self.tensors
+        return self.pack_ranges is not None
 
     def packs(self, device: Any = None, pixel_dtype: str = "float32") -> List[Dict[str, Any]]:
         """A packed batch's packs, each the keyword arguments of one varlen forward pass.
@@ -145,29 +151,22 @@ class Batch:
             raise ConfigError("not a packed batch: start the workers with --pack-max-tokens")
         t = self.tensors
         pixels = self.pixel_values(device=device, dtype=pixel_dtype)
-        grid = t["image_grid_thw"]
-        pixel_rows = np.concatenate([[0], np.cumsum(grid.prod(axis=1))]).astype(np.int64)
-        first_image = np.concatenate([[0], np.cumsum(t["pack_images"])]).astype(np.int64)
         out = []
-        for p, cu in enumerate(t["cu_seqlens"]):
-            length = int(cu[-1])
-            bounds = cu[: 1 + int(np.count_nonzero(np.diff(cu)))]
-            images = slice(int(first_image[p]), int(first_image[p + 1]))
-            rows = slice(int(pixel_rows[images.start]), int(pixel_rows[images.stop]))
-            longest = int(np.diff(bounds).max()) if len(bounds) > 1 else 0
+        for row, tokens, bounds, longest, images, rows in self.pack_ranges:
+            cu = np.asarray(bounds, dtype=np.int32)
             pack = {
-                "input_ids": t["input_ids"][p : p + 1, :length],
-                "labels": t["labels"][p : p + 1, :length],
-                "position_ids": t["position_ids"][:, p : p + 1, :length],
-                "image_grid_thw": grid[images],
-                "cu_seq_lens_q": bounds,
-                "cu_seq_lens_k": bounds,
+                "input_ids": t["input_ids"][row : row + 1, :tokens],
+                "labels": t["labels"][row : row + 1, :tokens],
+                "position_ids": t["position_ids"][:, row : row + 1, :tokens],
+                "image_grid_thw": t["image_grid_thw"][slice(*images)],
+                "cu_seq_lens_q": cu,
+                "cu_seq_lens_k": cu,
             }
             if device is not None:
                 import torch
 
                 pack = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in pack.items()}
-            pack["pixel_values"] = pixels[rows]
+            pack["pixel_values"] = pixels[slice(*rows)]
             pack["max_length_q"] = pack["max_length_k"] = longest
             # transformers separates packed samples only without a KV cache (training).
             pack["use_cache"] = False
@@ -240,6 +239,7 @@ def _batch(raw: Dict[str, Any]) -> Batch:
         dtypes=dtypes,
         worker=raw["worker"],
         payload=payload,
+        pack_ranges=raw["packs"],
     )
 
 
