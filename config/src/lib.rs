@@ -359,7 +359,8 @@ fn is_one(v: &u32) -> bool {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct MixSource {
-    /// s3://bucket/prefix (the main dataset's bucket and connection) or a local folder.
+    /// s3://bucket/prefix in the main dataset's bucket (read with its connection), or a local
+    /// folder; in a DataPipeline whose source is a volume, a folder inside the volume.
     pub data: String,
     /// Its share of each epoch's draws, relative to the other datasets' weights.
     #[schemars(range(min = 1))]

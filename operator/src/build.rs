@@ -158,19 +158,23 @@ pub fn replica_cap(dp: &DataPipeline, eligible_nodes: u32) -> Option<i32> {
 /// says (the same types), the pod's ports, token and CPU budget.
 pub fn worker_config(dp: &DataPipeline) -> WorkerConfig {
     let s = &dp.spec;
+    let mut sampling = s.plan.sampling.clone();
     let (data, s3) = match (&s.source.s3, &s.source.volume) {
-        (Some(s3), _) => (s3.uri.clone(), s3.connection.clone()),
-        (None, Some(v)) => (
-            format!("{DATA_DIR}/{}", v.path.trim_start_matches('/')),
-            S3Connection::default(),
-        ),
+        (Some(s3), _) => (s3.uri.trim_end_matches('/').into(), s3.connection.clone()),
+        (None, Some(v)) => {
+            // Mixed datasets are folders in the mounted claim, as the source's path is.
+            for m in &mut sampling.mix {
+                m.data = in_volume(&m.data);
+            }
+            (in_volume(&v.path), S3Connection::default())
+        }
         (None, None) => Default::default(), // rejected at admission
     };
     WorkerConfig {
-        data: data.trim_end_matches('/').into(),
+        data,
         s3,
         preprocessing: s.preprocessing.clone(),
-        sampling: s.plan.sampling.clone(),
+        sampling,
         concurrency: Concurrency {
             cpu_threads: cpu_threads(dp).map(|n| n as usize),
             ..Concurrency::default()
@@ -184,6 +188,13 @@ pub fn worker_config(dp: &DataPipeline) -> WorkerConfig {
             ..Serving::default()
         },
     }
+}
+
+/// Where a folder of the source's volume is in the worker's container.
+fn in_volume(path: &str) -> String {
+    format!("{DATA_DIR}/{}", path.trim_start_matches('/'))
+        .trim_end_matches('/')
+        .into()
 }
 
 /// The worker container's arguments.
@@ -806,16 +817,18 @@ mod tests {
     }
 
     #[test]
-    fn volume_sources_mount_read_only() {
+    fn volume_sources_mount_read_only_with_their_mixed_folders() {
         let mut dp = example();
         dp.spec.source.s3 = None;
         dp.spec.source.volume = Some(crate::crd::VolumeSource {
             claim_name: "sft-data".into(),
             path: "/llava".into(),
         });
+        dp.spec.plan.sampling.mix = vec!["vqa/=2".parse().unwrap()];
         let d = deployment(&dp, 1);
         let args = pod(&d).containers[0].args.as_ref().unwrap().join(" ");
         assert!(args.contains("--data /data/llava"), "{args}");
+        assert!(args.contains("--mix /data/vqa=2"), "{args}");
         for s3_only in ["--s3-endpoint", "--s3-region", "--s3-path-style"] {
             assert!(!args.contains(s3_only), "{args}");
         }

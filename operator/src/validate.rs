@@ -33,11 +33,18 @@ pub fn problems(spec: &DataPipelineSpec) -> Vec<String> {
     out
 }
 
-/// Mixed datasets are read with the source's connection and credentials, from its bucket.
+/// Mixed datasets are read as the source is: from its bucket with its connection and
+/// credentials (S3 prefixes), or from its claim (folders inside the volume, given as
+/// `source.volume.path` is).
 fn mix(spec: &DataPipelineSpec, out: &mut Vec<String>) {
-    let Some(main) = spec.plan.sampling.mix.first().and(spec.source.s3.as_ref()) else {
-        if !spec.plan.sampling.mix.is_empty() {
-            out.push("plan.mix needs source.s3 (mixed datasets are S3 prefixes)".into());
+    let mix = &spec.plan.sampling.mix;
+    let Some(s3) = &spec.source.s3 else {
+        for m in mix.iter().filter(|m| !is_volume_folder(&m.data)) {
+            out.push(format!(
+                "plan.mix: {:?} is not a folder inside source.volume (give its path in the \
+                 claim, as source.volume.path is)",
+                m.data
+            ));
         }
         return;
     };
@@ -45,14 +52,25 @@ fn mix(spec: &DataPipelineSpec, out: &mut Vec<String>) {
         uri.strip_prefix("s3://")
             .map(|r| r.split('/').next().unwrap_or("").to_string())
     };
-    for m in &spec.plan.sampling.mix {
-        if bucket(&m.data).is_none() || bucket(&m.data) != bucket(&main.uri) {
+    for m in mix {
+        if bucket(&m.data).is_none() || bucket(&m.data) != bucket(&s3.uri) {
             out.push(format!(
                 "plan.mix: {:?} is not in source.s3's bucket ({})",
-                m.data, main.uri
+                m.data, s3.uri
             ));
         }
     }
+}
+
+/// A relative folder that stays inside the volume.
+fn is_volume_folder(path: &str) -> bool {
+    let path = path.trim_end_matches('/');
+    !path.is_empty()
+        && !path.starts_with('/')
+        && !path.contains("://")
+        && path
+            .split('/')
+            .all(|part| part != ".." && part != "." && !part.is_empty())
 }
 
 fn metric_source(m: &MetricSource, out: &mut Vec<String>) {
@@ -134,21 +152,38 @@ mod tests {
         s.plan.sampling.mix = vec![
             "s3://datasets/vqa=1".parse().unwrap(),
             "s3://other/chat=2".parse().unwrap(),
+            "vqa=1".parse().unwrap(),
         ];
         assert_eq!(
             problems(&s),
-            ["plan.mix: \"s3://other/chat\" is not in source.s3's bucket (s3://datasets/llava-sft)"]
+            [
+                "plan.mix: \"s3://other/chat\" is not in source.s3's bucket (s3://datasets/llava-sft)",
+                "plan.mix: \"vqa\" is not in source.s3's bucket (s3://datasets/llava-sft)"
+            ]
         );
+    }
+
+    #[test]
+    fn with_a_volume_source_mixed_datasets_are_folders_inside_the_volume() {
+        let mut s = spec();
         s.source.s3 = None;
         s.source.volume = Some(crate::crd::VolumeSource {
             claim_name: "pvc".into(),
-            path: String::new(),
+            path: "sft/chat".into(),
         });
+        s.preprocessing.tokenizer = None; // the fixture's is on S3
+        let mix = |data: &[&str]| -> Vec<_> {
+            data.iter()
+                .map(|d| format!("{d}=1").parse().unwrap())
+                .collect()
+        };
+        s.plan.sampling.mix = mix(&["sft/vqa", "multi-turn/"]);
+        assert!(problems(&s).is_empty(), "{:?}", problems(&s));
+        let outside = ["s3://datasets/vqa", "/etc", "sft/../../x", "", "a//b"];
+        s.plan.sampling.mix = mix(&outside);
         let p = problems(&s);
-        assert!(
-            p.iter().any(|p| p.contains("plan.mix needs source.s3")),
-            "{p:?}"
-        );
+        assert_eq!(p.len(), outside.len(), "{p:?}");
+        assert!(p[0].contains("\"s3://datasets/vqa\" is not a folder inside source.volume"));
     }
 
     #[test]

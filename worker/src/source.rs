@@ -609,4 +609,27 @@ mod tests {
             .to_string();
         assert!(e.contains("inside each other"), "{e}");
     }
+
+    /// Local folders (a volume source's datasets under its mount): rooted at their common
+    /// folder; a local folder does not mix with a bucket.
+    #[test]
+    fn mixed_local_folders_share_their_common_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().canonicalize().unwrap();
+        for d in ["llava", "sft/vqa"] {
+            std::fs::create_dir_all(base.join(d)).unwrap();
+        }
+        let (llava, vqa) = (base.join("llava"), base.join("sft/vqa/"));
+        let uris = [llava.to_str().unwrap(), vqa.to_str().unwrap()];
+        let (root, rel) = common_root(&uris).unwrap();
+        assert_eq!(
+            (root, rel),
+            (
+                base.display().to_string(),
+                vec!["llava/".into(), "sft/vqa/".into()]
+            )
+        );
+        let e = common_root(&[uris[0], "s3://b/x"]).unwrap_err().to_string();
+        assert!(e.contains("one bucket or all be local folders"), "{e}");
+    }
 }
