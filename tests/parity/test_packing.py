@@ -143,10 +143,9 @@ def test_each_packed_sample_is_the_plain_sample_with_its_own_positions(served):
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen2vl():
+def tiny_qwen2vl(torch):
     """A randomly initialized Qwen2-VL small enough for a CPU: the real model code (rope
     index, vision tower, packed-sequence masking), tiny widths."""
-    torch = pytest.importorskip("torch")
     from transformers import Qwen2VLConfig
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLForConditionalGeneration
 
@@ -162,9 +161,7 @@ def tiny_qwen2vl():
     return Qwen2VLForConditionalGeneration(config).eval()
 
 
-def test_rope_rows_are_the_models_get_rope_index_on_each_sample_alone(served, tiny_qwen2vl):
-    import torch
-
+def test_rope_rows_are_the_models_get_rope_index_on_each_sample_alone(served, tiny_qwen2vl, torch):
     cases = []
     for sid, got in packed_samples(served):
         ids = torch.from_numpy(np.ascontiguousarray(got["input_ids"]))[None]
@@ -178,11 +175,10 @@ def test_rope_rows_are_the_models_get_rope_index_on_each_sample_alone(served, ti
         write_fixture(Path(fixture), cases)
 
 
-def test_a_packs_forward_is_each_samples_own_forward(served, tiny_qwen2vl):
+def test_a_packs_forward_is_each_samples_own_forward(served, tiny_qwen2vl, torch):
     """`model(**pack)` as a trainer calls it: the model's packed-sequence masking reads the
     text position row, so each sample attends only to itself and its logits are those of its
     own unpacked forward."""
-    import torch
 
     _, ranks = served
     pack = next(p for b in ranks[0] for p in b.packs(device="cpu") if len(p["cu_seq_lens_q"]) > 2)
