@@ -28,7 +28,7 @@ pub struct Batch {
 /// forward takes row `row`'s first `tokens` columns of `input_ids` and `labels` (and of
 /// `position_ids`, `[4, packs, L]`), `cu_seqlens`, the `image_grid_thw` rows `images` and the
 /// `pixel_values` rows `pixel_rows`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pack {
     pub row: usize,
     pub tokens: usize,
@@ -162,23 +162,25 @@ fn packs(batch: &Batch) -> std::result::Result<Vec<Pack>, String> {
         ));
     }
     let first_pixel_row = pixel_row_starts(&grid)?;
-    let mut next = Pack::default();
-    let mut out = Vec::with_capacity(rows);
+    let mut out: Vec<Pack> = Vec::with_capacity(rows);
     for (row, (bounds, &images)) in cu.chunks_exact(cu_shape[1]).zip(&pack_images).enumerate() {
         let cu_seqlens = sample_bounds(bounds, width).map_err(|e| format!("pack {row}: {e}"))?;
-        let samples = next.samples.end..next.samples.end + cu_seqlens.len() - 1;
+        // Each pack's samples and images follow the previous pack's.
+        let (first_sample, first_image) =
+            out.last().map_or((0, 0), |p| (p.samples.end, p.images.end));
+        let samples = first_sample..first_sample + cu_seqlens.len() - 1;
         let images = usize::try_from(images)
             .ok()
-            .and_then(|n| next.images.end.checked_add(n))
+            .and_then(|n| first_image.checked_add(n))
             .filter(|&end| end < first_pixel_row.len())
-            .map(|end| next.images.end..end)
+            .map(|end| first_image..end)
             .ok_or_else(|| {
                 format!(
                     "pack {row}: {images} images, past image_grid_thw's {}",
                     grid.len() / 3
                 )
             })?;
-        next = Pack {
+        out.push(Pack {
             row,
             tokens: *cu_seqlens.last().unwrap() as usize,
             max_seqlen: cu_seqlens
@@ -190,13 +192,14 @@ fn packs(batch: &Batch) -> std::result::Result<Vec<Pack>, String> {
             samples,
             pixel_rows: first_pixel_row[images.start]..first_pixel_row[images.end],
             images,
-        };
-        out.push(next.clone());
+        });
     }
     let pixel_rows = batch
         .tensor("pixel_values")
         .map_or(0, |t| t.shape.first().copied().unwrap_or(0) as usize);
-    let ends = (next.samples.end, next.images.end, next.pixel_rows.end);
+    let ends = out.last().map_or((0, 0, 0), |p| {
+        (p.samples.end, p.images.end, p.pixel_rows.end)
+    });
     let want = (batch.sample_ids.len(), grid.len() / 3, pixel_rows);
     if ends != want {
         return Err(format!(

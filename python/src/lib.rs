@@ -252,7 +252,6 @@ create_exception!(
     "A batch could not be served; the message names the epoch, batch, rank and worker."
 );
 
-/// The Python exception of a client error's kind.
 /// (row, tokens, cu_seqlens, max_seqlen, images, pixel rows): a pack for `Batch.packs()`.
 type PackRanges = (usize, usize, Vec<i32>, i32, (usize, usize), (usize, usize));
 
@@ -268,6 +267,7 @@ fn pack_ranges(p: &stoker_client::Pack) -> PackRanges {
     )
 }
 
+/// The Python exception of a client error's kind.
 fn py_error(e: stoker_client::Error) -> PyErr {
     use stoker_client::Error as E;
     let message = e.to_string();

@@ -256,10 +256,19 @@ impl Pipeline {
         self
     }
 
-    /// The name of the dataset sample `id` comes from (the metrics' `dataset` label).
-    pub fn dataset_of(&self, id: u64) -> &str {
-        let i = self.datasets.partition_point(|(_, first)| *first <= id);
-        &self.datasets[i.saturating_sub(1)].0
+    /// How many of `ids` each dataset holds, by name (the metrics' `dataset` label);
+    /// datasets with none are left out.
+    pub fn samples_by_dataset(&self, ids: &[u64]) -> impl Iterator<Item = (&str, u64)> {
+        let mut counts = vec![0u64; self.datasets.len()];
+        for &id in ids {
+            let after = self.datasets.partition_point(|(_, first)| *first <= id);
+            counts[after.saturating_sub(1)] += 1;
+        }
+        self.datasets
+            .iter()
+            .zip(counts)
+            .filter(|(_, n)| *n > 0)
+            .map(|((name, _), n)| (name.as_str(), n))
     }
 
     pub fn pixel_dtype(&self) -> DType {

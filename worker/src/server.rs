@@ -402,12 +402,11 @@ impl Server {
                     metrics.bytes_sent_total.inc_by(n);
                     metrics.batches_total.inc();
                     metrics.samples_total.inc_by(batch.sample_ids.len() as u64);
-                    for &id in &batch.sample_ids {
-                        let dataset = self.pipeline.dataset_of(id);
+                    for (dataset, n) in self.pipeline.samples_by_dataset(&batch.sample_ids) {
                         metrics
                             .dataset_samples_served
                             .with_label_values(&[dataset])
-                            .inc();
+                            .inc_by(n);
                     }
                 }
             }
