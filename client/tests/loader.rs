@@ -395,7 +395,13 @@ fn a_faulty_store_and_killed_workers_change_no_byte_and_skip_no_sample() {
 #[test]
 fn killed_workers_lose_and_duplicate_nothing() {
     let f = fixture();
-    let mut workers: Vec<TestWorker> = (0..3).map(|_| worker(&f)).collect();
+    // A store slower than the loop takes batches: every kill lands on requests in flight
+    // (with an instant store, a loaded machine could kill a worker that had answered all).
+    let slow = || StoreBehaviour {
+        first_byte_latency: Duration::from_millis(40),
+        ..StoreBehaviour::default()
+    };
+    let mut workers: Vec<TestWorker> = (0..3).map(|_| start_worker(&f, 0, slow())).collect();
     let mut cfg = config(&workers.iter().collect::<Vec<_>>(), 0, 1);
     cfg.depth = Depth::Fixed(6);
     let mut loader = Loader::new(cfg).unwrap();

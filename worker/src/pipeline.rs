@@ -60,6 +60,10 @@ enum Cause {
     NoSuchSample,
     #[error("preprocessing panicked: {0}")]
     Panicked(String),
+    /// The runtime is going away (the worker stops or is killed) and cancelled the sample's
+    /// work: not the data's fault, so never a skip.
+    #[error("the worker is shutting down; the sample was not prepared")]
+    ShuttingDown,
 }
 
 impl Cause {
@@ -83,7 +87,13 @@ impl Cause {
             Cause::Limit(e) => e.kind(),
             Cause::NoSuchSample => "no_such_sample",
             Cause::Panicked(_) => "panic",
+            Cause::ShuttingDown => "shutting_down",
         }
+    }
+
+    /// The store or the worker failed, not the data: another attempt may succeed.
+    fn is_transient(&self) -> bool {
+        matches!(self, Cause::Fetch(FetchError::Io(..)) | Cause::ShuttingDown)
     }
 }
 
@@ -92,19 +102,23 @@ impl Cause {
 async fn on_blocking_pool<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, Cause> + Send + 'static,
 ) -> Result<T, Cause> {
-    match tokio::task::spawn_blocking(work).await {
-        Ok(out) => out,
-        Err(e) => {
-            let why = match e.try_into_panic() {
-                Ok(payload) => payload
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| payload.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a non-text panic".into()),
-                Err(e) => e.to_string(),
-            };
-            Err(Cause::Panicked(why))
-        }
+    tokio::task::spawn_blocking(work)
+        .await
+        .unwrap_or_else(|e| Err(blocking_failure(e)))
+}
+
+/// Why blocking work did not finish: it panicked, or shutdown cancelled it (a killed
+/// worker's last answers once served such samples as skipped).
+fn blocking_failure(e: tokio::task::JoinError) -> Cause {
+    match e.try_into_panic() {
+        Ok(payload) => Cause::Panicked(
+            payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a non-text panic".into()),
+        ),
+        Err(_) => Cause::ShuttingDown,
     }
 }
 
@@ -359,7 +373,7 @@ impl Pipeline {
             location,
             kind,
             message: cause.to_string(),
-            transient: matches!(cause, Cause::Fetch(FetchError::Io(..))),
+            transient: cause.is_transient(),
         }
     }
 
@@ -774,5 +788,20 @@ mod tests {
             "preprocessing panicked: decoder bug in x.jpg"
         );
         assert_eq!(on_blocking_pool(|| Ok(7)).await.unwrap(), 7);
+    }
+
+    /// A killed worker's runtime cancels the blocking work still to start; the sample must
+    /// fail as transient (asked again elsewhere), never be skipped as if its data were bad.
+    #[tokio::test]
+    async fn preprocessing_cancelled_by_shutdown_is_transient_never_a_skip() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let handle = rt.handle().clone();
+        rt.shutdown_background();
+        let cancelled = handle.spawn_blocking(|| ()).await.unwrap_err();
+        assert!(cancelled.is_cancelled());
+        let cause = blocking_failure(cancelled);
+        assert_eq!(cause.kind(), "shutting_down");
+        assert!(cause.is_transient());
+        assert!(!Cause::Panicked("bug".into()).is_transient());
     }
 }
