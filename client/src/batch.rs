@@ -3,7 +3,7 @@
 use crate::buffer::AlignedBuf;
 use std::ops::Range;
 use std::sync::Arc;
-use stoker_wire::{BatchHead, DType, Skipped, TensorMeta};
+use stoker_wire::{tensor, BatchHead, DType, Skipped, TensorMeta};
 
 pub struct Batch {
     pub epoch: u64,
@@ -73,7 +73,7 @@ impl Batch {
             worker,
             packs: None,
         };
-        if batch.tensor("cu_seqlens").is_some() {
+        if batch.tensor(tensor::CU_SEQLENS).is_some() {
             batch.packs = Some(packs(&batch).map_err(|e| format!("packed layout: {e}"))?);
         }
         Ok(batch)
@@ -142,10 +142,10 @@ fn ints(
 /// points into: a worker of another version (or a hostile one) never makes a trainer index
 /// past a tensor, and every sample and image belongs to exactly one pack.
 fn packs(batch: &Batch) -> std::result::Result<Vec<Pack>, String> {
-    let (cu, cu_shape) = ints(batch, "cu_seqlens", 2)?;
-    let (pack_images, _) = ints(batch, "pack_images", 1)?;
-    let (grid, _) = ints(batch, "image_grid_thw", 2)?;
-    let (rows, width) = match batch.tensor("input_ids").map(|t| t.shape) {
+    let (cu, cu_shape) = ints(batch, tensor::CU_SEQLENS, 2)?;
+    let (pack_images, _) = ints(batch, tensor::PACK_IMAGES, 1)?;
+    let (grid, _) = ints(batch, tensor::IMAGE_GRID_THW, 2)?;
+    let (rows, width) = match batch.tensor(tensor::INPUT_IDS).map(|t| t.shape) {
         Some(&[rows, width]) => (rows as usize, width as usize),
         shape => return Err(format!("input_ids has shape {shape:?}")),
     };
@@ -155,7 +155,7 @@ fn packs(batch: &Batch) -> std::result::Result<Vec<Pack>, String> {
             pack_images.len()
         ));
     }
-    let positions = batch.tensor("position_ids").map(|t| t.shape);
+    let positions = batch.tensor(tensor::POSITION_IDS).map(|t| t.shape);
     if positions != Some(&[4, rows as u64, width as u64][..]) {
         return Err(format!(
             "position_ids has shape {positions:?}, not [4, {rows}, {width}]"
@@ -195,7 +195,7 @@ fn packs(batch: &Batch) -> std::result::Result<Vec<Pack>, String> {
         });
     }
     let pixel_rows = batch
-        .tensor("pixel_values")
+        .tensor(tensor::PIXEL_VALUES)
         .map_or(0, |t| t.shape.first().copied().unwrap_or(0) as usize);
     let ends = out.last().map_or((0, 0, 0), |p| {
         (p.samples.end, p.images.end, p.pixel_rows.end)

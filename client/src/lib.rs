@@ -18,11 +18,13 @@
 mod batch;
 mod buffer;
 mod discovery;
+mod driver;
 mod error;
 mod link;
 mod metrics;
 pub mod policy;
-mod scheduler;
+pub mod scheduler;
+pub mod topology;
 
 pub use batch::{Batch, Pack, TensorView};
 pub use buffer::{AlignedBuf, BufferPool};
@@ -30,9 +32,9 @@ pub use discovery::{Discovery, WorkerSet};
 pub use error::{Error, Result};
 pub use metrics::ClientMetrics;
 pub use policy::{Depth, HedgePolicy};
-pub use scheduler::PlanIdentity;
+pub use scheduler::{PlanIdentity, Policy};
 
-use scheduler::{Control, Delivery, Scheduler, Shared};
+use scheduler::{Control, Delivery, Shared};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -62,6 +64,13 @@ pub struct LoaderConfig {
     pub pipeline: String,
     /// Start here instead of epoch 0, batch 0.
     pub state: Option<LoaderState>,
+    /// How requests spread over the workers (docs/design.md, "Topology").
+    pub policy: Policy,
+    /// Workers this rank may be linked to at once; 0: what the workers suggest
+    /// (`--links-per-rank`), else 8, never more than fits the workers' connection slots.
+    pub links_per_rank: usize,
+    /// Prefetched batches are also capped by their bytes (the rank's host memory).
+    pub max_prefetch_bytes: u64,
 }
 
 impl LoaderConfig {
@@ -79,6 +88,9 @@ impl LoaderConfig {
             metrics_listen: None,
             pipeline: "default".into(),
             state: None,
+            policy: Policy::Subset,
+            links_per_rank: 0,
+            max_prefetch_bytes: 4 << 30,
         }
     }
 }
@@ -165,18 +177,13 @@ impl Loader {
             }
             None => None,
         };
-        let shared = Arc::new(Shared {
-            consumed: Default::default(),
-            interval_ns: Default::default(),
-            asking: Default::default(),
-            wake: Default::default(),
-        });
+        let shared = Shared::new();
         let (no_worker_timeout, rank, world_size, state) =
             (cfg.no_worker_timeout, cfg.rank, cfg.world_size, cfg.state);
         let handles = {
             let _guard = runtime.enter();
             let workers = cfg.workers.start();
-            Scheduler::spawn(cfg, workers, shared.clone(), metrics.clone())
+            driver::spawn(cfg, workers, shared.clone(), metrics.clone())
         };
         let identity = runtime
             .block_on(async {
@@ -258,8 +265,8 @@ impl Loader {
             }
         };
         self.position += 1;
-        self.shared.consumed.store(self.position, Ordering::Release);
-        self.shared.wake.notify_one();
+        let interval = self.last_return.map(|prev| prev.elapsed());
+        self.shared.took(self.position, interval);
         if self
             .position
             .is_multiple_of(self.identity.batches_per_epoch)
@@ -276,17 +283,6 @@ impl Loader {
         let step = self
             .last_return
             .map_or(0.0, |p| entered.duration_since(p).as_secs_f64());
-        if let Some(prev) = self.last_return {
-            // The trainer's pace, for the adaptive prefetch depth.
-            let interval = now.duration_since(prev).as_nanos() as u64;
-            let old = self.shared.interval_ns.load(Ordering::Relaxed);
-            let ewma = if old == 0 {
-                interval
-            } else {
-                (old * 7 + interval) / 8
-            };
-            self.shared.interval_ns.store(ewma, Ordering::Relaxed);
-        }
         self.last_return = Some(now);
         self.stats.wait_s += wait;
         if samples > 0 {

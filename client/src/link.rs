@@ -1,41 +1,26 @@
-//! One connection to one worker: handshake, then a writer that sends the scheduler's
-//! requests and a reader that turns every answer into an event. Batch payloads are read
+//! One connection to one worker: handshake, then a writer that sends the scheduler's requests
+//! and cancels, and a reader that turns every answer into an event. Batch payloads are read
 //! straight into the aligned (pooled) buffer that becomes the tensors' memory (the only copy
 //! is the kernel's, from the socket).
 
-use crate::buffer::{AlignedBuf, BufferPool};
+use crate::buffer::BufferPool;
+use crate::scheduler::{Event, LinkId, LINK_QUEUE};
 use std::time::Duration;
-use stoker_wire::io::{read_frame, read_header, write_frame, ReadError};
-use stoker_wire::{
-    BatchHead, BatchRequest, ErrorFrame, Hello, Kind, Welcome, WireError, MAX_CONTROL_PAYLOAD,
-};
+use stoker_wire::io::{handshake, read_header, write_frame, HandshakeError, ReadError};
+use stoker_wire::{BatchHead, BatchRequest, Cancel, ErrorFrame, Kind, WireError};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
-pub type LinkId = u64;
-
-/// Requests queued for one worker's socket.
-pub const LINK_QUEUE: usize = 256;
+/// Frames queued for one worker's socket: its requests (at most [`LINK_QUEUE`] outstanding)
+/// and as many cancels.
+pub const QUEUE: usize = 2 * LINK_QUEUE;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-pub enum Event {
-    /// The worker accepted the token and serves `welcome`'s plan.
-    Up {
-        link: LinkId,
-        welcome: Welcome,
-        requests: mpsc::Sender<BatchRequest>,
-    },
-    /// The worker refused the connection (e.g. a wrong token).
-    Refused { link: LinkId, error: ErrorFrame },
-    /// An answer to one request.
-    Answer {
-        link: LinkId,
-        request_id: u64,
-        answer: Result<(BatchHead, AlignedBuf), ErrorFrame>,
-    },
-    /// The connection failed or closed; its unanswered requests are lost.
-    Down { link: LinkId, error: String },
+/// What the scheduler sends a worker.
+pub enum Outbound {
+    Request(BatchRequest),
+    Cancel(u64),
 }
 
 /// Why a connection ended (the reason the scheduler records for the worker).
@@ -47,19 +32,22 @@ enum LinkError {
     Read(#[from] ReadError),
     #[error(transparent)]
     Wire(#[from] WireError),
+    #[error(transparent)]
+    Handshake(#[from] HandshakeError),
     #[error("{0}")]
     Protocol(String),
 }
 
-/// Runs one connection until it fails or the scheduler drops its request sender.
+/// Runs one connection until it fails, or the scheduler drops its queue or aborts it.
 pub async fn run(
     link: LinkId,
     addr: String,
     token: String,
+    frames: mpsc::Receiver<Outbound>,
     events: mpsc::Sender<Event>,
     pool: BufferPool,
 ) {
-    let error = match session(link, &addr, &token, &events, &pool).await {
+    let error = match session(link, &addr, &token, frames, &events, &pool).await {
         Ok(()) => "closed by the worker".to_string(),
         Err(e) => format!("{e:#}"),
     };
@@ -70,6 +58,7 @@ async fn session(
     link: LinkId,
     addr: &str,
     token: &str,
+    mut frames: mpsc::Receiver<Outbound>,
     events: &mpsc::Sender<Event>,
     pool: &BufferPool,
 ) -> Result<(), LinkError> {
@@ -79,57 +68,29 @@ async fn session(
             LinkError::Protocol(format!("connect timed out after {CONNECT_TIMEOUT:?}"))
         })??;
     stream.set_nodelay(true)?;
-    let hello = Hello {
-        token: token.into(),
-        client: format!("stoker-client/{}", env!("CARGO_PKG_VERSION")),
-    };
-    write_frame(&mut stream, Kind::Hello, &hello.encode()).await?;
-    let welcome = match tokio::time::timeout(
-        CONNECT_TIMEOUT,
-        read_frame(&mut stream, MAX_CONTROL_PAYLOAD),
-    )
-    .await
-    {
-        Err(_) => {
-            return Err(LinkError::Protocol(format!(
-                "no answer to the handshake after {CONNECT_TIMEOUT:?}"
-            )))
+    let client = format!("stoker-client/{}", env!("CARGO_PKG_VERSION"));
+    let welcome = match handshake(&mut stream, token, &client, CONNECT_TIMEOUT).await {
+        Ok(w) => w,
+        Err(HandshakeError::Refused(error)) => {
+            let _ = events.send(Event::Refused { link, error }).await;
+            return Ok(());
         }
-        Ok(r) => match r? {
-            Some((Kind::Welcome, p)) => Welcome::decode(&p)?,
-            Some((Kind::Error, p)) => {
-                let error = ErrorFrame::decode(&p)?;
-                let _ = events.send(Event::Refused { link, error }).await;
-                return Ok(());
-            }
-            Some((k, _)) => {
-                return Err(LinkError::Protocol(format!(
-                    "unexpected {k:?} frame during the handshake"
-                )))
-            }
-            None => {
-                return Err(LinkError::Protocol(
-                    "connection closed during the handshake".into(),
-                ))
-            }
-        },
+        Err(e) => return Err(e.into()),
     };
-    let (tx, mut rx) = mpsc::channel::<BatchRequest>(LINK_QUEUE);
-    if events
-        .send(Event::Up {
-            link,
-            welcome,
-            requests: tx,
-        })
-        .await
-        .is_err()
-    {
+    if events.send(Event::Up { link, welcome }).await.is_err() {
         return Ok(());
     }
     let (mut rd, mut wr) = stream.into_split();
     let writer = async move {
-        while let Some(req) = rx.recv().await {
-            write_frame(&mut wr, Kind::Request, &req.encode()).await?;
+        while let Some(frame) = frames.recv().await {
+            match frame {
+                Outbound::Request(req) => {
+                    write_frame(&mut wr, Kind::Request, &req.encode()).await?
+                }
+                Outbound::Cancel(request_id) => {
+                    write_frame(&mut wr, Kind::Cancel, &Cancel { request_id }.encode()).await?
+                }
+            }
         }
         // The scheduler let go of this worker.
         Ok::<(), LinkError>(())

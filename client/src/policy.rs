@@ -27,7 +27,8 @@ impl Depth {
 
 /// Batches that must be in flight so one is ready whenever the trainer asks: the latency of
 /// a request (a high percentile) divided by the time between the trainer's requests, plus one
-/// for the batch being consumed and one of slack. Before anything is observed, a middle value.
+/// for the batch being consumed and one of slack. Until both are known, two: a job's first
+/// steps must not ask every worker for a deep window at once (that herd stalled the start).
 pub fn auto_depth(latency: Option<Duration>, interval: Option<Duration>, max: usize) -> usize {
     let max = max.max(2);
     match (latency, interval) {
@@ -35,6 +36,20 @@ pub fn auto_depth(latency: Option<Duration>, interval: Option<Duration>, max: us
             let need = (l.as_secs_f64() / i.as_secs_f64()).ceil() as usize + 2;
             need.clamp(2, max)
         }
+        _ => 2,
+    }
+}
+
+/// The depth rule before bounded subsets (the scale benchmark's baseline): a middle value
+/// before anything is seen, the cap as soon as a latency is.
+pub fn legacy_auto_depth(
+    latency: Option<Duration>,
+    interval: Option<Duration>,
+    max: usize,
+) -> usize {
+    let max = max.max(2);
+    match (latency, interval) {
+        (Some(_), Some(i)) if !i.is_zero() => auto_depth(latency, interval, max),
         (Some(_), _) => max,
         _ => 4.min(max),
     }
@@ -87,6 +102,10 @@ pub struct HedgePolicy {
     pub min_observations: usize,
     /// Hedge only the oldest this-many positions (those that block delivery).
     pub head_positions: usize,
+    /// Hedges allowed per answered request, on average (0.05: at most 5 % extra work).
+    pub budget: f64,
+    /// Hedges that may be sent at once before any answer earned them.
+    pub burst: f64,
 }
 
 impl Default for HedgePolicy {
@@ -96,6 +115,8 @@ impl Default for HedgePolicy {
             factor: 1.5,
             min_observations: 20,
             head_positions: 2,
+            budget: 0.05,
+            burst: 2.0,
         }
     }
 }
@@ -109,6 +130,41 @@ impl HedgePolicy {
         window
             .quantile(self.quantile)
             .map(|q| q.mul_f64(self.factor.max(1.0)))
+    }
+}
+
+/// A token bucket for hedges: each answer earns `budget` of a hedge, up to `burst`; a hedge
+/// spends one. A slow phase of the whole fleet cannot double the load by hedging everything.
+#[derive(Debug, Clone, Copy)]
+pub struct HedgeBudget {
+    /// In thousandths of a hedge, so sums are exact.
+    tokens: u64,
+    earn: u64,
+    burst: u64,
+}
+
+impl HedgeBudget {
+    const ONE: u64 = 1000;
+
+    pub fn new(policy: HedgePolicy) -> Self {
+        let milli = |x: f64| (x.max(0.0) * Self::ONE as f64).round() as u64;
+        HedgeBudget {
+            tokens: milli(policy.burst),
+            earn: milli(policy.budget),
+            burst: milli(policy.burst),
+        }
+    }
+
+    pub fn available(&self) -> bool {
+        self.tokens >= Self::ONE
+    }
+
+    pub fn spend(&mut self) {
+        self.tokens = self.tokens.saturating_sub(Self::ONE);
+    }
+
+    pub fn earn(&mut self) {
+        self.tokens = (self.tokens + self.earn).min(self.burst);
     }
 }
 
@@ -128,9 +184,37 @@ mod tests {
         assert_eq!(auto_depth(Some(ms(10)), Some(ms(1000)), 32), 3);
         // Capped.
         assert_eq!(auto_depth(Some(ms(10_000)), Some(ms(10)), 16), 16);
-        // Nothing known yet: a middle value; latency known but no pace yet: the cap.
-        assert_eq!(auto_depth(None, None, 32), 4);
-        assert_eq!(auto_depth(Some(ms(5)), None, 8), 8);
+        // Until the step time is known: two, however fast the workers look.
+        assert_eq!(auto_depth(None, None, 32), 2);
+        assert_eq!(auto_depth(Some(ms(5)), None, 8), 2);
+        // The old rule jumped: a middle value, then the cap on the first latency.
+        assert_eq!(legacy_auto_depth(None, None, 32), 4);
+        assert_eq!(legacy_auto_depth(Some(ms(5)), None, 8), 8);
+        assert_eq!(legacy_auto_depth(Some(ms(1000)), Some(ms(250)), 32), 6);
+    }
+
+    #[test]
+    fn hedges_stay_within_their_budget() {
+        let mut b = HedgeBudget::new(HedgePolicy::default());
+        // The burst: two at once, then one per twenty answers.
+        for _ in 0..2 {
+            assert!(b.available());
+            b.spend();
+        }
+        assert!(!b.available());
+        for _ in 0..19 {
+            b.earn();
+        }
+        assert!(!b.available());
+        b.earn();
+        assert!(b.available());
+        // Earning stops at the burst.
+        for _ in 0..1000 {
+            b.earn();
+        }
+        b.spend();
+        b.spend();
+        assert!(!b.available());
     }
 
     #[test]

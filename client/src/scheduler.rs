@@ -1,31 +1,53 @@
-//! The request scheduler: one task that owns every decision about which batch is requested
-//! from which worker, and delivers answers to the trainer strictly in plan order.
+//! The request scheduler: the one state machine that decides which batch is requested from
+//! which worker, and delivers answers to the trainer strictly in plan order.
+//!
+//! It does no I/O and reads no clock: its driver (`driver.rs`, over tokio and TCP) or the scale
+//! simulator (`stoker bench scale`, in virtual time) feeds it events with the time they
+//! happened, executes the [`Action`]s it returns and takes its deliveries. Both run exactly
+//! these rules.
 //!
 //! Positions number the batches of all epochs in plan order: position `p` is global batch
 //! `p % B` of epoch `p / B` (B batches per epoch). The scheduler keeps the positions
-//! `[consumed, consumed + depth)` requested or ready, sends each to the live worker with the
-//! fewest outstanding requests, sends it again elsewhere when its worker fails, drains or
-//! refuses, hedges a straggler at the head of the line, and abandons a request unanswered
-//! past its deadline. The first answer for a position wins; later ones are dropped, so the
-//! trainer sees every position exactly once.
+//! `[consumed, consumed + depth)` requested or ready. Under [`Policy::Subset`] each position
+//! goes to one of the rank's home workers (`topology.rs`), to a spare when no home can take it,
+//! and again elsewhere when its worker fails, drains or refuses; a straggler at the head of the
+//! line is hedged within a budget, and abandoned requests are cancelled. The first answer for a
+//! position wins; later ones are dropped, so the trainer sees every position exactly once.
 
 use crate::batch::Batch;
 use crate::discovery::WorkerSet;
 use crate::error::Error;
-use crate::link::{self, Event, LinkId};
 use crate::metrics::ClientMetrics;
-use crate::policy::{auto_depth, Depth, LatencyWindow};
+use crate::policy::{auto_depth, legacy_auto_depth, Depth, HedgeBudget, LatencyWindow};
+use crate::topology::{self, Members};
 use crate::LoaderConfig;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use stoker_wire::{BatchRequest, ErrorCode, ErrorFrame, Welcome};
-use tokio::sync::{mpsc, oneshot, watch, Notify};
+use stoker_wire::{BatchHead, BatchRequest, ErrorCode, ErrorFrame, Welcome};
+use tokio::sync::Notify;
 
-/// What every worker must serve for its batches to be interchangeable: exactly the worker's
-/// handshake (equal plan ids mean identical batch bytes).
+pub type LinkId = u64;
+
+/// What every worker must serve for its batches to be interchangeable: the worker's handshake
+/// (equal plans, per [`Welcome::same_plan`], mean identical batch bytes).
 pub type PlanIdentity = Welcome;
+
+/// How a rank spreads its requests over the workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Policy {
+    /// A bounded set of links per rank (homes from a balanced assignment, spares on demand),
+    /// neutral estimates with a slow start for new links, depth that grows once the step time
+    /// is known, budgeted hedges, cancelled losers.
+    #[default]
+    Subset,
+    /// The rules before bounded subsets, kept as the baseline `stoker bench scale` measures
+    /// against: every rank links to every worker, a link without a latency costs 0 (ties to
+    /// the lowest link id), depth jumps to its cap once a latency is seen, hedges are
+    /// unbudgeted and losers run on.
+    FullMesh,
+}
 
 /// State shared with the consuming side.
 pub struct Shared {
@@ -39,6 +61,34 @@ pub struct Shared {
     pub wake: Notify,
 }
 
+impl Shared {
+    pub fn new() -> Arc<Shared> {
+        Arc::new(Shared {
+            consumed: Default::default(),
+            interval_ns: Default::default(),
+            asking: Default::default(),
+            wake: Default::default(),
+        })
+    }
+
+    /// The trainer took the batch before `position`, `interval` after the one before (the
+    /// pace the adaptive depth follows: a moving average over about eight steps).
+    pub fn took(&self, position: u64, interval: Option<Duration>) {
+        if let Some(i) = interval {
+            let interval = i.as_nanos() as u64;
+            let old = self.interval_ns.load(Ordering::Relaxed);
+            let ewma = if old == 0 {
+                interval
+            } else {
+                (old * 7 + interval) / 8
+            };
+            self.interval_ns.store(ewma.max(1), Ordering::Relaxed);
+        }
+        self.consumed.store(position, Ordering::Release);
+        self.wake.notify_one();
+    }
+}
+
 /// What the scheduler hands the trainer side, tagged with the seek generation it belongs to.
 pub struct Delivery {
     pub generation: u64,
@@ -50,15 +100,49 @@ pub enum Control {
     Seek { position: u64, generation: u64 },
 }
 
+/// What happened on a link, as the driver reports it.
+pub enum Event {
+    /// The worker accepted the token and serves `welcome`'s plan.
+    Up { link: LinkId, welcome: Welcome },
+    /// The worker refused the connection (a wrong token, its connection limit).
+    Refused { link: LinkId, error: ErrorFrame },
+    /// An answer to one request.
+    Answer {
+        link: LinkId,
+        request_id: u64,
+        answer: Result<(BatchHead, crate::buffer::AlignedBuf), ErrorFrame>,
+    },
+    /// The connection failed or closed; its unanswered requests are lost.
+    Down { link: LinkId, error: String },
+}
+
+/// What the scheduler asks its driver to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Open a connection to `addr` and handshake; report as `link`.
+    Connect { link: LinkId, addr: String },
+    /// Send a request on a link that is up.
+    Send { link: LinkId, request: BatchRequest },
+    /// Tell the worker its answer to `request_id` is no longer wanted.
+    Cancel { link: LinkId, request_id: u64 },
+    /// Close the connection (no Down event follows).
+    Close { link: LinkId },
+}
+
 struct WorkerLink {
     addr: String,
-    /// Set once the handshake succeeded and the plan matched; `None` while connecting.
-    requests: Option<mpsc::Sender<BatchRequest>>,
-    task: tokio::task::JoinHandle<()>,
+    /// The handshake succeeded and the plan matched.
+    up: bool,
     outstanding: usize,
     latency_ewma: Option<f64>,
-    /// The worker said it is draining: send it nothing more.
+    /// When the estimate was last refreshed (it decays towards the neutral value after).
+    measured: Instant,
+    /// The worker said it is draining (or misbehaved): send it nothing more.
     draining: bool,
+    /// Requests it may hold at once: grows with its answers (slow start), halves on a failure.
+    window: usize,
+    /// Since when nothing is outstanding (idle spares are released).
+    idle_since: Instant,
 }
 
 #[derive(Default)]
@@ -78,19 +162,42 @@ struct InFlight {
     hedge: bool,
 }
 
+/// Requests one link may hold at most (the driver's per-link queue).
+pub const LINK_QUEUE: usize = 256;
+/// Errors kept for the trainer while the delivery channel is full.
+const NOTICE_CAPACITY: usize = 4;
+const RECONNECT_MIN: Duration = Duration::from_millis(200);
+const RECONNECT_MAX: Duration = Duration::from_secs(5);
+/// A spare (or a former member) with nothing outstanding this long is closed.
+const LINK_IDLE: Duration = Duration::from_secs(30);
+/// An estimate loses half its distance to the neutral value per this much time unmeasured,
+/// so a link judged slow once is tried again.
+const ESTIMATE_HALF_LIFE: Duration = Duration::from_secs(30);
+/// A new link's window: requests before its first answer.
+const INITIAL_WINDOW: usize = 2;
+
 pub struct Scheduler {
     cfg: LoaderConfig,
     shared: Arc<Shared>,
     metrics: Arc<ClientMetrics>,
+    now: Instant,
     identity: Option<PlanIdentity>,
-    identity_tx: Option<oneshot::Sender<Result<PlanIdentity, Error>>>,
+    identity_result: Option<Result<PlanIdentity, Error>>,
+    identity_taken: bool,
     links: HashMap<LinkId, WorkerLink>,
+    by_addr: HashMap<String, LinkId>,
+    live: usize,
     next_link: LinkId,
     wanted: WorkerSet,
+    members: Members,
+    /// Links per rank from the workers' hints and the loader's setting.
+    links_per_rank: usize,
     /// Why each address is not serving, for error messages.
     problems: BTreeMap<String, Error>,
+    /// Not before this time, and the backoff that got it there.
     reconnect_at: BTreeMap<String, (Instant, Duration)>,
-    events_tx: mpsc::Sender<Event>,
+    /// The same gates by time, so a step finds the due ones without a scan.
+    gates: std::collections::BTreeSet<(Instant, String)>,
     next_request: u64,
     in_flight: HashMap<u64, InFlight>,
     pending: BTreeMap<u64, Pending>,
@@ -98,143 +205,423 @@ pub struct Scheduler {
     /// (delivered in plan order too, so an error never overtakes an earlier batch).
     ready: BTreeMap<u64, Result<Batch, Error>>,
     /// Errors for the trainer that concern no one batch (no worker, a refused token).
-    notices: std::collections::VecDeque<Error>,
+    notices: VecDeque<Error>,
     next_issue: u64,
     next_deliver: u64,
     generation: u64,
-    out: mpsc::Sender<Delivery>,
     latencies: LatencyWindow,
+    /// Mean payload bytes of an answer (for the prefetch byte cap).
+    batch_bytes: Option<f64>,
+    hedges: HedgeBudget,
     no_worker_since: Option<Instant>,
-    pool: crate::buffer::BufferPool,
-}
-
-/// Events from all links at once.
-const EVENT_QUEUE: usize = 1024;
-/// Errors kept for the trainer while the delivery channel is full.
-const NOTICE_CAPACITY: usize = 4;
-const RECONNECT_MIN: Duration = Duration::from_millis(200);
-const RECONNECT_MAX: Duration = Duration::from_secs(5);
-
-pub struct Handles {
-    pub identity: oneshot::Receiver<Result<PlanIdentity, Error>>,
-    pub deliveries: mpsc::Receiver<Delivery>,
-    pub control: mpsc::Sender<Control>,
+    /// A position waits for a spare: no home can take it.
+    spill: bool,
+    actions: Vec<Action>,
 }
 
 impl Scheduler {
-    /// Spawns the scheduler on the current runtime.
-    pub fn spawn(
-        cfg: LoaderConfig,
-        workers: watch::Receiver<WorkerSet>,
-        shared: Arc<Shared>,
-        metrics: Arc<ClientMetrics>,
-    ) -> Handles {
-        let (s, handles, events_rx, control_rx) = Scheduler::new(cfg, shared, metrics);
-        tokio::spawn(s.run(workers, events_rx, control_rx));
-        handles
-    }
-
-    /// The scheduler and its channels, not yet running (the state-machine tests drive it
-    /// event by event).
-    fn new(
+    /// The scheduler at time `now`, before any worker is known.
+    pub fn new(
         cfg: LoaderConfig,
         shared: Arc<Shared>,
         metrics: Arc<ClientMetrics>,
-    ) -> (
-        Scheduler,
-        Handles,
-        mpsc::Receiver<Event>,
-        mpsc::Receiver<Control>,
-    ) {
-        // Deliveries never exceed the window, so this capacity is never the binding limit.
-        let (out, deliveries) = mpsc::channel(cfg.depth.max() + 1);
-        let (control_tx, control_rx) = mpsc::channel(4);
-        let (identity_tx, identity) = oneshot::channel();
-        let (events_tx, events_rx) = mpsc::channel(EVENT_QUEUE);
-        let s = Scheduler {
+        now: Instant,
+    ) -> Self {
+        let hedges = HedgeBudget::new(cfg.hedge.unwrap_or_default());
+        Scheduler {
             next_issue: 0,
             next_deliver: 0,
-            cfg,
             shared,
             metrics,
+            now,
             identity: None,
-            identity_tx: Some(identity_tx),
+            identity_result: None,
+            identity_taken: false,
             links: HashMap::new(),
+            by_addr: HashMap::new(),
+            live: 0,
             next_link: 1,
             wanted: WorkerSet::new(),
+            members: Members::default(),
+            links_per_rank: cfg.links_per_rank,
             problems: BTreeMap::new(),
             reconnect_at: BTreeMap::new(),
-            events_tx,
+            gates: Default::default(),
             next_request: 1,
             in_flight: HashMap::new(),
             pending: BTreeMap::new(),
             ready: BTreeMap::new(),
             notices: Default::default(),
             generation: 0,
-            out,
             latencies: LatencyWindow::default(),
-            no_worker_since: Some(Instant::now()),
-            // Enough to recycle what the trainer releases while the window refills.
-            pool: crate::buffer::BufferPool::new(4),
-        };
-        let handles = Handles {
-            identity,
-            deliveries,
-            control: control_tx,
-        };
-        (s, handles, events_rx, control_rx)
-    }
-
-    async fn run(
-        mut self,
-        mut workers: watch::Receiver<WorkerSet>,
-        mut events: mpsc::Receiver<Event>,
-        mut control: mpsc::Receiver<Control>,
-    ) {
-        let shared = self.shared.clone();
-        let mut tick = tokio::time::interval(Duration::from_millis(10));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        self.apply_worker_set(workers.borrow_and_update().clone());
-        loop {
-            self.step();
-            if self.out.is_closed() {
-                break; // the loader is gone
-            }
-            tokio::select! {
-                Some(ev) = events.recv() => self.on_event(ev),
-                changed = workers.changed() => match changed {
-                    Ok(()) => self.apply_worker_set(workers.borrow_and_update().clone()),
-                    Err(_) => self.apply_worker_set(WorkerSet::new()),
-                },
-                Some(c) = control.recv() => self.on_control(c),
-                _ = shared.wake.notified() => {}
-                _ = tick.tick() => {}
-            }
-        }
-        for l in self.links.values() {
-            l.task.abort();
+            batch_bytes: None,
+            hedges,
+            no_worker_since: Some(now),
+            spill: false,
+            actions: Vec::new(),
+            cfg,
         }
     }
 
-    /// Everything that follows from the current state: connect, expire, issue, hedge,
-    /// deliver.
-    fn step(&mut self) {
-        self.reconnect_due();
+    /// The most batches the trainer side can have been handed and not yet taken.
+    pub fn max_depth(&self) -> usize {
+        self.cfg.depth.max()
+    }
+
+    /// The plan, once a worker offered it, or why none could be had. Given once.
+    pub fn take_identity(&mut self) -> Option<Result<PlanIdentity, Error>> {
+        let r = self.identity_result.take();
+        self.identity_taken |= r.is_some();
+        r
+    }
+
+    /// The next delivery in plan order, if it is ready: errors that concern no one batch
+    /// first (they take no position), then the batch at the head.
+    pub fn poll_delivery(&mut self) -> Option<Delivery> {
+        let generation = self.generation;
+        if let Some(e) = self.notices.pop_front() {
+            return Some(Delivery {
+                generation,
+                result: Err(e),
+            });
+        }
+        let result = self.ready.remove(&self.next_deliver)?;
+        self.next_deliver += 1;
+        Some(Delivery { generation, result })
+    }
+
+    /// What the driver must do, in order.
+    pub fn take_actions(&mut self) -> Vec<Action> {
+        std::mem::take(&mut self.actions)
+    }
+
+    /// The earliest time at which [`Scheduler::step`] has something to do without a new
+    /// event (a deadline, a hedge, a reconnect, a release, the no-worker timeout).
+    pub fn next_timer(&self) -> Option<Instant> {
+        let mut t: Option<Instant> = None;
+        let mut at = |x: Instant| t = Some(t.map_or(x, |t| t.min(x)));
+        if let Some(since) = self.no_worker_since {
+            at(since + self.cfg.no_worker_timeout);
+        }
+        if let Some((when, _)) = self
+            .gates
+            .iter()
+            .find(|(_, a)| !self.by_addr.contains_key(a) && self.wants_link(a))
+        {
+            at(*when);
+        }
+        if self.identity.is_some() {
+            if let Some(f) = self.in_flight.values().map(|f| f.sent).min() {
+                at(f + self.cfg.request_timeout);
+            }
+            if let Some(threshold) = self.hedge_threshold() {
+                for p in self.pending.values().take(self.hedge_head()) {
+                    if let Some(f) = p.attempts.first().and_then(|id| self.in_flight.get(id)) {
+                        at(f.sent + threshold);
+                    }
+                }
+            }
+        }
+        if self.cfg.policy == Policy::Subset {
+            for l in self.links.values() {
+                if l.outstanding == 0 && !self.members.is_home(&l.addr) {
+                    at(l.idle_since + LINK_IDLE);
+                }
+            }
+        }
+        t
+    }
+
+    /// Everything that follows from the current state at `now`: connect, expire, issue,
+    /// hedge, release.
+    pub fn step(&mut self, now: Instant) {
+        self.now = now.max(self.now);
+        if self.identity.is_none() {
+            // No plan yet, so no position to spill: when no home can answer, a spare is
+            // dialled anyway, so a rank whose homes refuse it is never stranded.
+            self.spill = !self.members.homes.iter().any(|a| self.home_healthy(a));
+        }
+        self.ensure_links();
         self.check_no_worker();
         if self.identity.is_some() {
             self.expire();
             self.issue();
             self.hedge();
-            self.deliver();
         }
+        self.release_idle();
         self.metrics.in_flight.set(self.in_flight.len() as i64);
-        self.metrics.workers.set(self.live_links().count() as i64);
     }
 
-    fn live_links(&self) -> impl Iterator<Item = (&LinkId, &WorkerLink)> {
-        self.links
+    pub fn on_event(&mut self, now: Instant, ev: Event) {
+        self.now = now.max(self.now);
+        match ev {
+            Event::Up { link, welcome } => self.on_up(link, welcome),
+            Event::Refused { link, error } => {
+                let Some(l) = self.links.get(&link) else {
+                    return;
+                };
+                let addr = l.addr.clone();
+                self.metrics.errors.with_label_values(&["refused"]).inc();
+                if error.code == ErrorCode::Unauthorized {
+                    let refusal = Error::Unauthorized {
+                        worker: addr.clone(),
+                        reason: error.message,
+                    };
+                    self.problems.insert(addr, refusal.clone());
+                    // Retrying cannot fix a token; say so at once.
+                    self.fail_identity(refusal.clone());
+                    self.fail_trainer(refusal);
+                } else {
+                    // Full or draining: the connection closes next, and the rank finds
+                    // capacity elsewhere meanwhile.
+                    let why = format!("worker {addr} refused the connection: {}", error.message);
+                    self.problems.insert(addr, Error::Internal(why));
+                }
+            }
+            Event::Answer {
+                link,
+                request_id,
+                answer,
+            } => self.on_answer(link, request_id, answer),
+            Event::Down { link, error } => self.on_down(link, error, Loss::Crashed),
+        }
+    }
+
+    pub fn on_control(&mut self, now: Instant, c: Control) {
+        self.now = now.max(self.now);
+        match c {
+            Control::Seek {
+                position,
+                generation,
+            } => {
+                // Answers for the old window still arrive; they find no pending position.
+                let stale: Vec<u64> = self.in_flight.keys().copied().collect();
+                for id in stale {
+                    self.abandon(id);
+                }
+                self.pending.clear();
+                self.ready.clear();
+                self.notices.clear();
+                self.next_issue = position;
+                self.next_deliver = position;
+                self.generation = generation;
+            }
+        }
+    }
+
+    /// The discovered workers changed: recompute this rank's members, drop links to workers
+    /// that are gone, connect to new homes.
+    pub fn set_workers(&mut self, now: Instant, set: WorkerSet) {
+        self.now = now.max(self.now);
+        let gone: Vec<LinkId> = self
+            .links
             .iter()
-            .filter(|(_, l)| l.requests.is_some() && !l.draining)
+            .filter(|(_, l)| !set.contains(&l.addr))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            self.actions.push(Action::Close { link: id });
+            self.on_down(id, "removed from discovery".into(), Loss::Removed);
+        }
+        self.reconnect_at.retain(|a, _| set.contains(a));
+        self.gates.retain(|(_, a)| set.contains(a));
+        self.problems.retain(|a, _| set.contains(a));
+        self.wanted = set;
+        self.recompute_members();
+        self.dial_homes();
+        self.ensure_links();
+    }
+
+    /// Connects every home without a link whose backoff has passed (after the members
+    /// changed; later, due gates do it one address at a time).
+    fn dial_homes(&mut self) {
+        let now = self.now;
+        let due: Vec<String> = self
+            .members
+            .homes
+            .iter()
+            .filter(|a| !self.by_addr.contains_key(*a))
+            .filter(|a| self.reconnect_at.get(*a).is_none_or(|(at, _)| *at <= now))
+            .cloned()
+            .collect();
+        for addr in due {
+            self.connect(addr);
+        }
+    }
+
+    fn recompute_members(&mut self) {
+        self.members = match self.cfg.policy {
+            Policy::FullMesh => Members::new(
+                self.wanted.iter().cloned().collect(),
+                Vec::new(),
+                Vec::new(),
+            ),
+            Policy::Subset => {
+                let max_connections = self.identity.as_ref().map_or(0, |w| w.max_connections);
+                let hint = self
+                    .identity
+                    .as_ref()
+                    .map_or(0, |w| w.links_per_rank as usize);
+                let wanted = if self.cfg.links_per_rank > 0 {
+                    self.cfg.links_per_rank
+                } else {
+                    hint
+                };
+                self.links_per_rank = topology::links_per_rank(
+                    self.wanted.len(),
+                    self.cfg.world_size,
+                    max_connections,
+                    wanted,
+                );
+                topology::members(
+                    &self.wanted,
+                    self.cfg.rank,
+                    self.cfg.world_size,
+                    self.links_per_rank,
+                )
+            }
+        };
+    }
+
+    /// This rank's members, homes first (what `stoker bench scale` reports).
+    pub fn members(&self) -> &Members {
+        &self.members
+    }
+
+    /// Connections open or opening.
+    pub fn link_count(&self) -> usize {
+        self.links.len()
+    }
+
+    /// A home that is up and serving, or connecting for the first time.
+    fn home_healthy(&self, addr: &str) -> bool {
+        let Some(l) = self.by_addr.get(addr).map(|id| &self.links[id]) else {
+            return false;
+        };
+        !l.draining && (l.up || !self.problems.contains_key(addr))
+    }
+
+    /// Should a link to `addr` exist now: a home always; a spare (or, when every spare
+    /// failed, any other worker) while a position waits for one.
+    fn wants_link(&self, addr: &str) -> bool {
+        self.members.is_home(addr) || (self.spill && self.wanted.contains(addr))
+    }
+
+    fn ensure_links(&mut self) {
+        let now = self.now;
+        let gate_open = |s: &Self, a: &str| s.reconnect_at.get(a).is_none_or(|(at, _)| *at <= now);
+        // Homes whose backoff just ended (the entry stays: the backoff grows if this fails).
+        while let Some((at, addr)) = self.gates.first().cloned() {
+            if at > now {
+                break;
+            }
+            self.gates.pop_first();
+            if self.members.is_home(&addr) && !self.by_addr.contains_key(&addr) {
+                self.connect(addr);
+            }
+        }
+        if !self.spill {
+            return;
+        }
+        // One spare at a time: the first that is not linked, not refusing lately.
+        let opening = self
+            .links
+            .values()
+            .any(|l| !l.up && !self.members.is_home(&l.addr));
+        if opening {
+            return;
+        }
+        let usable_spare = self.links.values().any(|l| {
+            l.up && !l.draining && l.outstanding < l.window && !self.members.is_home(&l.addr)
+        });
+        if usable_spare {
+            return;
+        }
+        let next = self
+            .members
+            .spares
+            .iter()
+            .chain(&self.members.rest)
+            .find(|a| !self.by_addr.contains_key(*a) && gate_open(self, a))
+            .cloned();
+        if let Some(addr) = next {
+            self.connect(addr);
+        }
+    }
+
+    fn connect(&mut self, addr: String) {
+        let id = self.next_link;
+        self.next_link += 1;
+        self.actions.push(Action::Connect {
+            link: id,
+            addr: addr.clone(),
+        });
+        self.by_addr.insert(addr.clone(), id);
+        let window = match self.cfg.policy {
+            Policy::Subset => INITIAL_WINDOW,
+            Policy::FullMesh => LINK_QUEUE,
+        };
+        self.links.insert(
+            id,
+            WorkerLink {
+                addr,
+                up: false,
+                outstanding: 0,
+                latency_ewma: None,
+                measured: self.now,
+                draining: false,
+                window,
+                idle_since: self.now,
+            },
+        );
+    }
+
+    /// Spares and former members idle past [`LINK_IDLE`] are closed (their slots on the
+    /// worker go back to the ranks whose home it is).
+    fn release_idle(&mut self) {
+        if self.cfg.policy != Policy::Subset {
+            return;
+        }
+        let now = self.now;
+        let idle: Vec<LinkId> = self
+            .links
+            .iter()
+            .filter(|(_, l)| {
+                l.outstanding == 0
+                    && !self.members.is_home(&l.addr)
+                    && (now.duration_since(l.idle_since) >= LINK_IDLE
+                        || !self.wanted.contains(&l.addr))
+                    && (l.up || !self.wanted.contains(&l.addr))
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in idle {
+            self.actions.push(Action::Close { link: id });
+            self.remove_link(id);
+        }
+    }
+
+    fn remove_link(&mut self, id: LinkId) -> Option<WorkerLink> {
+        let l = self.links.remove(&id)?;
+        if self.by_addr.get(&l.addr) == Some(&id) {
+            self.by_addr.remove(&l.addr);
+        }
+        if l.up && !l.draining {
+            self.live -= 1;
+            self.metrics.workers.set(self.live as i64);
+        }
+        Some(l)
+    }
+
+    /// No new requests for `link` (it drains, or misbehaved).
+    fn stop_using(&mut self, link: LinkId) {
+        if let Some(l) = self.links.get_mut(&link) {
+            if l.up && !l.draining {
+                self.live -= 1;
+                self.metrics.workers.set(self.live as i64);
+            }
+            l.draining = true;
+        }
     }
 
     fn depth(&self) -> usize {
@@ -246,7 +633,17 @@ impl Scheduler {
                     0 => None,
                     ns => Some(Duration::from_nanos(ns)),
                 };
-                auto_depth(self.latencies.quantile(0.9), interval, max)
+                let latency = self.latencies.quantile(0.9);
+                match self.cfg.policy {
+                    Policy::FullMesh => legacy_auto_depth(latency, interval, max),
+                    Policy::Subset => {
+                        let by_count = auto_depth(latency, interval, max);
+                        let by_bytes = self.batch_bytes.map_or(by_count, |b| {
+                            ((self.cfg.max_prefetch_bytes as f64 / b.max(1.0)) as usize).max(1)
+                        });
+                        by_count.min(by_bytes)
+                    }
+                }
             }
         }
     }
@@ -265,19 +662,29 @@ impl Scheduler {
             .filter(|(_, p)| p.attempts.is_empty())
             .map(|(pos, _)| *pos)
             .collect();
+        let mut spill = false;
         for pos in unassigned {
-            if !self.send(pos, false) {
-                break; // no live worker; try again on the next event
+            match self.choose(pos, false) {
+                Choice::Link(link) => self.send(pos, link, false),
+                Choice::Wait => break,
+                Choice::Spill => {
+                    spill = true;
+                    break;
+                }
             }
+        }
+        let was = std::mem::replace(&mut self.spill, spill);
+        if spill && !was {
+            self.ensure_links();
         }
     }
 
-    /// Requests unanswered past `request_timeout` are abandoned (a late answer is dropped as
-    /// unknown) and count as failed attempts: each is asked again, elsewhere first, until
-    /// `max_attempts` turns it into the trainer's error.
+    /// Requests unanswered past `request_timeout` are abandoned (cancelled; a late answer is
+    /// dropped as unknown) and count as failed attempts: each is asked again, elsewhere first,
+    /// until `max_attempts` turns it into the trainer's error.
     fn expire(&mut self) {
         let timeout = self.cfg.request_timeout;
-        let now = Instant::now();
+        let now = self.now;
         let expired: Vec<u64> = self
             .in_flight
             .iter()
@@ -285,29 +692,47 @@ impl Scheduler {
             .map(|(id, _)| *id)
             .collect();
         for id in expired {
-            let f = self.in_flight.remove(&id).expect("listed");
-            let addr = self.release_link(f.link);
+            let Some((f, addr)) = self.abandon(id) else {
+                continue;
+            };
+            self.shrink_window(f.link);
             self.metrics.retries.with_label_values(&["deadline"]).inc();
             let why = format!("no answer within {timeout:?} (request_timeout)");
             self.count_failure(f.position, id, &addr, &why);
         }
     }
 
-    fn hedge(&mut self) {
-        let Some(policy) = self.cfg.hedge else {
-            return;
-        };
-        let Some(threshold) = policy.threshold(&self.latencies) else {
-            return;
-        };
-        if self.live_links().count() < 2 {
-            return;
+    /// Forgets request `id` (telling its worker, under the subset policy); the request and
+    /// its worker's address.
+    fn abandon(&mut self, id: u64) -> Option<(InFlight, String)> {
+        let f = self.in_flight.remove(&id)?;
+        let addr = self.release_link(f.link);
+        if self.cfg.policy == Policy::Subset && self.links.get(&f.link).is_some_and(|l| l.up) {
+            self.actions.push(Action::Cancel {
+                link: f.link,
+                request_id: id,
+            });
         }
-        let now = Instant::now();
+        Some((f, addr))
+    }
+
+    fn hedge_threshold(&self) -> Option<Duration> {
+        self.cfg.hedge?.threshold(&self.latencies)
+    }
+
+    fn hedge_head(&self) -> usize {
+        self.cfg.hedge.map_or(0, |h| h.head_positions)
+    }
+
+    fn hedge(&mut self) {
+        let Some(threshold) = self.hedge_threshold() else {
+            return;
+        };
+        let now = self.now;
         let stragglers: Vec<u64> = self
             .pending
             .iter()
-            .take(policy.head_positions)
+            .take(self.hedge_head())
             .filter(|(_, p)| !p.hedged && p.attempts.len() == 1)
             .filter(|(_, p)| {
                 self.in_flight
@@ -317,35 +742,138 @@ impl Scheduler {
             .map(|(pos, _)| *pos)
             .collect();
         for pos in stragglers {
-            if self.send(pos, true) {
-                self.metrics.hedges.with_label_values(&["sent"]).inc();
+            let budgeted = self.cfg.policy == Policy::Subset;
+            if budgeted && !self.hedges.available() {
+                self.metrics
+                    .hedges
+                    .with_label_values(&["over_budget"])
+                    .inc();
+                return;
+            }
+            match self.choose(pos, true) {
+                Choice::Link(link) => {
+                    if budgeted {
+                        self.hedges.spend();
+                    }
+                    self.send(pos, link, true);
+                    self.metrics.hedges.with_label_values(&["sent"]).inc();
+                }
+                Choice::Spill => {
+                    self.spill = true;
+                    self.ensure_links();
+                }
+                Choice::Wait => {}
             }
         }
     }
 
-    /// Picks a worker for `pos` and sends the request; false when no worker can take it.
-    fn send(&mut self, pos: u64, hedge: bool) -> bool {
-        let identity = self.identity.as_ref().expect("issued only with a plan");
+    /// Where `pos` goes: a home with room (avoiding workers that failed it), else a linked
+    /// spare, else wait for a spare to connect; a hedge never goes where the position is.
+    fn choose(&self, pos: u64, hedge: bool) -> Choice {
         let p = &self.pending[&pos];
-        let busy_links: Vec<LinkId> = p
+        let busy: Vec<LinkId> = p
             .attempts
             .iter()
             .filter_map(|id| self.in_flight.get(id).map(|f| f.link))
             .collect();
-        let candidates = || self.live_links().filter(|(id, _)| !busy_links.contains(id));
-        // Avoid workers that already failed this position, unless nothing else is left.
-        let fresh = candidates()
-            .filter(|(_, l)| !p.failed_on.contains(&l.addr))
-            .min_by(|a, b| load_order(a.1, b.1).then(a.0.cmp(b.0)));
-        let chosen =
-            fresh.or_else(|| candidates().min_by(|a, b| load_order(a.1, b.1).then(a.0.cmp(b.0))));
-        let Some((&link_id, _)) = chosen else {
-            return false;
+        let usable = |id: &LinkId, l: &WorkerLink| {
+            l.up && !l.draining && !busy.contains(id) && l.outstanding < l.window
         };
+        let fresh = |l: &WorkerLink| !p.failed_on.contains(&l.addr);
+        let home = |l: &WorkerLink| self.members.is_home(&l.addr);
+        let best = |filter: &dyn Fn(&LinkId, &WorkerLink) -> bool| {
+            self.links
+                .iter()
+                .filter(|(id, l)| filter(id, l))
+                .min_by(|a, b| self.order(a, b))
+                .map(|(id, _)| *id)
+        };
+        if let Some(id) = best(&|id, l| home(l) && usable(id, l) && fresh(l)) {
+            return Choice::Link(id);
+        }
+        // A healthy home that is only full (or still connecting for the first time) will take
+        // it soon: spilling would unbalance the workers.
+        let home_will_take = self.members.homes.iter().any(|a| {
+            let Some(id) = self.by_addr.get(a) else {
+                return false;
+            };
+            let l = &self.links[id];
+            let first_connect = !l.up && !self.problems.contains_key(a);
+            !l.draining && !busy.contains(id) && fresh(l) && (l.up || first_connect)
+        });
+        if home_will_take && !hedge {
+            return Choice::Wait;
+        }
+        if let Some(id) = best(&|id, l| !home(l) && usable(id, l) && fresh(l)) {
+            return Choice::Link(id);
+        }
+        let more_to_try = self
+            .members
+            .spares
+            .iter()
+            .chain(&self.members.rest)
+            .any(|a| self.by_addr.get(a).is_none_or(|id| !self.links[id].up));
+        if more_to_try && self.cfg.policy == Policy::Subset {
+            return Choice::Spill;
+        }
+        // Nothing else is left: a worker that failed this position, rather than none.
+        match best(&|id, l| usable(id, l)) {
+            Some(id) => Choice::Link(id),
+            None if home_will_take => Choice::Wait,
+            None => Choice::Spill,
+        }
+    }
+
+    /// Which of two links takes a request first.
+    fn order(&self, a: &(&LinkId, &WorkerLink), b: &(&LinkId, &WorkerLink)) -> std::cmp::Ordering {
+        match self.cfg.policy {
+            // A link with no latency yet goes first, then the fewer outstanding, then the
+            // lowest id: the same on every rank.
+            Policy::FullMesh => {
+                let cost =
+                    |l: &WorkerLink| (l.outstanding + 1) as f64 * l.latency_ewma.unwrap_or(0.0);
+                cost(a.1)
+                    .total_cmp(&cost(b.1))
+                    .then(a.1.outstanding.cmp(&b.1.outstanding))
+                    .then(a.0.cmp(b.0))
+            }
+            // The lower expected wait, (outstanding + 1) × estimate, where a link never
+            // measured (or not lately) counts as the rank's typical link; ties per rank.
+            Policy::Subset => {
+                let neutral = self.neutral_estimate();
+                let cost = |l: &WorkerLink| (l.outstanding + 1) as f64 * self.estimate(l, neutral);
+                cost(a.1).total_cmp(&cost(b.1)).then_with(|| {
+                    topology::tiebreak(self.cfg.rank, &a.1.addr)
+                        .cmp(&topology::tiebreak(self.cfg.rank, &b.1.addr))
+                })
+            }
+        }
+    }
+
+    fn neutral_estimate(&self) -> f64 {
+        let known: Vec<f64> = self.links.values().filter_map(|l| l.latency_ewma).collect();
+        if known.is_empty() {
+            1.0
+        } else {
+            known.iter().sum::<f64>() / known.len() as f64
+        }
+    }
+
+    fn estimate(&self, l: &WorkerLink, neutral: f64) -> f64 {
+        let Some(e) = l.latency_ewma else {
+            return neutral;
+        };
+        let age = self.now.duration_since(l.measured).as_secs_f64();
+        let keep = 0.5f64.powf(age / ESTIMATE_HALF_LIFE.as_secs_f64());
+        neutral + (e - neutral) * keep
+    }
+
+    fn send(&mut self, pos: u64, link_id: LinkId, hedge: bool) {
+        let identity = self.identity.as_ref().expect("issued only with a plan");
         let bpe = identity.batches_per_epoch;
         let request_id = self.next_request;
         self.next_request += 1;
-        let req = BatchRequest {
+        let request = BatchRequest {
             request_id,
             plan_id: identity.plan_id,
             epoch: pos / bpe,
@@ -353,134 +881,54 @@ impl Scheduler {
             rank: self.cfg.rank,
             world_size: self.cfg.world_size,
         };
+        self.actions.push(Action::Send {
+            link: link_id,
+            request,
+        });
         let link = self.links.get_mut(&link_id).expect("chosen from links");
-        let sent = link
-            .requests
-            .as_ref()
-            .is_some_and(|tx| tx.try_send(req).is_ok());
-        if !sent {
-            // Its queue is full or its connection is gone: the Down event will follow.
-            link.draining = true;
-            return false;
-        }
         link.outstanding += 1;
         self.in_flight.insert(
             request_id,
             InFlight {
                 link: link_id,
                 position: pos,
-                sent: Instant::now(),
+                sent: self.now,
                 hedge,
             },
         );
         let p = self.pending.get_mut(&pos).expect("pending");
         p.attempts.push(request_id);
         p.hedged |= hedge;
-        true
-    }
-
-    fn deliver(&mut self) {
-        while self.out.capacity() > 0 {
-            // Errors that concern no one batch go first and take no position.
-            if let Some(e) = self.notices.pop_front() {
-                let _ = self.out.try_send(Delivery {
-                    generation: self.generation,
-                    result: Err(e),
-                });
-                continue;
-            }
-            let Some(result) = self.ready.remove(&self.next_deliver) else {
-                break;
-            };
-            let d = Delivery {
-                generation: self.generation,
-                result,
-            };
-            // Only this task sends, and there is room: this cannot fail but by a closed loader.
-            let _ = self.out.try_send(d);
-            self.next_deliver += 1;
-        }
     }
 
     /// The trainer gets `error` on its next call, ahead of any batch and without taking a
-    /// position: queued when the delivery channel is full, never dropped for it (the queue
-    /// keeps the first few; more of the same condition add nothing).
+    /// position: queued, never dropped for a full channel (the queue keeps the first few; more
+    /// of the same condition add nothing).
     fn fail_trainer(&mut self, error: Error) {
         tracing::error!("{error}");
         if self.notices.len() < NOTICE_CAPACITY {
             self.notices.push_back(error);
         }
-        self.deliver();
-    }
-
-    fn on_control(&mut self, c: Control) {
-        match c {
-            Control::Seek {
-                position,
-                generation,
-            } => {
-                // Answers for the old window still arrive; they find no pending position.
-                self.pending.clear();
-                self.ready.clear();
-                self.notices.clear();
-                self.next_issue = position;
-                self.next_deliver = position;
-                self.generation = generation;
-            }
-        }
-    }
-
-    fn on_event(&mut self, ev: Event) {
-        match ev {
-            Event::Up {
-                link,
-                welcome,
-                requests,
-            } => self.on_up(link, welcome, requests),
-            Event::Refused { link, error } => {
-                let Some(l) = self.links.get(&link) else {
-                    return;
-                };
-                let addr = l.addr.clone();
-                self.metrics.errors.with_label_values(&["refused"]).inc();
-                let refusal = Error::Unauthorized {
-                    worker: addr.clone(),
-                    reason: error.message,
-                };
-                self.problems.insert(addr, refusal.clone());
-                if error.code == ErrorCode::Unauthorized {
-                    // Retrying cannot fix a token; say so at once.
-                    self.fail_identity(refusal.clone());
-                    self.fail_trainer(refusal);
-                }
-            }
-            Event::Answer {
-                link,
-                request_id,
-                answer,
-            } => self.on_answer(link, request_id, answer),
-            Event::Down { link, error } => self.on_down(link, error, Loss::Crashed),
-        }
     }
 
     fn fail_identity(&mut self, error: Error) {
-        if let Some(tx) = self.identity_tx.take() {
-            let _ = tx.send(Err(error));
+        if !self.identity_taken && self.identity.is_none() && self.identity_result.is_none() {
+            self.identity_result = Some(Err(error));
         }
     }
 
-    fn on_up(&mut self, link: LinkId, offered: Welcome, requests: mpsc::Sender<BatchRequest>) {
+    fn on_up(&mut self, link: LinkId, offered: Welcome) {
         let Some(l) = self.links.get_mut(&link) else {
             return;
         };
         let mismatch = match (&self.identity, self.cfg.state.map(|s| s.plan_id)) {
-            (Some(have), _) if *have != offered => Some(have.plan_id),
+            (Some(have), _) if !have.same_plan(&offered) => Some(have.plan_id),
             (None, Some(want)) if want != offered.plan_id => Some(want),
             _ => None,
         };
         if let Some(want) = mismatch {
             // Batches from another plan or dataset version would corrupt the order: never
-            // use this worker (its sender is dropped, which closes the connection).
+            // use this worker.
             let msg = format!(
                 "worker {} serves plan {:016x} ({}), this loader needs plan {want:016x}",
                 l.addr, offered.plan_id, offered.description
@@ -490,15 +938,24 @@ impl Scheduler {
                 .errors
                 .with_label_values(&["plan_mismatch"])
                 .inc();
-            self.problems
-                .insert(l.addr.clone(), Error::PlanMismatch(msg));
-            l.task.abort();
+            let addr = l.addr.clone();
+            self.problems.insert(addr, Error::PlanMismatch(msg));
+            // Kept as a link that is never used (so it is not dialled again), closed.
+            l.draining = true;
+            l.up = true;
+            self.actions.push(Action::Close { link });
             return;
         }
         tracing::debug!("worker {} is up", l.addr);
-        l.requests = Some(requests);
-        self.problems.remove(&l.addr);
-        self.reconnect_at.remove(&l.addr);
+        l.up = true;
+        l.idle_since = self.now;
+        let addr = l.addr.clone();
+        self.live += 1;
+        self.metrics.workers.set(self.live as i64);
+        self.problems.remove(&addr);
+        if let Some((at, _)) = self.reconnect_at.remove(&addr) {
+            self.gates.remove(&(at, addr));
+        }
         if self.identity.is_none() {
             let (epoch, batch) = self.cfg.state.map_or((0, 0), |s| (s.epoch, s.next_batch));
             self.next_issue = epoch * offered.batches_per_epoch + batch;
@@ -507,9 +964,12 @@ impl Scheduler {
                 .consumed
                 .store(self.next_issue, Ordering::Release);
             self.identity = Some(offered.clone());
-            if let Some(tx) = self.identity_tx.take() {
-                let _ = tx.send(Ok(offered));
+            if !self.identity_taken {
+                self.identity_result = Some(Ok(offered));
             }
+            // The workers' hints (connection limit, links per rank) are known now.
+            self.recompute_members();
+            self.dial_homes();
         }
     }
 
@@ -517,7 +977,7 @@ impl Scheduler {
         &mut self,
         link: LinkId,
         request_id: u64,
-        answer: Result<(stoker_wire::BatchHead, crate::buffer::AlignedBuf), ErrorFrame>,
+        answer: Result<(BatchHead, crate::buffer::AlignedBuf), ErrorFrame>,
     ) {
         let Some(f) = self.in_flight.remove(&request_id) else {
             if let Err(e) = answer {
@@ -527,11 +987,14 @@ impl Scheduler {
             return;
         };
         let addr = self.release_link(link);
-        let elapsed = f.sent.elapsed();
+        let elapsed = self.now.duration_since(f.sent);
         match answer {
             Ok((head, buf)) => {
                 self.metrics.payload_bytes.inc_by(buf.len() as u64);
                 self.latencies.record(elapsed);
+                self.hedges.earn();
+                let bytes = buf.len() as f64;
+                self.batch_bytes = Some(self.batch_bytes.map_or(bytes, |b| 0.8 * b + 0.2 * bytes));
                 self.metrics
                     .worker_latency
                     .with_label_values(&[&addr])
@@ -539,6 +1002,10 @@ impl Scheduler {
                 if let Some(l) = self.links.get_mut(&link) {
                     let s = elapsed.as_secs_f64();
                     l.latency_ewma = Some(l.latency_ewma.map_or(s, |e| 0.8 * e + 0.2 * s));
+                    l.measured = self.now;
+                    if l.window < LINK_QUEUE {
+                        l.window += 1;
+                    }
                 }
                 let checked = match self.wrong_answer(&head.request, f.position) {
                     Some(why) => Err(("wrong_batch", why)),
@@ -552,9 +1019,7 @@ impl Scheduler {
                         // Never deliver it: this worker is not trusted again, the batch is
                         // asked for elsewhere.
                         self.metrics.errors.with_label_values(&[kind]).inc();
-                        if let Some(l) = self.links.get_mut(&link) {
-                            l.draining = true;
-                        }
+                        self.stop_using(link);
                         self.count_failure(f.position, request_id, &addr, &why);
                         return;
                     }
@@ -565,8 +1030,10 @@ impl Scheduler {
                 if f.hedge {
                     self.metrics.hedges.with_label_values(&["won"]).inc();
                 }
-                // A duplicate still in flight will find no pending position and be dropped.
-                drop(p);
+                // The other attempts lost: their workers can stop preparing them.
+                for id in p.attempts.iter().filter(|id| **id != request_id) {
+                    self.abandon(*id);
+                }
                 self.ready.insert(f.position, Ok(batch));
             }
             Err(e) if !self.pending.contains_key(&f.position) => {
@@ -576,9 +1043,7 @@ impl Scheduler {
             Err(e) => match e.code {
                 ErrorCode::Unavailable | ErrorCode::PlanMismatch => {
                     // Draining, or it restarted with another plan: never ask it again.
-                    if let Some(l) = self.links.get_mut(&link) {
-                        l.draining = true;
-                    }
+                    self.stop_using(link);
                     let reason = if e.code == ErrorCode::Unavailable {
                         "draining"
                     } else {
@@ -589,6 +1054,7 @@ impl Scheduler {
                 }
                 ErrorCode::Transient => {
                     // The store failed, not the data: ask again (elsewhere first).
+                    self.shrink_window(link);
                     self.metrics.retries.with_label_values(&["transient"]).inc();
                     self.count_failure(f.position, request_id, &addr, &e.message);
                 }
@@ -598,6 +1064,14 @@ impl Scheduler {
                     self.give_up(f.position, &addr, &e.message);
                 }
             },
+        }
+    }
+
+    fn shrink_window(&mut self, link: LinkId) {
+        if self.cfg.policy == Policy::Subset {
+            if let Some(l) = self.links.get_mut(&link) {
+                l.window = (l.window / 2).max(1);
+            }
         }
     }
 
@@ -630,9 +1104,13 @@ impl Scheduler {
 
     /// One request fewer outstanding on `link`; its address (empty if the link is gone).
     fn release_link(&mut self, link: LinkId) -> String {
+        let now = self.now;
         match self.links.get_mut(&link) {
             Some(l) => {
                 l.outstanding = l.outstanding.saturating_sub(1);
+                if l.outstanding == 0 {
+                    l.idle_since = now;
+                }
                 l.addr.clone()
             }
             None => String::new(),
@@ -680,10 +1158,10 @@ impl Scheduler {
     }
 
     fn on_down(&mut self, link: LinkId, error: String, loss: Loss) {
-        let Some(l) = self.links.remove(&link) else {
+        let Some(l) = self.remove_link(link) else {
             return;
         };
-        let was_up = l.requests.is_some();
+        let was_up = l.up;
         let lost: Vec<u64> = self
             .in_flight
             .iter()
@@ -719,7 +1197,7 @@ impl Scheduler {
         }
         let kind = if was_up { "lost" } else { "connect" };
         self.metrics.errors.with_label_values(&[kind]).inc();
-        if was_up {
+        if was_up && loss == Loss::Crashed {
             tracing::warn!(
                 "worker {} lost ({error}); {} requests go to other workers",
                 l.addr,
@@ -734,85 +1212,24 @@ impl Scheduler {
                 .reconnect_at
                 .get(&l.addr)
                 .map_or(RECONNECT_MIN, |(_, b)| (*b * 2).min(RECONNECT_MAX));
-            self.reconnect_at
-                .insert(l.addr.clone(), (Instant::now() + backoff, backoff));
-        }
-    }
-
-    fn apply_worker_set(&mut self, set: WorkerSet) {
-        let gone: Vec<LinkId> = self
-            .links
-            .iter()
-            .filter(|(_, l)| !set.contains(&l.addr))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in gone {
-            if let Some(l) = self.links.get(&id) {
-                l.task.abort();
+            let at = self.now + backoff;
+            if let Some((old, _)) = self.reconnect_at.insert(l.addr.clone(), (at, backoff)) {
+                self.gates.remove(&(old, l.addr.clone()));
             }
-            self.on_down(id, "removed from discovery".into(), Loss::Removed);
-        }
-        self.reconnect_at.retain(|a, _| set.contains(a));
-        self.problems.retain(|a, _| set.contains(a));
-        let have: WorkerSet = self.links.values().map(|l| l.addr.clone()).collect();
-        for addr in set.iter().filter(|a| !have.contains(*a)) {
-            if !self.reconnect_at.contains_key(addr) {
-                self.connect(addr.clone());
-            }
-        }
-        self.wanted = set;
-    }
-
-    fn connect(&mut self, addr: String) {
-        let id = self.next_link;
-        self.next_link += 1;
-        let task = tokio::spawn(link::run(
-            id,
-            addr.clone(),
-            self.cfg.token.clone(),
-            self.events_tx.clone(),
-            self.pool.clone(),
-        ));
-        self.links.insert(
-            id,
-            WorkerLink {
-                addr,
-                requests: None,
-                task,
-                outstanding: 0,
-                latency_ewma: None,
-                draining: false,
-            },
-        );
-    }
-
-    fn reconnect_due(&mut self) {
-        let now = Instant::now();
-        let due: Vec<String> = self
-            .reconnect_at
-            .iter()
-            .filter(|(a, (at, _))| *at <= now && !self.links.values().any(|l| &l.addr == *a))
-            .map(|(a, _)| a.clone())
-            .collect();
-        for addr in due {
-            // Keep the backoff entry: it grows if this attempt fails too.
-            if let Some((at, b)) = self.reconnect_at.get_mut(&addr) {
-                *at = now + *b;
-            }
-            self.connect(addr);
+            self.gates.insert((at, l.addr.clone()));
         }
     }
 
     fn check_no_worker(&mut self) {
-        if self.live_links().next().is_some() {
+        if self.live > 0 {
             self.no_worker_since = None;
             return;
         }
-        let since = *self.no_worker_since.get_or_insert_with(Instant::now);
-        if since.elapsed() < self.cfg.no_worker_timeout {
+        let since = *self.no_worker_since.get_or_insert(self.now);
+        if self.now.duration_since(since) < self.cfg.no_worker_timeout {
             return;
         }
-        self.no_worker_since = Some(Instant::now());
+        self.no_worker_since = Some(self.now);
         let error = self.no_worker_error();
         self.fail_identity(error.clone());
         if self.identity.is_some() && !self.pending.is_empty() {
@@ -847,6 +1264,15 @@ impl Scheduler {
     }
 }
 
+/// Where a position can go now.
+enum Choice {
+    Link(LinkId),
+    /// A home will take it once it has room: wait.
+    Wait,
+    /// No home can: a spare must be connected first.
+    Spill,
+}
+
 /// How a connection went away, for counting attempts.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Loss {
@@ -854,16 +1280,6 @@ enum Loss {
     Crashed,
     /// Removed from discovery (scale-down): not the request's fault.
     Removed,
-}
-
-/// The lower expected wait first: (outstanding + 1) × recent latency, so a slow worker gets
-/// fewer requests; a worker with no latency yet goes first (it has to be tried), then the
-/// fewer outstanding requests.
-fn load_order(a: &WorkerLink, b: &WorkerLink) -> std::cmp::Ordering {
-    let cost = |l: &WorkerLink| (l.outstanding + 1) as f64 * l.latency_ewma.unwrap_or(0.0);
-    cost(a)
-        .total_cmp(&cost(b))
-        .then(a.outstanding.cmp(&b.outstanding))
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 use super::*;
 use crate::buffer::AlignedBuf;
 use crate::policy::HedgePolicy;
+use std::collections::VecDeque;
 use stoker_wire::{BatchHead, DType, TensorMeta};
 
 const BATCHES_PER_EPOCH: u64 = 4;
@@ -17,6 +18,8 @@ fn plan(plan_id: u64) -> Welcome {
         global_batch_size: 8,
         batches_per_epoch: BATCHES_PER_EPOCH,
         description: format!("plan {plan_id}"),
+        max_connections: 0,
+        links_per_rank: 0,
     }
 }
 
@@ -41,62 +44,120 @@ fn resume_at(plan_id: u64, epoch: u64, next_batch: u64) -> Option<crate::LoaderS
 
 struct Machine {
     s: Scheduler,
-    handles: Handles,
-    /// Each link's request queue, as the link task would read it.
-    requests: HashMap<LinkId, mpsc::Receiver<BatchRequest>>,
+    /// Virtual time: tests advance it instead of sleeping.
+    now: Instant,
+    workers: WorkerSet,
+    links_by_addr: HashMap<String, LinkId>,
+    /// Each link's requests, as the worker would receive them (drained by `asked`).
+    sent: HashMap<LinkId, Vec<BatchRequest>>,
+    cancelled: Vec<(LinkId, u64)>,
+    closed: Vec<LinkId>,
+    /// The trainer's channel: at most `capacity` deliveries not yet taken.
+    outbox: VecDeque<Delivery>,
+    capacity: usize,
 }
 
 impl Machine {
     fn new(cfg: LoaderConfig) -> Machine {
-        let shared = Arc::new(Shared {
-            consumed: AtomicU64::new(0),
-            interval_ns: AtomicU64::new(0),
-            asking: Default::default(),
-            wake: Notify::new(),
-        });
-        let (s, handles, _, _) = Scheduler::new(cfg, shared, ClientMetrics::new("p", 1));
+        let now = Instant::now();
+        let s = Scheduler::new(cfg, Shared::new(), ClientMetrics::new("p", 1), now);
+        let capacity = s.max_depth() + 1;
         Machine {
             s,
-            handles,
-            requests: HashMap::new(),
+            now,
+            workers: WorkerSet::new(),
+            links_by_addr: HashMap::new(),
+            sent: HashMap::new(),
+            cancelled: Vec::new(),
+            closed: Vec::new(),
+            outbox: VecDeque::new(),
+            capacity,
         }
     }
 
-    /// A worker at `addr` whose handshake offered `welcome`.
+    /// Carries out the scheduler's actions (as the driver would) and fills the trainer's
+    /// channel while it has room.
+    fn pump(&mut self) {
+        for a in self.s.take_actions() {
+            match a {
+                Action::Connect { link, addr } => {
+                    self.links_by_addr.insert(addr, link);
+                }
+                Action::Send { link, request } => self.sent.entry(link).or_default().push(request),
+                Action::Cancel { link, request_id } => self.cancelled.push((link, request_id)),
+                Action::Close { link } => self.closed.push(link),
+            }
+        }
+        while self.outbox.len() < self.capacity {
+            match self.s.poll_delivery() {
+                Some(d) => self.outbox.push_back(d),
+                None => break,
+            }
+        }
+    }
+
+    fn step(&mut self) {
+        self.s.step(self.now);
+        self.pump();
+    }
+
+    fn event(&mut self, ev: Event) {
+        self.s.on_event(self.now, ev);
+        self.pump();
+    }
+
+    fn control(&mut self, c: Control) {
+        self.s.on_control(self.now, c);
+        self.pump();
+    }
+
+    fn advance(&mut self, d: Duration) {
+        self.now += d;
+    }
+
+    /// Discovery now lists `addrs` too; the links the scheduler opened for them.
+    fn discover(&mut self, addrs: &[&str]) {
+        for a in addrs {
+            self.workers.insert(a.to_string());
+        }
+        self.s.set_workers(self.now, self.workers.clone());
+        self.pump();
+    }
+
+    /// The link the scheduler opened to `addr`.
+    fn link(&self, addr: &str) -> LinkId {
+        self.links_by_addr[addr]
+    }
+
+    /// A worker at `addr` whose handshake offered `welcome`, its window already open (as
+    /// after many answers): the tests of ordering and retries are not about the slow start.
     fn worker_up(&mut self, addr: &str, welcome: Welcome) -> LinkId {
-        let id = self.s.next_link;
-        self.s.next_link += 1;
-        self.s.links.insert(
-            id,
-            WorkerLink {
-                addr: addr.into(),
-                requests: None,
-                task: tokio::spawn(async {}),
-                outstanding: 0,
-                latency_ewma: None,
-                draining: false,
-            },
-        );
-        self.s.wanted.insert(addr.into());
-        let (tx, rx) = mpsc::channel(64);
-        self.requests.insert(id, rx);
-        self.s.on_event(Event::Up {
-            link: id,
-            welcome,
-            requests: tx,
-        });
-        id
+        let link = self.cold_worker_up(addr, welcome);
+        if let Some(l) = self.s.links.get_mut(&link) {
+            l.window = LINK_QUEUE;
+        }
+        link
+    }
+
+    /// A worker at `addr` that just came up.
+    fn cold_worker_up(&mut self, addr: &str, welcome: Welcome) -> LinkId {
+        if !self.workers.contains(addr) {
+            self.discover(&[addr]);
+        }
+        let link = self.link(addr);
+        self.event(Event::Up { link, welcome });
+        link
     }
 
     /// Everything `link` was asked for since the last call: (request id, epoch, batch).
     fn asked(&mut self, link: LinkId) -> Vec<(u64, u64, u64)> {
-        let rx = self.requests.get_mut(&link).expect("a link");
-        let mut out = Vec::new();
-        while let Ok(r) = rx.try_recv() {
-            assert_eq!((r.rank, r.world_size), (1, 2));
-            out.push((r.request_id, r.epoch, r.global_batch));
-        }
-        out
+        let reqs = self.sent.remove(&link).unwrap_or_default();
+        reqs.into_iter()
+            .map(|r| {
+                assert_eq!((r.rank, r.world_size), (1, self.s.cfg.world_size));
+                (r.request_id, r.epoch, r.global_batch)
+            })
+            .collect()
     }
 
     /// The worker's answer to `request_id`: the batch it was asked for, one sample whose id
@@ -116,7 +177,7 @@ impl Machine {
             epoch: position / BATCHES_PER_EPOCH,
             global_batch: position % BATCHES_PER_EPOCH,
             rank: 1,
-            world_size: 2,
+            world_size: self.s.cfg.world_size,
         }
     }
 
@@ -140,7 +201,7 @@ impl Machine {
             tensors,
             payload_len: payload.len() as u64,
         };
-        self.s.on_event(Event::Answer {
+        self.event(Event::Answer {
             link,
             request_id,
             answer: Ok((head, payload)),
@@ -153,20 +214,27 @@ impl Machine {
             code,
             message: message.into(),
         };
-        self.s.on_event(Event::Answer {
+        self.event(Event::Answer {
             link,
             request_id,
             answer: Err(e),
         });
     }
 
+    fn down(&mut self, link: LinkId) {
+        self.event(Event::Down {
+            link,
+            error: "connection reset".into(),
+        });
+    }
+
     /// Deliveries so far: the sample ids (= the request that won) or the error.
     fn delivered(&mut self) -> Vec<Result<u64, Error>> {
-        let mut out = Vec::new();
-        while let Ok(d) = self.handles.deliveries.try_recv() {
-            out.push(d.result.map(|b| b.sample_ids[0]));
-        }
-        out
+        self.pump();
+        self.outbox
+            .drain(..)
+            .map(|d| d.result.map(|b| b.sample_ids[0]))
+            .collect()
     }
 
     fn consume(&mut self, n: u64) {
@@ -178,7 +246,7 @@ impl Machine {
 async fn the_window_is_requested_in_order_and_delivered_in_order_whatever_the_answer_order() {
     let mut m = Machine::new(config(3));
     let a = m.worker_up("a", plan(7));
-    m.s.step();
+    m.step();
     let asked = m.asked(a);
     assert_eq!(
         asked.iter().map(|r| (r.1, r.2)).collect::<Vec<_>>(),
@@ -186,16 +254,16 @@ async fn the_window_is_requested_in_order_and_delivered_in_order_whatever_the_an
     );
     // Answers arrive 2, 0, 1: delivery waits for 0, then releases in plan order.
     m.answer(a, asked[2].0);
-    m.s.step();
+    m.step();
     assert!(m.delivered().is_empty(), "position 0 is not ready");
     m.answer(a, asked[0].0);
     m.answer(a, asked[1].0);
-    m.s.step();
+    m.step();
     let ids: Vec<u64> = asked.iter().map(|r| r.0).collect();
     assert_eq!(m.delivered(), ids.into_iter().map(Ok).collect::<Vec<_>>());
     // The trainer takes two: the window slides, crossing into epoch 1 after batch 3.
     m.consume(3);
-    m.s.step();
+    m.step();
     let next: Vec<(u64, u64)> = m.asked(a).iter().map(|r| (r.1, r.2)).collect();
     assert_eq!(next, [(0, 3), (1, 0), (1, 1)]);
 }
@@ -205,7 +273,7 @@ async fn requests_spread_over_workers_and_a_lost_worker_s_go_to_the_others() {
     let mut m = Machine::new(config(4));
     let a = m.worker_up("a", plan(7));
     let b = m.worker_up("b", plan(7));
-    m.s.step();
+    m.step();
     let (on_a, on_b) = (m.asked(a), m.asked(b));
     assert_eq!(
         (on_a.len(), on_b.len()),
@@ -213,11 +281,8 @@ async fn requests_spread_over_workers_and_a_lost_worker_s_go_to_the_others() {
         "the fewest outstanding first"
     );
     // a dies with its two requests unanswered: they are re-sent to b, nothing is lost.
-    m.s.on_event(Event::Down {
-        link: a,
-        error: "connection reset".into(),
-    });
-    m.s.step();
+    m.down(a);
+    m.step();
     let resent: Vec<(u64, u64)> = m.asked(b).iter().map(|r| (r.1, r.2)).collect();
     let mut lost: Vec<(u64, u64)> = on_a.iter().map(|r| (r.1, r.2)).collect();
     lost.sort();
@@ -233,7 +298,7 @@ async fn requests_spread_over_workers_and_a_lost_worker_s_go_to_the_others() {
     for id in on_b_now {
         m.answer(b, id);
     }
-    m.s.step();
+    m.step();
     let got = m.delivered();
     assert_eq!(got.len(), 4, "{got:?}");
     assert!(got.iter().all(|r| r.is_ok()));
@@ -243,11 +308,11 @@ async fn requests_spread_over_workers_and_a_lost_worker_s_go_to_the_others() {
 async fn a_draining_worker_is_asked_nothing_more_and_its_refusal_is_retried_elsewhere() {
     let mut m = Machine::new(config(1));
     let a = m.worker_up("a", plan(7));
-    m.s.step();
+    m.step();
     let first = m.asked(a);
     let b = m.worker_up("b", plan(7));
     m.fail(a, first[0].0, ErrorCode::Unavailable, "draining");
-    m.s.step();
+    m.step();
     let retried = m.asked(b);
     assert_eq!(
         (retried[0].1, retried[0].2),
@@ -256,7 +321,7 @@ async fn a_draining_worker_is_asked_nothing_more_and_its_refusal_is_retried_else
     );
     m.answer(b, retried[0].0);
     m.consume(1);
-    m.s.step();
+    m.step();
     assert!(m.asked(a).is_empty(), "a drains: nothing more for it");
     assert_eq!(m.asked(b).len(), 1);
     assert_eq!(m.delivered(), [Ok(retried[0].0)]);
@@ -266,11 +331,11 @@ async fn a_draining_worker_is_asked_nothing_more_and_its_refusal_is_retried_else
 async fn a_failed_request_reaches_the_trainer_naming_the_batch_and_the_worker() {
     let mut m = Machine::new(config(2));
     let a = m.worker_up("a", plan(7));
-    m.s.step();
+    m.step();
     let asked = m.asked(a);
     m.answer(a, asked[0].0);
     m.fail(a, asked[1].0, ErrorCode::Failed, "object x.jpg: corrupt");
-    m.s.step();
+    m.step();
     let got = m.delivered();
     assert_eq!(got[0], Ok(asked[0].0));
     let err = got[1].as_ref().unwrap_err();
@@ -289,14 +354,14 @@ async fn repeated_draining_refusals_give_up_after_max_attempts() {
         links.push(m.worker_up(addr, plan(7)));
     }
     for _ in 0..3 {
-        m.s.step();
+        m.step();
         let (link, id) = links
             .iter()
             .find_map(|l| m.asked(*l).first().map(|r| (*l, r.0)))
             .expect("one worker was asked");
         m.fail(link, id, ErrorCode::Unavailable, "draining");
     }
-    m.s.step();
+    m.step();
     let got = m.delivered();
     assert_eq!(got.len(), 1);
     assert!(got[0]
@@ -311,7 +376,7 @@ async fn a_worker_of_another_plan_is_never_asked() {
     let mut m = Machine::new(config(2));
     let a = m.worker_up("a", plan(7));
     let stranger = m.worker_up("stranger", plan(8));
-    m.s.step();
+    m.step();
     assert_eq!(m.asked(a).len(), 2);
     assert!(m.asked(stranger).is_empty());
     let problem = &m.s.problems["stranger"];
@@ -325,10 +390,10 @@ async fn a_loaded_state_starts_at_its_epoch_and_batch_and_refuses_other_plans() 
     cfg.state = resume_at(7, 2, 3);
     let mut m = Machine::new(cfg);
     let other = m.worker_up("other", plan(9));
-    m.s.step();
+    m.step();
     assert!(m.asked(other).is_empty());
     let a = m.worker_up("a", plan(7));
-    m.s.step();
+    m.step();
     let got: Vec<(u64, u64)> = m.asked(a).iter().map(|r| (r.1, r.2)).collect();
     assert_eq!(got, [(2, 3), (3, 0)]);
 }
@@ -337,28 +402,33 @@ async fn a_loaded_state_starts_at_its_epoch_and_batch_and_refuses_other_plans() 
 async fn a_seek_restarts_delivery_and_drops_answers_for_the_old_window() {
     let mut m = Machine::new(config(2));
     let a = m.worker_up("a", plan(7));
-    m.s.step();
+    m.step();
     let old = m.asked(a);
-    m.s.on_control(Control::Seek {
+    m.control(Control::Seek {
         position: 6,
         generation: 1,
     });
     m.s.shared.consumed.store(6, Ordering::Release);
-    m.s.step();
+    m.step();
     let new = m.asked(a);
     assert_eq!(
         new.iter().map(|r| (r.1, r.2)).collect::<Vec<_>>(),
         [(1, 2), (1, 3)]
     );
-    for (id, _, _) in old {
+    for (id, _, _) in old.iter().copied() {
         m.answer(a, id); // stale: no pending position
     }
     m.answer(a, new[0].0);
-    m.s.step();
-    let d = m.handles.deliveries.try_recv().unwrap();
+    m.step();
+    m.pump();
+    let d = m.outbox.pop_front().unwrap();
     assert_eq!(d.generation, 1);
     assert_eq!(d.result.unwrap().sample_ids, [new[0].0]);
-    assert!(m.handles.deliveries.try_recv().is_err());
+    assert!(m.outbox.is_empty());
+    // Under the subset policy the old window's requests were cancelled.
+    let mut cancelled: Vec<u64> = m.cancelled.iter().map(|c| c.1).collect();
+    cancelled.sort();
+    assert_eq!(cancelled, old.iter().map(|r| r.0).collect::<Vec<_>>());
 }
 
 #[tokio::test]
@@ -372,7 +442,7 @@ async fn a_straggler_at_the_head_is_hedged_on_another_worker_and_the_first_answe
     let a = m.worker_up("a", plan(7));
     let b = m.worker_up("b", plan(7));
     m.s.latencies.record(Duration::from_millis(1));
-    m.s.step();
+    m.step();
     let (slow, other) = if m.asked(a).is_empty() {
         (b, a)
     } else {
@@ -380,15 +450,15 @@ async fn a_straggler_at_the_head_is_hedged_on_another_worker_and_the_first_answe
     };
     let first = m.s.in_flight.keys().copied().next().unwrap();
     // Older than 1.5 × p95 of what was seen (1 ms): hedged once, on the other worker.
-    std::thread::sleep(Duration::from_millis(5));
-    m.s.step();
-    m.s.step();
+    m.advance(Duration::from_millis(5));
+    m.step();
+    m.step();
     let hedge = m.asked(other);
     assert_eq!(hedge.len(), 1, "one hedge");
     assert_eq!((hedge[0].1, hedge[0].2), (0, 0));
     m.answer(other, hedge[0].0);
     m.answer(slow, first); // the loser: dropped
-    m.s.step();
+    m.step();
     assert_eq!(m.delivered(), [Ok(hedge[0].0)]);
 }
 
@@ -399,8 +469,8 @@ async fn with_only_workers_of_another_plan_the_loader_fails_with_a_plan_mismatch
     cfg.no_worker_timeout = Duration::ZERO;
     let mut m = Machine::new(cfg);
     m.worker_up("other", plan(9));
-    m.s.step();
-    let err = m.handles.identity.try_recv().unwrap().unwrap_err();
+    m.step();
+    let err = m.s.take_identity().unwrap().unwrap_err();
     assert_eq!(err.kind(), "plan_mismatch", "{err}");
     assert!(err
         .to_string()
@@ -410,9 +480,9 @@ async fn with_only_workers_of_another_plan_the_loader_fails_with_a_plan_mismatch
 #[tokio::test]
 async fn a_refused_token_fails_the_loader_as_unauthorized_at_once() {
     let mut m = Machine::new(config(2));
-    let link = m.s.next_link;
-    m.s.connect("a".into());
-    m.s.on_event(Event::Refused {
+    m.discover(&["a"]);
+    let link = m.link("a");
+    m.event(Event::Refused {
         link,
         error: ErrorFrame {
             request_id: 0,
@@ -420,7 +490,7 @@ async fn a_refused_token_fails_the_loader_as_unauthorized_at_once() {
             message: "wrong pipeline token".into(),
         },
     });
-    let err = m.handles.identity.try_recv().unwrap().unwrap_err();
+    let err = m.s.take_identity().unwrap().unwrap_err();
     assert_eq!(
         err,
         Error::Unauthorized {
@@ -434,7 +504,7 @@ async fn a_refused_token_fails_the_loader_as_unauthorized_at_once() {
 async fn a_transient_failure_is_asked_again_elsewhere_and_never_reaches_the_trainer() {
     let mut m = Machine::new(config(1));
     let a = m.worker_up("a", plan(7));
-    m.s.step();
+    m.step();
     let first = m.asked(a);
     let b = m.worker_up("b", plan(7));
     m.fail(
@@ -443,11 +513,11 @@ async fn a_transient_failure_is_asked_again_elsewhere_and_never_reaches_the_trai
         ErrorCode::Transient,
         "object x.jpg: connection reset",
     );
-    m.s.step();
+    m.step();
     let retried = m.asked(b);
     assert_eq!((retried[0].1, retried[0].2), (0, 0), "the same position");
     m.answer(b, retried[0].0);
-    m.s.step();
+    m.step();
     assert_eq!(m.delivered(), [Ok(retried[0].0)]);
 }
 
@@ -457,14 +527,11 @@ async fn a_request_that_crashes_every_worker_it_reaches_fails_after_max_attempts
     let mut failed = None;
     for attempt in 0..3 {
         let link = m.worker_up(&format!("w{attempt}"), plan(7));
-        m.s.step();
+        m.step();
         let asked = m.asked(link);
         assert_eq!((asked[0].1, asked[0].2), (0, 0), "batch 0, again");
-        m.s.on_event(Event::Down {
-            link,
-            error: "connection reset".into(),
-        });
-        m.s.step();
+        m.down(link);
+        m.step();
         failed = m.delivered().pop();
     }
     let err = failed.expect("delivered after the third loss").unwrap_err();
@@ -481,17 +548,17 @@ async fn a_request_that_crashes_every_worker_it_reaches_fails_after_max_attempts
 async fn an_error_is_never_dropped_for_a_full_channel_and_takes_no_batch_s_place() {
     let mut m = Machine::new(config(3));
     let a = m.worker_up("a", plan(7));
-    m.s.step();
+    m.step();
     for (id, _, _) in m.asked(a) {
         m.answer(a, id);
     }
-    m.s.step(); // three batches fill the channel (capacity depth + 1 = 4)
+    m.step(); // three batches fill the channel (capacity depth + 1 = 4)
     m.s.fail_trainer(Error::Internal("first".into()));
     m.s.fail_trainer(Error::Internal("second".into()));
     let got = m.delivered();
     assert_eq!(got.len(), 4, "{got:?}");
     assert_eq!(got[3], Err(Error::Internal("first".into())));
-    m.s.step();
+    m.step();
     let got = m.delivered();
     assert_eq!(
         got,
@@ -500,7 +567,7 @@ async fn an_error_is_never_dropped_for_a_full_channel_and_takes_no_batch_s_place
     );
     // The batches kept their positions: the next one asked is batch 3.
     m.consume(3);
-    m.s.step();
+    m.step();
     assert_eq!(
         m.asked(a).iter().map(|r| r.2).collect::<Vec<_>>(),
         [3, 0, 1]
@@ -548,19 +615,19 @@ fn a_bad_answer_is_never_delivered_and_is_asked_for_elsewhere(
 ) {
     let mut m = Machine::new(config(1));
     let a = m.worker_up("a", plan(7));
-    m.s.step();
+    m.step();
     let asked = m.asked(a);
     let b = m.worker_up("b", plan(7));
     let request = m.request(asked[0].0);
     assert_eq!((request.epoch, request.global_batch), (0, 0));
     answer_badly(&mut m, a, request);
-    m.s.step();
+    m.step();
     assert!(m.delivered().is_empty(), "the bad answer was delivered");
     assert_eq!(m.s.metrics.errors.with_label_values(&[kind]).get(), 1);
     let retried = m.asked(b);
     assert_eq!((retried[0].1, retried[0].2), (0, 0), "batch 0, from b");
     m.answer(b, retried[0].0);
-    m.s.step();
+    m.step();
     assert_eq!(m.delivered(), [Ok(retried[0].0)]);
     assert!(m.asked(a).is_empty(), "a is not asked again");
 }
@@ -575,20 +642,20 @@ async fn a_request_unanswered_past_its_deadline_is_asked_again_elsewhere() {
     cfg.request_timeout = Duration::from_millis(5);
     let mut m = Machine::new(cfg);
     let a = m.worker_up("a", plan(7));
-    m.s.step();
+    m.step();
     let first = m.asked(a);
     assert_eq!(first.len(), 1);
     let b = m.worker_up("b", plan(7));
-    std::thread::sleep(Duration::from_millis(10));
-    m.s.step();
+    m.advance(Duration::from_millis(10));
+    m.step();
     let again = m.asked(b);
     assert_eq!(again.len(), 1, "asked again on the other worker");
     assert_eq!((again[0].1, again[0].2), (0, 0));
     m.answer(a, first[0].0); // the stalled answer, late: dropped
-    m.s.step();
+    m.step();
     assert!(m.delivered().is_empty());
     m.answer(b, again[0].0);
-    m.s.step();
+    m.step();
     assert_eq!(m.delivered(), [Ok(again[0].0)]);
     let retries = m.s.metrics.retries.with_label_values(&["deadline"]).get();
     assert_eq!(retries, 1);
@@ -600,13 +667,193 @@ async fn a_request_unanswered_past_its_deadline_is_asked_again_elsewhere() {
     let only = m.worker_up("only", plan(7));
     let mut delivered = Vec::new();
     for _ in 0..3 {
-        m.s.step();
+        m.step();
         assert_eq!(m.asked(only).len(), 1, "asked again after each deadline");
-        std::thread::sleep(Duration::from_millis(10));
-        m.s.step();
+        m.advance(Duration::from_millis(10));
+        m.step();
         delivered = m.delivered();
     }
     let err = delivered.pop().expect("an error").unwrap_err();
     assert_eq!(err.kind(), "batch_failed");
     assert!(err.to_string().contains("no answer within 5ms"), "{err}");
+}
+
+/// Rank 1 of 64 over 16 workers with 4 links: one home, three spares.
+fn subset_machine() -> (Machine, Vec<String>) {
+    let mut cfg = config(2);
+    cfg.world_size = 64;
+    cfg.links_per_rank = 4;
+    let mut m = Machine::new(cfg);
+    let addrs: Vec<String> = (0..16).map(|i| format!("w{i:02}")).collect();
+    let refs: Vec<&str> = addrs.iter().map(String::as_str).collect();
+    m.discover(&refs);
+    (m, addrs)
+}
+
+#[tokio::test]
+async fn a_rank_links_only_its_home_and_spills_to_one_spare_when_the_home_fails() {
+    let (mut m, _) = subset_machine();
+    let members = m.s.members().clone();
+    assert_eq!((members.homes.len(), members.spares.len()), (1, 3));
+    assert_eq!(m.links_by_addr.len(), 1, "only the home is dialled");
+    let home = m.worker_up(&members.homes[0], plan(7));
+    m.step();
+    let asked = m.asked(home);
+    assert_eq!(asked.len(), 2);
+    // The home dies: its two positions wait for one spare, which is dialled, then get them.
+    m.down(home);
+    m.step();
+    assert_eq!(m.links_by_addr.len(), 2, "one spare dialled");
+    let spare = m.worker_up(&members.spares[0], plan(7));
+    m.step();
+    let resent: Vec<(u64, u64)> = m.asked(spare).iter().map(|r| (r.1, r.2)).collect();
+    assert_eq!(resent, [(0, 0), (0, 1)]);
+    for id in m.s.in_flight.keys().copied().collect::<Vec<_>>() {
+        m.answer(spare, id);
+    }
+    assert_eq!(m.delivered().len(), 2);
+    // The home comes back (after its backoff): requests go home again, and the idle spare is
+    // released once idle long enough.
+    m.advance(Duration::from_secs(1));
+    m.links_by_addr.remove(&members.homes[0]);
+    m.step();
+    let home = m.worker_up(&members.homes[0], plan(7));
+    m.consume(2);
+    m.step();
+    assert_eq!(m.asked(home).len(), 2, "the home again");
+    assert!(m.asked(spare).is_empty());
+    m.advance(LINK_IDLE);
+    m.step();
+    assert_eq!(m.closed, [spare], "the idle spare is released");
+    assert_eq!(m.s.link_count(), 1);
+}
+
+#[tokio::test]
+async fn a_home_at_its_connection_limit_is_not_a_dead_end() {
+    let (mut m, _) = subset_machine();
+    let members = m.s.members().clone();
+    let home = m.link(&members.homes[0]);
+    let full = ErrorFrame {
+        request_id: 0,
+        code: ErrorCode::Unavailable,
+        message: "worker at its limit of 8 connections; retry on another worker".into(),
+    };
+    m.event(Event::Refused {
+        link: home,
+        error: full,
+    });
+    m.down(home);
+    m.step();
+    // Before any plan is known too: a spare is dialled, and serves.
+    let spare = m.worker_up(&members.spares[0], plan(7));
+    m.step();
+    assert_eq!(m.asked(spare).len(), 2, "the spare serves meanwhile");
+    let problem = m.s.problems[&members.homes[0]].to_string();
+    assert!(
+        problem.contains("at its limit of 8 connections"),
+        "{problem}"
+    );
+    // Still refused after every backoff: the rank keeps being served by the spare.
+    m.advance(Duration::from_secs(1));
+    m.step();
+    assert_ne!(m.link(&members.homes[0]), home, "the home is dialled again");
+}
+
+#[tokio::test]
+async fn a_new_link_starts_with_a_small_window_that_grows_with_its_answers() {
+    let mut m = Machine::new(config(8));
+    let a = m.cold_worker_up("a", plan(7));
+    m.step();
+    let first = m.asked(a);
+    assert_eq!(first.len(), INITIAL_WINDOW, "slow start");
+    m.answer(a, first[0].0);
+    m.step();
+    // One answered: one more room than the answer freed.
+    assert_eq!(m.asked(a).len(), 2);
+    // A transient failure halves it.
+    let open: Vec<u64> = m.s.in_flight.keys().copied().collect();
+    let before = m.s.links[&a].window;
+    m.fail(a, open[0], ErrorCode::Transient, "store hiccup");
+    assert_eq!(m.s.links[&a].window, (before / 2).max(1));
+}
+
+#[tokio::test]
+async fn the_auto_depth_stays_at_two_until_the_trainer_s_pace_is_known() {
+    let mut cfg = config(1);
+    cfg.depth = Depth::Auto { max: 16 };
+    let mut m = Machine::new(cfg);
+    let a = m.worker_up("a", plan(7));
+    m.step();
+    let first = m.asked(a);
+    assert_eq!(first.len(), 2);
+    m.advance(Duration::from_millis(100));
+    m.answer(a, first[0].0);
+    m.step();
+    assert!(
+        m.asked(a).is_empty(),
+        "a latency alone does not deepen the window"
+    );
+    // The pace is known: 100 ms latency, a batch every 20 ms: 5 in flight + 2.
+    m.s.shared.took(1, Some(Duration::from_millis(20)));
+    m.step();
+    assert_eq!(m.s.depth(), 7);
+}
+
+#[tokio::test]
+async fn the_loser_of_a_hedge_and_an_expired_request_are_cancelled() {
+    let mut cfg = config(1);
+    cfg.hedge = Some(HedgePolicy {
+        min_observations: 1,
+        ..HedgePolicy::default()
+    });
+    cfg.request_timeout = Duration::from_secs(10);
+    let mut m = Machine::new(cfg);
+    let a = m.worker_up("a", plan(7));
+    let b = m.worker_up("b", plan(7));
+    m.s.latencies.record(Duration::from_millis(1));
+    m.step();
+    let (slow, other) = if m.asked(a).is_empty() {
+        (b, a)
+    } else {
+        (a, b)
+    };
+    let first = m.s.in_flight.keys().copied().next().unwrap();
+    m.advance(Duration::from_millis(5));
+    m.step();
+    let hedge = m.asked(other);
+    m.answer(other, hedge[0].0);
+    assert_eq!(m.cancelled, [(slow, first)], "the loser is cancelled");
+    // A request past its deadline is cancelled too, then asked again.
+    m.consume(1);
+    m.step();
+    let next =
+        m.s.in_flight
+            .iter()
+            .map(|(id, f)| (*id, f.link))
+            .next()
+            .unwrap();
+    m.advance(Duration::from_secs(11));
+    m.step();
+    assert_eq!(m.cancelled.last(), Some(&(next.1, next.0)));
+}
+
+#[tokio::test]
+async fn hedges_stop_at_their_budget() {
+    let mut cfg = config(4);
+    cfg.hedge = Some(HedgePolicy {
+        min_observations: 1,
+        head_positions: 4,
+        ..HedgePolicy::default()
+    });
+    let mut m = Machine::new(cfg);
+    let _a = m.worker_up("a", plan(7));
+    let _b = m.worker_up("b", plan(7));
+    let _c = m.worker_up("c", plan(7));
+    m.s.latencies.record(Duration::from_millis(1));
+    m.step();
+    m.advance(Duration::from_millis(5));
+    m.step();
+    // Four stragglers, a burst of two hedges, nothing answered to earn more.
+    assert_eq!(m.s.metrics.hedges.with_label_values(&["sent"]).get(), 2);
+    assert!(m.s.metrics.hedges.with_label_values(&["over_budget"]).get() >= 1);
 }

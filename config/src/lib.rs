@@ -22,9 +22,14 @@ pub const DEFAULT_S3_READ_TIMEOUT_S: u64 = 20;
 pub const DEFAULT_GLOBAL_BATCH_SIZE: u32 = 32;
 pub const DEFAULT_MAX_FETCHES: usize = 64;
 pub const DEFAULT_LINE_CACHE_MIB: u64 = 256;
-pub const DEFAULT_MAX_INFLIGHT_PER_CONN: usize = 8;
-pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+pub const DEFAULT_MAX_INFLIGHT_PER_CONN: u32 = 8;
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 1024;
+pub const DEFAULT_LINKS_PER_RANK: u32 = 0;
 pub const DEFAULT_IDLE_TIMEOUT_S: u64 = 600;
+/// Bounds of the serving limits (the CRD schema, the worker's flags and the operator's check).
+pub const MAX_INFLIGHT_PER_CONN_LIMIT: u32 = 1024;
+pub const MAX_CONNECTIONS_LIMIT: u32 = 65_536;
+pub const LINKS_PER_RANK_LIMIT: u32 = 1024;
 pub const DEFAULT_DRAIN_TIMEOUT_S: u64 = 30;
 
 /// Model family: patch size, normalization, resize bounds and chat format.
@@ -438,7 +443,128 @@ impl Default for Concurrency {
     }
 }
 
-/// Where and how the worker serves: ports, authentication, in-flight bounds, draining.
+/// How much one worker takes from its clients: connections, requests in flight per
+/// connection, idle connections, and the hint each trainer rank gets on how many workers to
+/// use. `spec.serving` of a DataPipeline.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
+#[serde(rename_all = "camelCase")]
+pub struct ServingLimits {
+    /// Batch requests prepared at once per connection (more wait, read ahead, for a slot).
+    #[serde(default = "default_max_inflight_per_conn")]
+    #[schemars(range(min = 1, max = MAX_INFLIGHT_PER_CONN_LIMIT))]
+    #[cfg_attr(
+        feature = "clap",
+        arg(
+            long,
+            default_value_t = DEFAULT_MAX_INFLIGHT_PER_CONN,
+            value_parser = clap::value_parser!(u32).range(1..=MAX_INFLIGHT_PER_CONN_LIMIT as i64)
+        )
+    )]
+    pub max_inflight_per_conn: u32,
+    /// Connections open at once (authenticated or not); one more is refused with an Error
+    /// frame (Unavailable) naming the limit. A trainer rank holds one per worker it uses;
+    /// clients are told the limit in the Welcome.
+    #[serde(default = "default_max_connections")]
+    #[schemars(range(min = 1, max = MAX_CONNECTIONS_LIMIT))]
+    #[cfg_attr(
+        feature = "clap",
+        arg(
+            long,
+            default_value_t = DEFAULT_MAX_CONNECTIONS,
+            value_parser = clap::value_parser!(u32).range(1..=MAX_CONNECTIONS_LIMIT as i64)
+        )
+    )]
+    pub max_connections: u32,
+    /// The most workers each trainer rank should connect to, told to clients in the Welcome
+    /// (0: the client decides).
+    #[serde(default)]
+    #[schemars(range(max = LINKS_PER_RANK_LIMIT))]
+    #[cfg_attr(
+        feature = "clap",
+        arg(
+            long,
+            default_value_t = DEFAULT_LINKS_PER_RANK,
+            value_parser = clap::value_parser!(u32).range(0..=LINKS_PER_RANK_LIMIT as i64)
+        )
+    )]
+    pub links_per_rank: u32,
+    /// A connection with no request in flight that completes no frame for this many seconds
+    /// is closed (an idle or drip-feeding peer must not hold a connection slot forever).
+    #[serde(default = "default_idle_timeout_s")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(
+        feature = "clap",
+        arg(
+            long,
+            default_value_t = DEFAULT_IDLE_TIMEOUT_S,
+            value_parser = clap::value_parser!(u64).range(1..)
+        )
+    )]
+    pub idle_timeout_s: u64,
+}
+
+fn default_max_inflight_per_conn() -> u32 {
+    DEFAULT_MAX_INFLIGHT_PER_CONN
+}
+
+fn default_max_connections() -> u32 {
+    DEFAULT_MAX_CONNECTIONS
+}
+
+fn default_idle_timeout_s() -> u64 {
+    DEFAULT_IDLE_TIMEOUT_S
+}
+
+impl Default for ServingLimits {
+    fn default() -> Self {
+        ServingLimits {
+            max_inflight_per_conn: DEFAULT_MAX_INFLIGHT_PER_CONN,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            links_per_rank: DEFAULT_LINKS_PER_RANK,
+            idle_timeout_s: DEFAULT_IDLE_TIMEOUT_S,
+        }
+    }
+}
+
+impl ServingLimits {
+    /// Every value outside its bounds, each named as `spec.serving` spells it. The schema and
+    /// the flags hold the same bounds; this names them for a spec that reached the operator
+    /// without that schema, which the worker would otherwise refuse at start.
+    pub fn problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut check = |field: &str, value: u64, min: u64, max: Option<u64>| match max {
+            Some(max) if !(min..=max).contains(&value) => {
+                out.push(format!("serving.{field} {value} is outside {min}..={max}"))
+            }
+            None if value < min => out.push(format!("serving.{field} {value} is below {min}")),
+            _ => {}
+        };
+        let limit = |l: u32| Some(u64::from(l));
+        check(
+            "maxInflightPerConn",
+            self.max_inflight_per_conn.into(),
+            1,
+            limit(MAX_INFLIGHT_PER_CONN_LIMIT),
+        );
+        check(
+            "maxConnections",
+            self.max_connections.into(),
+            1,
+            limit(MAX_CONNECTIONS_LIMIT),
+        );
+        check(
+            "linksPerRank",
+            self.links_per_rank.into(),
+            0,
+            limit(LINKS_PER_RANK_LIMIT),
+        );
+        check("idleTimeoutS", self.idle_timeout_s, 1, None);
+        out
+    }
+}
+
+/// Where and how the worker serves: ports, authentication, limits, draining.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[cfg_attr(feature = "clap", derive(clap::Args))]
 pub struct Serving {
@@ -454,17 +580,8 @@ pub struct Serving {
     /// Run without a token (only on a trusted, local network).
     #[cfg_attr(feature = "clap", arg(long))]
     pub no_auth: bool,
-    /// Batch requests prepared at once per connection.
-    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_INFLIGHT_PER_CONN))]
-    pub max_inflight_per_conn: usize,
-    /// Connections open at once (authenticated or not); one more is refused with an Error
-    /// frame (Unavailable) naming the limit. A trainer rank holds one per worker.
-    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS))]
-    pub max_connections: usize,
-    /// A connection with no request in flight that completes no frame for this long is
-    /// closed (an idle or drip-feeding peer must not hold a connection slot forever).
-    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_IDLE_TIMEOUT_S))]
-    pub idle_timeout_s: u64,
+    #[cfg_attr(feature = "clap", command(flatten))]
+    pub limits: ServingLimits,
     /// Samples prepared or waiting to be sent at once, across connections: bounds the memory
     /// batches take [default: 8 per preprocessing thread, at least 32].
     #[cfg_attr(feature = "clap", arg(long))]
@@ -487,9 +604,7 @@ impl Default for Serving {
             metrics_listen: "0.0.0.0:9090".into(),
             token_file: None,
             no_auth: false,
-            max_inflight_per_conn: DEFAULT_MAX_INFLIGHT_PER_CONN,
-            max_connections: DEFAULT_MAX_CONNECTIONS,
-            idle_timeout_s: DEFAULT_IDLE_TIMEOUT_S,
+            limits: ServingLimits::default(),
             max_inflight_samples: None,
             pipeline: "default".into(),
             drain_timeout_s: DEFAULT_DRAIN_TIMEOUT_S,
@@ -600,15 +715,22 @@ impl Concurrency {
     }
 }
 
+impl ServingLimits {
+    fn write_args(&self, a: &mut Args) {
+        a.value("max-inflight-per-conn", self.max_inflight_per_conn);
+        a.value("max-connections", self.max_connections);
+        a.value("links-per-rank", self.links_per_rank);
+        a.value("idle-timeout-s", self.idle_timeout_s);
+    }
+}
+
 impl Serving {
     fn write_args(&self, a: &mut Args) {
         a.value("listen", &self.listen);
         a.value("metrics-listen", &self.metrics_listen);
         a.optional("token-file", self.token_file.as_ref());
         a.switch("no-auth", self.no_auth);
-        a.value("max-inflight-per-conn", self.max_inflight_per_conn);
-        a.value("max-connections", self.max_connections);
-        a.value("idle-timeout-s", self.idle_timeout_s);
+        self.limits.write_args(a);
         a.optional("max-inflight-samples", self.max_inflight_samples);
         a.value("pipeline", &self.pipeline);
         a.value("drain-timeout-s", self.drain_timeout_s);
@@ -696,9 +818,12 @@ mod tests {
                 metrics_listen: "127.0.0.1:2".into(),
                 token_file: Some("/var/run/stoker/token".into()),
                 no_auth: false,
-                max_inflight_per_conn: 3,
-                max_connections: 5,
-                idle_timeout_s: 9,
+                limits: ServingLimits {
+                    max_inflight_per_conn: 3,
+                    max_connections: 5,
+                    links_per_rank: 2,
+                    idle_timeout_s: 9,
+                },
                 max_inflight_samples: Some(99),
                 pipeline: "llava".into(),
                 drain_timeout_s: 7,
@@ -761,6 +886,56 @@ mod tests {
         assert_eq!(
             preset["enum"],
             serde_json::json!(["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+        );
+    }
+
+    #[test]
+    fn serving_limits_are_bounded_alike_in_the_schema_the_flags_and_the_check() {
+        let from_spec: ServingLimits = serde_json::from_str("{}").unwrap();
+        assert_eq!(from_spec, ServingLimits::default());
+        let schema = serde_json::to_value(schemars::schema_for!(ServingLimits)).unwrap();
+        let props = &schema["properties"];
+        // (schemars writes the bounds as JSON numbers with a fraction: 1.0)
+        let bounds = |f: &str| (props[f]["minimum"].as_f64(), props[f]["maximum"].as_f64());
+        assert_eq!(bounds("maxConnections"), (Some(1.0), Some(65_536.0)));
+        assert_eq!(bounds("linksPerRank"), (Some(0.0), Some(1024.0)));
+        assert_eq!(bounds("maxInflightPerConn"), (Some(1.0), Some(1024.0)));
+        assert_eq!(bounds("idleTimeoutS"), (Some(1.0), None));
+
+        let flag = |args: &[&str]| {
+            let argv = ["stoker-worker", "--data", "x"].iter().chain(args);
+            Cli::try_parse_from(argv).map(|c| c.worker.serving.limits)
+        };
+        let ok = flag(&["--max-connections", "65536", "--links-per-rank", "1024"]).unwrap();
+        assert_eq!((ok.max_connections, ok.links_per_rank), (65_536, 1024));
+        for bad in [
+            ["--max-connections", "0"],
+            ["--max-connections", "65537"],
+            ["--links-per-rank", "1025"],
+            ["--max-inflight-per-conn", "0"],
+            ["--idle-timeout-s", "0"],
+        ] {
+            let e = flag(&bad)
+                .err()
+                .unwrap_or_else(|| panic!("{bad:?} accepted"));
+            assert!(e.to_string().contains(bad[0]), "{e}");
+        }
+
+        assert!(ServingLimits::default().problems().is_empty());
+        let wrong = ServingLimits {
+            max_inflight_per_conn: 0,
+            max_connections: 70_000,
+            links_per_rank: 2000,
+            idle_timeout_s: 0,
+        };
+        assert_eq!(
+            wrong.problems(),
+            [
+                "serving.maxInflightPerConn 0 is outside 1..=1024",
+                "serving.maxConnections 70000 is outside 1..=65536",
+                "serving.linksPerRank 2000 is outside 0..=1024",
+                "serving.idleTimeoutS 0 is below 1",
+            ]
         );
     }
 }

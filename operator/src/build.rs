@@ -185,6 +185,7 @@ pub fn worker_config(dp: &DataPipeline) -> WorkerConfig {
             token_file: Some(format!("{TOKEN_DIR}/token")),
             pipeline: dp.name_any(),
             drain_timeout_s: DRAIN_SECONDS as u64,
+            limits: s.serving.clone(),
             ..Serving::default()
         },
     }
@@ -680,9 +681,24 @@ mod tests {
             max_turns: 40,
         };
         dp.spec.plan.sampling.on_error = stoker_config::OnError::Fail;
+        dp.spec.serving = stoker_config::ServingLimits {
+            max_inflight_per_conn: 3,
+            max_connections: 4096,
+            links_per_rank: 2,
+            idle_timeout_s: 120,
+        };
         let d = deployment(&dp, 1);
         let args = pod(&d).containers[0].args.clone().unwrap();
         assert_eq!(args[0], "worker");
+        let joined = args.join(" ");
+        for want in [
+            "--max-inflight-per-conn 3",
+            "--max-connections 4096",
+            "--links-per-rank 2",
+            "--idle-timeout-s 120",
+        ] {
+            assert!(joined.contains(want), "{want:?} not in {joined}");
+        }
         let argv = std::iter::once("stoker-worker".to_string()).chain(args[1..].iter().cloned());
         let parsed = <WorkerCli as clap::Parser>::try_parse_from(argv)
             .unwrap()
@@ -690,6 +706,7 @@ mod tests {
         assert_eq!(parsed.preprocessing, dp.spec.preprocessing);
         assert_eq!(parsed.sampling, dp.spec.plan.sampling);
         assert_eq!(parsed.s3, dp.spec.source.s3.as_ref().unwrap().connection);
+        assert_eq!(parsed.serving.limits, dp.spec.serving);
         assert_eq!(parsed, worker_config(&dp));
     }
 

@@ -7,7 +7,9 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-pub use stoker_config::{PixelDtype, Preprocessing, PresetName, S3Connection, Sampling};
+pub use stoker_config::{
+    PixelDtype, Preprocessing, PresetName, S3Connection, Sampling, ServingLimits,
+};
 
 /// A pool of Stoker workers that preprocesses one dataset for one training job and streams
 /// batches to its data-parallel ranks, scaled on the trainers' wait ratio.
@@ -43,6 +45,11 @@ pub struct DataPipelineSpec {
     pub preprocessing: Preprocessing,
     /// The deterministic sample order and batch geometry.
     pub plan: PlanSpec,
+    /// How much each worker takes from the trainers: connections, requests in flight per
+    /// connection, idle timeout, and the workers-per-rank hint it gives clients: the worker's
+    /// own serving limits, so the schema and its flags agree.
+    #[serde(default)]
+    pub serving: ServingLimits,
     /// Worker pods: image, resources, scheduling.
     #[serde(default)]
     pub worker: WorkerTemplate,
@@ -451,6 +458,25 @@ mod tests {
                 walk(items, &here, missing);
             }
         }
+    }
+
+    #[test]
+    fn serving_limits_are_bounded_by_the_schema() {
+        // The API server enforces these bounds at admission, naming the field; kube's
+        // client-side evaluator runs CEL rules only, so the bounds are checked here.
+        let crd = DataPipeline::crd();
+        let schema = serde_json::to_value(crd.spec.versions[0].schema.as_ref().unwrap()).unwrap();
+        let serving = &schema["openAPIV3Schema"]["properties"]["spec"]["properties"]["serving"];
+        let bounds = |f: &str| {
+            let p = &serving["properties"][f];
+            (p["minimum"].as_f64(), p["maximum"].as_f64())
+        };
+        assert_eq!(bounds("maxConnections"), (Some(1.0), Some(65_536.0)));
+        assert_eq!(bounds("linksPerRank"), (Some(0.0), Some(1024.0)));
+        assert_eq!(bounds("maxInflightPerConn"), (Some(1.0), Some(1024.0)));
+        assert_eq!(bounds("idleTimeoutS"), (Some(1.0), None));
+        let defaults: DataPipeline = serde_yaml::from_str(EXAMPLE).unwrap();
+        assert_eq!(defaults.spec.serving, ServingLimits::default());
     }
 
     #[test]

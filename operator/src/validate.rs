@@ -18,6 +18,9 @@ pub fn problems(spec: &DataPipelineSpec) -> Vec<String> {
         tokenizer(t, spec.source.s3.is_some(), &mut out);
     }
     mix(spec, &mut out);
+    // The schema's bounds, by name: a spec that skipped them (an older CRD) would otherwise
+    // reach workers that refuse to start.
+    out.extend(spec.serving.problems());
     if let Some(r) = &spec.worker.resources {
         for (kind, list) in [("limits", &r.limits), ("requests", &r.requests)] {
             if let Some(cpu) = list.as_ref().and_then(|l| l.get("cpu")) {
@@ -184,6 +187,23 @@ mod tests {
         let p = problems(&s);
         assert_eq!(p.len(), outside.len(), "{p:?}");
         assert!(p[0].contains("\"s3://datasets/vqa\" is not a folder inside source.volume"));
+    }
+
+    #[test]
+    fn serving_limits_out_of_range_are_named() {
+        let mut s = spec();
+        s.serving.max_connections = 65_536;
+        s.serving.links_per_rank = 1024;
+        assert!(problems(&s).is_empty(), "{:?}", problems(&s));
+        s.serving.max_connections = 0;
+        s.serving.links_per_rank = 1025;
+        assert_eq!(
+            problems(&s),
+            [
+                "serving.maxConnections 0 is outside 1..=65536",
+                "serving.linksPerRank 1025 is outside 0..=1024"
+            ]
+        );
     }
 
     #[test]

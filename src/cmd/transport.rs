@@ -103,6 +103,9 @@ async fn serve(mut sock: tokio::net::TcpStream, payload: &[u8]) -> anyhow::Resul
         global_batch_size: 8,
         batches_per_epoch: 1 << 40,
         description: "transport benchmark".into(),
+        // No connection limit here.
+        max_connections: u32::MAX,
+        links_per_rank: 0,
     };
     write_frame(&mut wr, Kind::Welcome, &welcome.encode()).await?;
     while let Some((kind, p)) = read_frame(&mut rd, MAX_CONTROL_PAYLOAD).await? {

@@ -4,7 +4,8 @@ use crate::codec::{Reader, Writer};
 
 pub const MAGIC: [u8; 4] = *b"STKR";
 /// Bumped on any incompatible change; a peer refuses other versions with a clear error.
-pub const VERSION: u8 = 1;
+/// 2: the Cancel frame, and the Welcome's connection hints.
+pub const VERSION: u8 = 2;
 pub const HEADER_LEN: usize = 16;
 /// Tensor data (and each tensor) starts at this alignment inside a batch payload.
 pub const ALIGN: usize = 64;
@@ -42,6 +43,8 @@ pub enum Kind {
     Batch = 4,
     /// worker → client: a refusal or failure, for a request or the connection.
     Error = 5,
+    /// client → worker: the answer to a request is no longer wanted.
+    Cancel = 6,
 }
 
 impl TryFrom<u8> for Kind {
@@ -53,6 +56,7 @@ impl TryFrom<u8> for Kind {
             3 => Kind::Request,
             4 => Kind::Batch,
             5 => Kind::Error,
+            6 => Kind::Cancel,
             k => return Err(WireError::Kind(k)),
         })
     }
@@ -119,7 +123,8 @@ impl Hello {
     }
 }
 
-/// What a worker serves. Two workers with equal `plan_id` produce identical batch bytes.
+/// What a worker serves, and how it would like to be used. Two workers with equal `plan_id`
+/// produce identical batch bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Welcome {
     pub plan_id: u64,
@@ -128,6 +133,11 @@ pub struct Welcome {
     pub global_batch_size: u32,
     pub batches_per_epoch: u64,
     pub description: String,
+    /// Hint: the connections this worker holds open at once (`--max-connections`).
+    pub max_connections: u32,
+    /// Hint: the most workers one trainer rank should connect to (`--links-per-rank`);
+    /// 0 = the client decides.
+    pub links_per_rank: u32,
 }
 
 impl Welcome {
@@ -139,6 +149,8 @@ impl Welcome {
         w.u32(self.global_batch_size);
         w.u64(self.batches_per_epoch);
         w.str16(&self.description);
+        w.u32(self.max_connections);
+        w.u32(self.links_per_rank);
         w.buf
     }
     pub fn decode(p: &[u8]) -> Result<Self, WireError> {
@@ -150,6 +162,54 @@ impl Welcome {
             global_batch_size: r.u32()?,
             batches_per_epoch: r.u64()?,
             description: r.str16()?,
+            max_connections: r.u32()?,
+            links_per_rank: r.u32()?,
+        })
+    }
+
+    /// Whether `other` serves the same plan, so that batches from either are interchangeable.
+    /// The connection hints are left out: they may differ between workers of one plan (a
+    /// rollout changing `--max-connections`) without changing a byte of a batch.
+    pub fn same_plan(&self, other: &Welcome) -> bool {
+        // Destructured so that a field added later must be placed on one side or the other.
+        let Welcome {
+            plan_id,
+            dataset_version,
+            num_samples,
+            global_batch_size,
+            batches_per_epoch,
+            description,
+            max_connections: _,
+            links_per_rank: _,
+        } = self;
+        *plan_id == other.plan_id
+            && *dataset_version == other.dataset_version
+            && *num_samples == other.num_samples
+            && *global_batch_size == other.global_batch_size
+            && *batches_per_epoch == other.batches_per_epoch
+            && *description == other.description
+    }
+}
+
+/// Client → worker: the client no longer wants the answer to `request_id` (it was answered
+/// elsewhere, or the client is giving up on it). The worker stops preparing it and answers
+/// nothing for it; cancelling an unknown or finished request is a no-op.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cancel {
+    pub request_id: u64,
+}
+
+impl Cancel {
+    pub const LEN: usize = 8;
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u64(self.request_id);
+        w.buf
+    }
+    pub fn decode(p: &[u8]) -> Result<Self, WireError> {
+        let mut r = Reader::new(p);
+        Ok(Cancel {
+            request_id: r.u64()?,
         })
     }
 }
@@ -614,6 +674,75 @@ mod tests {
             p[i] = (x >> 32) as u8;
             let _ = BatchHead::decode(&p, p.len() as u64);
         }
+    }
+
+    fn welcome() -> Welcome {
+        Welcome {
+            plan_id: 0xfeed,
+            dataset_version: 3,
+            num_samples: 100,
+            global_batch_size: 8,
+            batches_per_epoch: 13,
+            description: "qwen2-vl U8 seed=0".into(),
+            max_connections: 1024,
+            links_per_rank: 4,
+        }
+    }
+
+    #[test]
+    fn welcome_roundtrips_and_plans_ignore_the_hints() {
+        let w = welcome();
+        let bytes = w.encode();
+        assert_eq!(Welcome::decode(&bytes), Ok(w.clone()));
+        // A Welcome without its hints (a v1 layout) is truncated, not misread.
+        assert!(matches!(
+            Welcome::decode(&bytes[..bytes.len() - 8]),
+            Err(WireError::Truncated { .. })
+        ));
+        let rollout = Welcome {
+            max_connections: 64,
+            links_per_rank: 0,
+            ..w.clone()
+        };
+        assert!(w.same_plan(&rollout) && rollout.same_plan(&w));
+        assert_ne!(w, rollout);
+        let other_plan = Welcome {
+            plan_id: 0xbeef,
+            ..w.clone()
+        };
+        let other_data = Welcome {
+            dataset_version: 4,
+            ..w.clone()
+        };
+        assert!(!w.same_plan(&other_plan) && !w.same_plan(&other_data));
+    }
+
+    #[test]
+    fn cancel_roundtrips_and_refuses_truncation() {
+        let c = Cancel { request_id: 77 };
+        let bytes = c.encode();
+        assert_eq!(bytes.len(), Cancel::LEN);
+        assert_eq!(Cancel::decode(&bytes), Ok(c));
+        for cut in 0..bytes.len() {
+            assert!(Cancel::decode(&bytes[..cut]).is_err());
+        }
+        assert_eq!(Kind::try_from(6), Ok(Kind::Cancel));
+    }
+
+    #[test]
+    fn another_version_is_refused_by_name() {
+        let mut h = FrameHeader {
+            kind: Kind::Hello,
+            len: 10,
+        }
+        .encode();
+        assert_eq!(h[4], 2);
+        h[4] = 1;
+        let e = FrameHeader::decode(&h).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "protocol version 1 is not supported (this build speaks 2)"
+        );
     }
 
     #[test]

@@ -4,7 +4,10 @@
 //! its own how much memory the reader commits (a worker accepts a Hello or a Request of a few
 //! KiB before and after authentication; only a client reading batches accepts large frames).
 
-use crate::{FrameHeader, Kind, WireError, HEADER_LEN};
+use crate::{
+    ErrorFrame, FrameHeader, Hello, Kind, Welcome, WireError, HEADER_LEN, MAX_CONTROL_PAYLOAD,
+};
+use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Why a frame could not be read.
@@ -97,6 +100,58 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
     w.write_all(payload).await
 }
 
+/// Why the requesting side's handshake did not end in a Welcome.
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    /// The worker answered the Hello with an Error frame (a wrong token, the connection
+    /// limit, another protocol version) and closes the connection.
+    #[error("refused by the worker ({:?}): {}", .0.code, .0.message)]
+    Refused(ErrorFrame),
+    #[error(transparent)]
+    Read(#[from] ReadError),
+    /// The answer was a Welcome or an Error frame that does not decode.
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    /// Sending the Hello failed.
+    #[error("sending the Hello: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("no answer to the handshake after {0:?}")]
+    TimedOut(Duration),
+    #[error("unexpected {0:?} frame during the handshake")]
+    Unexpected(Kind),
+    #[error("connection closed during the handshake")]
+    Closed,
+}
+
+/// The requesting side of the handshake on a fresh connection: sends the Hello (the pipeline
+/// `token`, and `client`, a name for the worker's logs), and reads the worker's Welcome, or
+/// the Error frame refusing it. The whole exchange is bounded by `timeout`, so a peer that
+/// accepts the connection but never answers cannot hold the caller.
+pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    token: &str,
+    client: &str,
+    timeout: Duration,
+) -> Result<Welcome, HandshakeError> {
+    let exchange = async {
+        let hello = Hello {
+            token: token.into(),
+            client: client.into(),
+        };
+        write_frame(stream, Kind::Hello, &hello.encode()).await?;
+        stream.flush().await?;
+        match read_frame(stream, MAX_CONTROL_PAYLOAD).await? {
+            Some((Kind::Welcome, p)) => Ok(Welcome::decode(&p)?),
+            Some((Kind::Error, p)) => Err(HandshakeError::Refused(ErrorFrame::decode(&p)?)),
+            Some((kind, _)) => Err(HandshakeError::Unexpected(kind)),
+            None => Err(HandshakeError::Closed),
+        }
+    };
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .unwrap_or(Err(HandshakeError::TimedOut(timeout)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -140,5 +195,82 @@ mod tests {
             (Kind::Request, &b"1234567890"[..])
         );
         assert!(read_frame(&mut &b""[..], 4096).await.unwrap().is_none());
+    }
+
+    /// A worker's side of the handshake over an in-memory pipe: reads the Hello, answers with
+    /// `answer` (kind and payload), or closes when `answer` is `None`.
+    async fn worker_answers(answer: Option<(Kind, Vec<u8>)>) -> Result<Welcome, HandshakeError> {
+        let (mut client, mut worker) = tokio::io::duplex(4096);
+        let peer = tokio::spawn(async move {
+            let (kind, p) = read_frame(&mut worker, 4096).await.unwrap().unwrap();
+            assert_eq!(kind, Kind::Hello);
+            let hello = Hello::decode(&p).unwrap();
+            assert_eq!(
+                (hello.token.as_str(), hello.client.as_str()),
+                ("tok", "test")
+            );
+            if let Some((kind, payload)) = answer {
+                write_frame(&mut worker, kind, &payload).await.unwrap();
+            }
+        });
+        let r = handshake(&mut client, "tok", "test", Duration::from_secs(60)).await;
+        peer.await.unwrap();
+        r
+    }
+
+    #[tokio::test]
+    async fn the_handshake_ends_in_a_welcome_or_says_why_not() {
+        let welcome = Welcome {
+            plan_id: 1,
+            dataset_version: 2,
+            num_samples: 3,
+            global_batch_size: 4,
+            batches_per_epoch: 1,
+            description: "d".into(),
+            max_connections: 8,
+            links_per_rank: 2,
+        };
+        let got = worker_answers(Some((Kind::Welcome, welcome.encode()))).await;
+        assert_eq!(got.unwrap(), welcome);
+
+        let refusal = ErrorFrame {
+            request_id: 0,
+            code: crate::ErrorCode::Unauthorized,
+            message: "wrong pipeline token".into(),
+        };
+        let err = worker_answers(Some((Kind::Error, refusal.encode())))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "refused by the worker (Unauthorized): wrong pipeline token"
+        );
+        assert!(matches!(err, HandshakeError::Refused(e) if e == refusal));
+
+        let err = worker_answers(Some((Kind::Batch, Vec::new())))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "unexpected Batch frame during the handshake"
+        );
+        let err = worker_answers(None).await.unwrap_err();
+        assert_eq!(err.to_string(), "connection closed during the handshake");
+        let err = worker_answers(Some((Kind::Welcome, vec![1, 2])))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, HandshakeError::Wire(_)), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_silent_peer_times_the_handshake_out() {
+        // The peer never answers, so the outcome does not depend on how long the wait is.
+        let (mut client, _silent) = tokio::io::duplex(4096);
+        let wait = Duration::from_millis(1);
+        let err = handshake(&mut client, "tok", "test", wait)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, HandshakeError::TimedOut(d) if d == wait));
+        assert_eq!(err.to_string(), "no answer to the handshake after 1ms");
     }
 }

@@ -21,3 +21,25 @@ pub mod io;
 
 pub use codec::{Reader, Writer};
 pub use frame::*;
+
+/// The names of a batch's tensors (docs/protocol.md), spelled once for workers and clients.
+pub mod tensor {
+    /// int64 `[B, L]`: token ids, right-padded with the pad token.
+    pub const INPUT_IDS: &str = "input_ids";
+    /// int64 `[B, L]`: -100 outside assistant turns and on padding.
+    pub const LABELS: &str = "labels";
+    /// int64 `[B, L]`: 1 on tokens, 0 on padding.
+    pub const ATTENTION_MASK: &str = "attention_mask";
+    /// `[P, 3·2·p·p]`: every image's patches, in sample order.
+    pub const PIXEL_VALUES: &str = "pixel_values";
+    /// int64 `[n_images, 3]`: (t, h, w) of each image, in patches.
+    pub const IMAGE_GRID_THW: &str = "image_grid_thw";
+    /// int64 `[4, B, L]`, packed batches only: rope positions restarting at every sample.
+    pub const POSITION_IDS: &str = "position_ids";
+    /// int32 `[B, max samples + 1]`, packed batches only: each pack's sample boundaries.
+    pub const CU_SEQLENS: &str = "cu_seqlens";
+    /// int64 `[B]`, packed batches only: images per pack.
+    pub const PACK_IMAGES: &str = "pack_images";
+    /// float32 `[3, 256]`, u8 pixels only: the normalization table, per channel and value.
+    pub const PIXEL_LUT: &str = "pixel_lut";
+}

@@ -2,11 +2,13 @@
 //! requests, answers. The benchmarks and tests drive workers with it; the trainer client
 //! adds discovery, retries and hedging on top of the same frames.
 
-use stoker_wire::io::{read_frame, read_frame_into, write_frame};
-use stoker_wire::{
-    BatchHead, BatchRequest, ErrorFrame, Hello, Kind, Welcome, MAX_CONTROL_PAYLOAD, MAX_PAYLOAD,
-};
+use std::time::Duration;
+use stoker_wire::io::{handshake, read_frame, read_frame_into, write_frame, HandshakeError};
+use stoker_wire::{BatchHead, BatchRequest, Cancel, ErrorFrame, Kind, Welcome, MAX_PAYLOAD};
 use tokio::net::TcpStream;
+
+/// A worker answers a Hello at once; this only bounds a peer that never does.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// An answer to a request: the batch head and its whole payload, or an error frame.
 pub enum Answer {
@@ -24,19 +26,11 @@ impl Connection {
     pub async fn open(addr: &str, token: &str) -> anyhow::Result<Result<Connection, ErrorFrame>> {
         let mut stream = TcpStream::connect(addr).await?;
         stream.set_nodelay(true)?;
-        let hello = Hello {
-            token: token.into(),
-            client: format!("stoker/{}", env!("CARGO_PKG_VERSION")),
-        };
-        write_frame(&mut stream, Kind::Hello, &hello.encode()).await?;
-        match read_frame(&mut stream, MAX_CONTROL_PAYLOAD).await? {
-            Some((Kind::Welcome, p)) => Ok(Ok(Connection {
-                stream,
-                welcome: Welcome::decode(&p)?,
-            })),
-            Some((Kind::Error, p)) => Ok(Err(ErrorFrame::decode(&p)?)),
-            Some((k, _)) => anyhow::bail!("{addr}: unexpected {k:?} frame during handshake"),
-            None => anyhow::bail!("{addr}: connection closed during handshake"),
+        let client = format!("stoker/{}", env!("CARGO_PKG_VERSION"));
+        match handshake(&mut stream, token, &client, HANDSHAKE_TIMEOUT).await {
+            Ok(welcome) => Ok(Ok(Connection { stream, welcome })),
+            Err(HandshakeError::Refused(e)) => Ok(Err(e)),
+            Err(e) => anyhow::bail!("{addr}: {e}"),
         }
     }
 
@@ -61,6 +55,17 @@ impl Connection {
 
     pub async fn send(&mut self, req: &BatchRequest) -> anyhow::Result<()> {
         write_frame(&mut self.stream, Kind::Request, &req.encode()).await?;
+        Ok(())
+    }
+
+    /// Tells the worker the answer to `request_id` is no longer wanted.
+    pub async fn cancel(&mut self, request_id: u64) -> anyhow::Result<()> {
+        write_frame(
+            &mut self.stream,
+            Kind::Cancel,
+            &Cancel { request_id }.encode(),
+        )
+        .await?;
         Ok(())
     }
 

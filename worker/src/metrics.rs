@@ -21,6 +21,8 @@ pub struct Metrics {
     pub object_bytes_total: IntCounter,
     pub sample_errors_total: IntCounterVec,
     pub requests_refused_total: IntCounterVec,
+    /// Requests the client cancelled before their answer was sent (a Cancel frame).
+    pub requests_cancelled_total: IntCounter,
     /// Sample lines served from a cached shard block ("hit") or one read for it ("miss").
     pub line_cache: IntCounterVec,
     pub requests_in_flight: IntGauge,
@@ -54,6 +56,19 @@ pub const SAMPLE_ERROR_KINDS: [&str; 19] = [
     "too_many_turns",
     "too_many_images",
     "sample_too_large",
+];
+
+/// Why a request or a connection is refused (`stoker_worker_requests_refused_total`'s
+/// `reason`, pre-created at 0 like the error kinds).
+pub const REFUSAL_REASONS: [&str; 8] = [
+    "unauthorized",
+    "plan_mismatch",
+    "bad_request",
+    "draining",
+    "no_hello",
+    "version",
+    "connection_limit",
+    "idle",
 ];
 
 impl Metrics {
@@ -127,6 +142,10 @@ impl Metrics {
                 &["reason"],
             )
             .expect("metric"),
+            requests_cancelled_total: counter(
+                "stoker_worker_requests_cancelled_total",
+                "Requests cancelled by their client before the answer was sent.",
+            ),
             line_cache: IntCounterVec::new(
                 Opts::new(
                     "stoker_worker_line_cache_total",
@@ -172,6 +191,7 @@ impl Metrics {
             &m.batches_total,
             &m.bytes_sent_total,
             &m.object_bytes_total,
+            &m.requests_cancelled_total,
         ] {
             r.register(Box::new(c.clone())).expect("register");
         }
@@ -181,6 +201,9 @@ impl Metrics {
             .expect("register");
         r.register(Box::new(m.requests_refused_total.clone()))
             .expect("register");
+        for reason in REFUSAL_REASONS {
+            m.requests_refused_total.with_label_values(&[reason]);
+        }
         r.register(Box::new(m.line_cache.clone()))
             .expect("register");
         for result in ["hit", "miss"] {
@@ -229,6 +252,23 @@ impl Metrics {
 
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::SeqCst);
+    }
+}
+
+/// Holds a gauge one up while it lives. Work a cancelled request drops at an await puts its
+/// count back too, which an `inc()` ... `dec()` pair around the await would leak.
+pub struct GaugeGuard(IntGauge);
+
+impl GaugeGuard {
+    pub fn new(gauge: &IntGauge) -> Self {
+        gauge.inc();
+        GaugeGuard(gauge.clone())
+    }
+}
+
+impl Drop for GaugeGuard {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 

@@ -10,7 +10,7 @@ use crate::dataset::lengths::SampleLengths;
 use crate::dataset::sample::{Conversation, SampleError};
 use crate::limits::{LimitError, SampleLimits};
 use crate::line_cache::{LineCache, Lookup};
-use crate::metrics::Metrics;
+use crate::metrics::{GaugeGuard, Metrics};
 use crate::pack::{collate_packed, Packing, RopeLayout};
 use crate::plan::{Plan, RankSlice, Shaping};
 use crate::preprocess::preset::{PixelDtype, Preset};
@@ -305,11 +305,10 @@ impl Pipeline {
         key: &str,
         range: Option<(u64, u64)>,
     ) -> Result<bytes::Bytes, FetchError> {
-        let queue = self.metrics.queue_depth.with_label_values(&["fetch"]);
-        queue.inc();
+        let queued = GaugeGuard::new(&self.metrics.queue_depth.with_label_values(&["fetch"]));
         let permit = self.fetch_slots.acquire().await.expect("never closed");
-        queue.dec();
-        self.metrics.fetches_in_flight.inc();
+        drop(queued);
+        let fetching = GaugeGuard::new(&self.metrics.fetches_in_flight);
         let t = Instant::now();
         let r = match range {
             Some((s, l)) => self.store.get_range(key, s, l).await,
@@ -320,7 +319,7 @@ impl Pipeline {
             }
         };
         self.metrics.observe_stage("fetch", t.elapsed());
-        self.metrics.fetches_in_flight.dec();
+        drop(fetching);
         drop(permit);
         if let Ok(b) = &r {
             self.metrics.object_bytes_total.inc_by(b.len() as u64);
@@ -436,15 +435,14 @@ impl Pipeline {
             images.push((key, r?));
         }
 
-        let queue = self.metrics.queue_depth.with_label_values(&["cpu"]);
-        queue.inc();
+        let queued = GaugeGuard::new(&self.metrics.queue_depth.with_label_values(&["cpu"]));
         let permit = self
             .cpu_slots
             .clone()
             .acquire_owned()
             .await
             .expect("never closed");
-        queue.dec();
+        drop(queued);
         let this = self.clone();
         on_blocking_pool(move || {
             let _permit = permit;

@@ -4,29 +4,38 @@
 //! (the plan it serves). Then the client pipelines Requests; each is prepared as its own task
 //! and its Batch (or Error) is written as soon as it is ready, so answers may come out of
 //! order (they echo the request id). Per connection at most `max_inflight_per_conn` requests
-//! are prepared at once; beyond that the server stops reading, and TCP pushes back.
+//! are prepared at once and up to [`READ_AHEAD`] more wait for a slot; beyond that the server
+//! stops reading, and TCP pushes back. A Cancel frame aborts a waiting or running request.
 
+use crate::metrics::GaugeGuard;
 use crate::pipeline::{i64_bytes, preprocessing_parts, Batch, Pipeline};
+use futures::StreamExt;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use stoker_wire::io::{read_frame, write_frame};
+use stoker_wire::io::{read_frame, write_frame, ReadError};
 use stoker_wire::{
-    BatchHead, BatchRequest, ErrorCode, ErrorFrame, FrameHeader, Hello, Kind, TensorRef, Welcome,
-    HEADER_LEN,
+    tensor, BatchHead, BatchRequest, Cancel, ErrorCode, ErrorFrame, FrameHeader, Hello, Kind,
+    TensorRef, Welcome, WireError, HEADER_LEN,
 };
 use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::task::{AbortHandle, JoinError, JoinSet};
 
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// The largest Hello accepted (a token and a client name), before authentication.
 pub const MAX_HELLO_BYTES: u64 = 4 << 10;
-/// The largest frame accepted after it: a Request is 40 bytes.
+/// The largest frame accepted after it: a Request is 40 bytes, a Cancel 8.
 pub const MAX_REQUEST_BYTES: u64 = 1 << 10;
 /// Answers waiting for the socket, per connection.
 const OUTBOX_CAPACITY: usize = 4;
+/// Requests read ahead of a free slot, per connection. They hold no budget (a few dozen bytes
+/// each), and reading on while every slot is busy is what lets a Cancel arrive when it
+/// matters most; beyond this many the server stops reading and TCP pushes back.
+pub const READ_AHEAD: usize = 256;
 
 pub struct ServerConfig {
     /// The pipeline token clients must present; `None` disables the check (local use only).
@@ -41,6 +50,25 @@ pub struct ServerConfig {
     pub max_inflight_samples: usize,
     /// How long a drain waits for in-flight requests before giving up.
     pub drain_timeout: Duration,
+    /// Told to clients in the Welcome: the most workers one trainer rank should connect to
+    /// (0 = the client decides).
+    pub links_per_rank: u32,
+}
+
+impl Default for ServerConfig {
+    /// The worker command's defaults (an authenticated server needs `token` set).
+    fn default() -> Self {
+        let d = stoker_config::ServingLimits::default();
+        ServerConfig {
+            token: None,
+            max_inflight_per_conn: d.max_inflight_per_conn as usize,
+            max_connections: d.max_connections as usize,
+            idle_timeout: Duration::from_secs(d.idle_timeout_s),
+            max_inflight_samples: 64,
+            drain_timeout: Duration::from_secs(stoker_config::DEFAULT_DRAIN_TIMEOUT_S),
+            links_per_rank: d.links_per_rank,
+        }
+    }
 }
 
 pub struct Server {
@@ -96,17 +124,17 @@ async fn write_batch<W: AsyncWrite + Unpin>(
         chunks: vec![bytes],
     };
     let mut tensors = vec![
-        i64_tensor("input_ids", vec![b, l], &ids),
-        i64_tensor("labels", vec![b, l], &labels),
-        i64_tensor("attention_mask", vec![b, l], &mask),
+        i64_tensor(tensor::INPUT_IDS, vec![b, l], &ids),
+        i64_tensor(tensor::LABELS, vec![b, l], &labels),
+        i64_tensor(tensor::ATTENTION_MASK, vec![b, l], &mask),
         TensorRef {
-            name: "pixel_values",
+            name: tensor::PIXEL_VALUES,
             dtype: pixel_dtype,
             shape: vec![batch.pixel_rows as u64, pixel_dim],
             chunks: batch.pixel_chunks.iter().map(|c| c.as_bytes()).collect(),
         },
         i64_tensor(
-            "image_grid_thw",
+            tensor::IMAGE_GRID_THW,
             vec![batch.image_grid_thw.len() as u64 / 3, 3],
             &grid,
         ),
@@ -116,18 +144,18 @@ async fn write_batch<W: AsyncWrite + Unpin>(
         (p, i64_bytes(&p.position_ids), cu, i64_bytes(&p.pack_images))
     });
     if let Some((p, positions, cu, images)) = &packing {
-        tensors.push(i64_tensor("position_ids", vec![4, b, l], positions));
+        tensors.push(i64_tensor(tensor::POSITION_IDS, vec![4, b, l], positions));
         tensors.push(TensorRef {
-            name: "cu_seqlens",
+            name: tensor::CU_SEQLENS,
             dtype: stoker_wire::DType::I32,
             shape: vec![b, p.max_samples as u64 + 1],
             chunks: vec![cu],
         });
-        tensors.push(i64_tensor("pack_images", vec![b], images));
+        tensors.push(i64_tensor(tensor::PACK_IMAGES, vec![b], images));
     }
     if let Some(lut) = pixel_lut {
         tensors.push(TensorRef {
-            name: "pixel_lut",
+            name: tensor::PIXEL_LUT,
             dtype: stoker_wire::DType::F32,
             shape: vec![3, 256],
             chunks: vec![lut],
@@ -206,6 +234,80 @@ enum Outgoing {
     Batch(Box<Ready>),
 }
 
+/// An answer for the writer, with the in-flight guard of its request (none for errors about
+/// the connection).
+type Answer = (Outgoing, Option<InflightGuard>);
+
+/// A frame a client may send after the handshake.
+enum Incoming {
+    Request(BatchRequest),
+    Cancel(u64),
+}
+
+impl Incoming {
+    /// `Ok(None)` at the end of the stream; `Err` says why the frame ends the connection.
+    fn from_frame(
+        frame: Result<Option<(Kind, Vec<u8>)>, ReadError>,
+    ) -> Result<Option<Self>, String> {
+        match frame.map_err(|e| e.to_string())? {
+            None => Ok(None),
+            Some((Kind::Request, p)) => BatchRequest::decode(&p)
+                .map(|r| Some(Incoming::Request(r)))
+                .map_err(|e| e.to_string()),
+            Some((Kind::Cancel, p)) => Cancel::decode(&p)
+                .map(|c| Some(Incoming::Cancel(c.request_id)))
+                .map_err(|e| format!("Cancel: {e}")),
+            Some((kind, _)) => Err(format!("unexpected {kind:?} frame")),
+        }
+    }
+}
+
+/// One connection's requests: read and waiting for a slot, or being prepared.
+#[derive(Default)]
+struct ConnRequests {
+    waiting: VecDeque<BatchRequest>,
+    /// The tasks preparing requests; each returns its request id.
+    running: JoinSet<u64>,
+    /// The running tasks by request id, for Cancel. Each entry is a running task, so there are
+    /// at most `max_inflight_per_conn`; a task's entry goes when it is joined.
+    tasks: HashMap<u64, AbortHandle>,
+}
+
+impl ConnRequests {
+    /// Drops every waiting request with this id and aborts the running one; whether there was
+    /// one to cancel (an unknown or finished id is a no-op).
+    fn cancel(&mut self, request_id: u64) -> bool {
+        let waiting = self.waiting.len();
+        self.waiting.retain(|r| r.request_id != request_id);
+        let mut cancelled = self.waiting.len() < waiting;
+        if let Some(task) = self.tasks.remove(&request_id) {
+            // A finished task has handed its answer to the writer already: it goes out.
+            if !task.is_finished() {
+                task.abort();
+                cancelled = true;
+            }
+        }
+        cancelled
+    }
+
+    fn finished(&mut self, done: Result<(tokio::task::Id, u64), JoinError>) {
+        match done {
+            // Only its own entry: a client reusing an id in flight has the later task there.
+            Ok((task, request_id)) => {
+                if self.tasks.get(&request_id).is_some_and(|t| t.id() == task) {
+                    self.tasks.remove(&request_id);
+                }
+            }
+            Err(e) => {
+                if e.is_panic() {
+                    tracing::error!("a request's task panicked: {e}");
+                }
+                self.tasks.retain(|_, t| t.id() != e.id());
+            }
+        }
+    }
+}
+
 /// Counts a request from the moment it is read until its answer is written, so a drain waits
 /// for answers to reach the socket, not just to be computed.
 struct InflightGuard(Arc<Server>);
@@ -242,6 +344,8 @@ impl Server {
                 pipeline.config.preset.pixel_dtype,
                 plan.seed
             ),
+            max_connections: u32::try_from(config.max_connections).unwrap_or(u32::MAX),
+            links_per_rank: config.links_per_rank,
         };
         Arc::new(Server {
             sample_budget: Arc::new(Semaphore::new(config.max_inflight_samples.max(1))),
@@ -256,6 +360,10 @@ impl Server {
     }
 
     fn refuse(&self, reason: &str) {
+        debug_assert!(
+            crate::metrics::REFUSAL_REASONS.contains(&reason),
+            "{reason} is not in REFUSAL_REASONS"
+        );
         self.pipeline
             .metrics
             .requests_refused_total
@@ -337,7 +445,7 @@ impl Server {
         }
         write_frame(&mut wr, Kind::Welcome, &self.welcome.encode()).await?;
         wr.flush().await?;
-        let (tx, rx) = mpsc::channel::<(Outgoing, Option<InflightGuard>)>(OUTBOX_CAPACITY);
+        let (tx, rx) = mpsc::channel::<Answer>(OUTBOX_CAPACITY);
         let writer = tokio::spawn(self.clone().write_answers(wr, rx));
         self.read_requests(&mut rd, tx).await;
         writer.await??;
@@ -348,14 +456,20 @@ impl Server {
     /// frame to send back when the client is refused.
     async fn handshake(&self, rd: &mut OwnedReadHalf) -> Result<(), ErrorFrame> {
         let hello = tokio::time::timeout(HELLO_TIMEOUT, read_frame(rd, MAX_HELLO_BYTES)).await;
+        let no_hello = |why: String| ("no_hello", why);
         let hello = match hello {
-            Ok(Ok(Some((Kind::Hello, p)))) => Hello::decode(&p).map_err(|e| e.to_string()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err(format!("no Hello within {HELLO_TIMEOUT:?}")),
-            Ok(Ok(_)) => Err("expected a Hello frame first".to_string()),
+            Ok(Ok(Some((Kind::Hello, p)))) => {
+                Hello::decode(&p).map_err(|e| no_hello(e.to_string()))
+            }
+            // A peer of another protocol version is told both versions, and counted apart
+            // (a rollout mixing versions, not a hostile peer).
+            Ok(Err(ReadError::Wire(e @ WireError::Version(_)))) => Err(("version", e.to_string())),
+            Ok(Err(e)) => Err(no_hello(e.to_string())),
+            Err(_) => Err(no_hello(format!("no Hello within {HELLO_TIMEOUT:?}"))),
+            Ok(Ok(_)) => Err(no_hello("expected a Hello frame first".to_string())),
         };
-        let hello = hello.map_err(|why| {
-            self.refuse("no_hello");
+        let hello = hello.map_err(|(reason, why)| {
+            self.refuse(reason);
             connection_error(ErrorCode::BadRequest, why)
         })?;
         match &self.config.token {
@@ -377,7 +491,7 @@ impl Server {
     async fn write_answers(
         self: Arc<Self>,
         mut wr: BufWriter<OwnedWriteHalf>,
-        mut rx: mpsc::Receiver<(Outgoing, Option<InflightGuard>)>,
+        mut rx: mpsc::Receiver<Answer>,
     ) -> anyhow::Result<()> {
         let pixel_dtype = self.pipeline.pixel_dtype();
         let metrics = &self.pipeline.metrics;
@@ -415,64 +529,89 @@ impl Server {
         Ok(())
     }
 
-    /// Reads Requests (each at most [`MAX_REQUEST_BYTES`]) and prepares each as its own task,
-    /// at most `max_inflight_per_conn` at once; anything else ends the connection with an
+    /// Reads Requests and Cancels (each at most [`MAX_REQUEST_BYTES`]) until the client
+    /// closes: each Request is prepared as its own task, at most `max_inflight_per_conn` at
+    /// once, and up to [`READ_AHEAD`] more wait for a slot (reading goes on meanwhile, so a
+    /// Cancel is read while every slot is busy). Anything else ends the connection with an
     /// Error frame naming it.
-    async fn read_requests(
-        self: &Arc<Self>,
-        rd: &mut OwnedReadHalf,
-        tx: mpsc::Sender<(Outgoing, Option<InflightGuard>)>,
-    ) {
-        let max_inflight = self.config.max_inflight_per_conn.max(1);
-        let slots = Arc::new(Semaphore::new(max_inflight));
-        loop {
-            let idle = slots.available_permits() == max_inflight;
-            let next = read_frame(rd, MAX_REQUEST_BYTES);
-            let frame = if idle {
-                match tokio::time::timeout(self.config.idle_timeout, next).await {
-                    Ok(frame) => frame,
-                    Err(_) => {
-                        self.refuse("idle");
-                        let e = connection_error(
-                            ErrorCode::Unavailable,
-                            format!(
-                                "no request completed for {:?}; closing the connection",
-                                self.config.idle_timeout
-                            ),
-                        );
-                        let _ = tx.send((Outgoing::Error(e), None)).await;
-                        return;
+    async fn read_requests(self: &Arc<Self>, rd: &mut OwnedReadHalf, tx: mpsc::Sender<Answer>) {
+        let slots = Arc::new(Semaphore::new(self.config.max_inflight_per_conn.max(1)));
+        let mut conn = ConnRequests::default();
+        // A stream keeps a frame that is half read across the select below (a bare
+        // read_frame future dropped by another branch would lose the bytes read so far).
+        let frames = futures::stream::unfold(rd, |rd| async move {
+            let frame = read_frame(rd, MAX_REQUEST_BYTES).await;
+            Some((frame, rd))
+        });
+        let mut frames = std::pin::pin!(frames);
+        let mut reading = true;
+        while reading || !conn.waiting.is_empty() {
+            let idle = conn.running.is_empty() && conn.waiting.is_empty();
+            tokio::select! {
+                biased;
+                Some(done) = conn.running.join_next_with_id(), if !conn.running.is_empty() => {
+                    conn.finished(done);
+                }
+                permit = slots.clone().acquire_owned(), if !conn.waiting.is_empty() => {
+                    let req = conn.waiting.pop_front().expect("a request waits");
+                    self.start(req, permit.expect("never closed"), &tx, &mut conn);
+                }
+                frame = frames.next(), if reading && conn.waiting.len() < READ_AHEAD => {
+                    match Incoming::from_frame(frame.expect("the stream never ends")) {
+                        Ok(None) => reading = false,
+                        Ok(Some(Incoming::Request(req))) => conn.waiting.push_back(req),
+                        Ok(Some(Incoming::Cancel(id))) => {
+                            if conn.cancel(id) {
+                                self.pipeline.metrics.requests_cancelled_total.inc();
+                            }
+                        }
+                        Err(message) => {
+                            self.refuse("bad_request");
+                            let e = connection_error(ErrorCode::BadRequest, message);
+                            let _ = tx.send((Outgoing::Error(e), None)).await;
+                            break;
+                        }
                     }
                 }
-            } else {
-                next.await
-            };
-            let req = match frame {
-                Ok(None) => return,
-                Ok(Some((Kind::Request, payload))) => {
-                    BatchRequest::decode(&payload).map_err(|e| e.to_string())
-                }
-                Ok(Some((kind, _))) => Err(format!("unexpected {kind:?} frame")),
-                Err(e) => Err(e.to_string()),
-            };
-            let req = match req {
-                Ok(r) => r,
-                Err(message) => {
-                    self.refuse("bad_request");
-                    let e = connection_error(ErrorCode::BadRequest, message);
+                () = tokio::time::sleep(self.config.idle_timeout), if idle && reading => {
+                    self.refuse("idle");
+                    let e = connection_error(
+                        ErrorCode::Unavailable,
+                        format!(
+                            "no request completed for {:?}; closing the connection",
+                            self.config.idle_timeout
+                        ),
+                    );
                     let _ = tx.send((Outgoing::Error(e), None)).await;
-                    return;
+                    break;
                 }
-            };
-            let permit = slots.clone().acquire_owned().await.expect("never closed");
-            let guard = InflightGuard::new(self.clone());
-            let (this, tx) = (self.clone(), tx.clone());
-            tokio::spawn(async move {
-                let out = this.answer(req).await;
-                let _ = tx.send((out, Some(guard))).await;
-                drop(permit);
-            });
+            }
         }
+        // Requests already being prepared are still answered (a client may half-close), and
+        // counted in flight until then, so a drain waits for them.
+        conn.running.detach_all();
+    }
+
+    /// Prepares `req` as its own task, holding one of the connection's slots until its
+    /// answer is handed to the writer.
+    fn start(
+        self: &Arc<Self>,
+        req: BatchRequest,
+        slot: OwnedSemaphorePermit,
+        tx: &mpsc::Sender<Answer>,
+        conn: &mut ConnRequests,
+    ) {
+        let guard = InflightGuard::new(self.clone());
+        let (this, tx) = (self.clone(), tx.clone());
+        // Aborting the task drops this future with everything it holds: the in-flight guard,
+        // the slot, the sample budget and the fetches under way.
+        let task = conn.running.spawn(async move {
+            let out = this.answer(req).await;
+            let _ = tx.send((out, Some(guard))).await;
+            drop(slot);
+            req.request_id
+        });
+        conn.tasks.insert(req.request_id, task);
     }
 
     async fn answer(&self, req: BatchRequest) -> Outgoing {
@@ -518,19 +657,15 @@ impl Server {
             .samples
             .len()
             .clamp(1, self.config.max_inflight_samples.max(1)) as u32;
-        let queue = self
-            .pipeline
-            .metrics
-            .queue_depth
-            .with_label_values(&["requests"]);
-        queue.inc();
+        let metrics = &self.pipeline.metrics;
+        let queued = GaugeGuard::new(&metrics.queue_depth.with_label_values(&["requests"]));
         let budget = self
             .sample_budget
             .clone()
             .acquire_many_owned(want)
             .await
             .expect("never closed");
-        queue.dec();
+        drop(queued);
         match self.pipeline.build_batch(&slice).await {
             Ok(batch) => match check_frame_size(&batch, stoker_wire::MAX_PAYLOAD) {
                 Ok(()) => Outgoing::Batch(Box::new(Ready {

@@ -142,7 +142,7 @@ async fn huge_headers_and_garbage_are_refused_without_memory_and_honest_clients_
 async fn connections_beyond_the_limit_are_refused_by_name_until_one_closes() {
     let ds = synth_dataset(4, SynthFormat::Llava).await;
     let mut cfg = ds.config(4);
-    cfg.serving.max_connections = 3;
+    cfg.serving.limits.max_connections = 3;
     let w = start_worker(&cfg).await;
     // Three idle peers hold every slot (they never say Hello).
     let mut idle = Vec::new();
@@ -180,7 +180,7 @@ async fn connections_beyond_the_limit_are_refused_by_name_until_one_closes() {
 async fn an_idle_or_drip_feeding_peer_is_closed_by_name_after_the_idle_timeout() {
     let ds = synth_dataset(4, SynthFormat::Llava).await;
     let mut cfg = ds.config(4);
-    cfg.serving.idle_timeout_s = 1;
+    cfg.serving.limits.idle_timeout_s = 1;
     let w = start_worker(&cfg).await;
     // Authenticated, then silent; authenticated, then half a header and nothing more.
     let silent = tokio::spawn(attack(w.addr, hello(TOKEN)));

@@ -5,7 +5,7 @@ use stoker_control::exposition::{metric_value, metric_value_with};
 
 use common::*;
 use stoker_testkit::synth::SynthFormat;
-use stoker_wire::{DType, ErrorCode};
+use stoker_wire::{BatchRequest, DType, ErrorCode};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serves_planned_slices_with_consistent_tensors() {
@@ -321,5 +321,180 @@ async fn the_line_cache_reads_each_shard_block_once_and_changes_no_byte() {
         uncached.2,
         uncached.1 + 24,
         "one GET per image and one per line"
+    );
+}
+
+/// A peer of another protocol version is refused by name (both versions), and counted apart
+/// from garbage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_of_another_protocol_version_is_refused_by_name() {
+    use stoker_wire::{ErrorFrame, FrameHeader, Hello, Kind};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let ds = synth_dataset(4, SynthFormat::Llava).await;
+    let w = start_worker(&ds.config(4)).await;
+    let hello = Hello {
+        token: TOKEN.into(),
+        client: "stoker/0.0 (v1)".into(),
+    }
+    .encode();
+    let mut frame = FrameHeader {
+        kind: Kind::Hello,
+        len: hello.len() as u64,
+    }
+    .encode()
+    .to_vec();
+    frame[4] = 1; // what a build speaking version 1 sends
+    frame.extend_from_slice(&hello);
+    let mut s = tokio::net::TcpStream::connect(w.addr).await.unwrap();
+    s.write_all(&frame).await.unwrap();
+    let mut got = Vec::new();
+    s.read_to_end(&mut got).await.unwrap();
+    let h = FrameHeader::decode(got[..16].try_into().unwrap()).unwrap();
+    assert_eq!(h.kind, Kind::Error);
+    let e = ErrorFrame::decode(&got[16..16 + h.len as usize]).unwrap();
+    assert_eq!(e.code, ErrorCode::BadRequest);
+    assert_eq!(
+        e.message,
+        "protocol version 1 is not supported (this build speaks 2)"
+    );
+    let m = w.metrics.render();
+    let refused = |reason| {
+        metric_value_with(
+            &m,
+            "stoker_worker_requests_refused_total",
+            &[("reason", reason)],
+        )
+    };
+    assert_eq!(refused("version"), Some(1.0), "{m}");
+    assert_eq!(refused("no_hello"), Some(0.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_welcome_carries_the_connection_hints() {
+    let ds = synth_dataset(4, SynthFormat::Llava).await;
+    let mut cfg = ds.config(4);
+    cfg.serving.limits.max_connections = 77;
+    cfg.serving.limits.links_per_rank = 3;
+    let w = start_worker(&cfg).await;
+    let (_, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+    assert_eq!((welcome.max_connections, welcome.links_per_rank), (77, 3));
+    // Another worker of the same plan with other hints serves interchangeable batches.
+    cfg.serving.limits.max_connections = 1024;
+    cfg.serving.limits.links_per_rank = 0;
+    let other = start_worker(&cfg).await;
+    let (_, other) = Client::connect(other.addr, TOKEN).await.unwrap();
+    assert!(welcome.same_plan(&other) && welcome != other);
+}
+
+/// With one slot per connection and a sample budget of one batch, a request stalled on its
+/// object holds both. Requests read behind it wait; a Cancel read meanwhile drops a waiting
+/// one and aborts the stalled one, which frees the slot and the budget, and neither is
+/// answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_request_is_not_answered_and_frees_its_slot_and_budget() {
+    use std::time::Duration;
+    use stoker_testkit::embedded_s3::{EmbeddedS3, StoreBehaviour};
+    let mut ds = synth_dataset(12, SynthFormat::Llava).await;
+    let probe = start_worker(&ds.config(4)).await;
+    let plan = &probe.server.pipeline.plan;
+    let victim = plan.rank_slice(0, 0, 0, 1).unwrap().samples[0];
+    let (shard, line) = probe.server.pipeline.index.locate(victim).unwrap();
+    let text = std::fs::read(ds.dir().join(&shard.key)).unwrap();
+    let raw = &text[line.1 as usize..(line.1 + line.2 as u64) as usize];
+    let conv = stoker_worker::dataset::sample::Conversation::parse(raw).unwrap();
+    let stalled = conv.image_paths().next().unwrap().to_string();
+    // Batch 0 never completes on its own: its image is not answered for a day, and the
+    // worker's read timeout is longer still.
+    let behaviour = StoreBehaviour {
+        slow_objects: vec![(stalled, Duration::from_secs(86_400))],
+        ..Default::default()
+    };
+    ds.s3 = EmbeddedS3::start_with(ds.root.path(), "127.0.0.1:0", behaviour)
+        .await
+        .unwrap();
+    let mut cfg = ds.config(4);
+    cfg.s3.read_timeout_s = 2 * 86_400;
+    cfg.serving.limits.max_inflight_per_conn = 1;
+    cfg.serving.max_inflight_samples = Some(4);
+    let w = start_worker(&cfg).await;
+    let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+
+    let stuck = request(&welcome, 0, 0, 0, 1);
+    c.send(stuck).await;
+    // Wait until it is being prepared: it holds the slot and the whole sample budget.
+    while w.metrics.fetches_in_flight.get() == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let b = request(&welcome, 0, 1, 0, 1);
+    let waiting = request(&welcome, 0, 2, 0, 1);
+    c.send(b).await;
+    c.send(waiting).await;
+    // Read while the only slot is busy: one cancels a waiting request, one the running one.
+    c.cancel(waiting.request_id).await;
+    c.cancel(stuck.request_id).await;
+    let (head, _) = c.recv().await.batch();
+    assert_eq!(
+        head.request, b,
+        "the stalled request's slot and budget went to the next"
+    );
+    // The cancelled waiting request is not answered either: a later one (same batch, another
+    // id) is the next answer, though it was read after it on a one-slot connection.
+    let later = BatchRequest {
+        request_id: 4242,
+        ..waiting
+    };
+    let (head, _) = c.get(later).await.batch();
+    assert_eq!(head.request, later);
+    let m = w.metrics.render();
+    assert_eq!(
+        metric_value(&m, "stoker_worker_requests_cancelled_total"),
+        Some(2.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric_value_with(
+            &m,
+            "stoker_worker_requests_refused_total",
+            &[("reason", "bad_request")]
+        ),
+        Some(0.0)
+    );
+    // Nothing stays in flight: the aborted request released its guard, and its stalled fetch
+    // (dropped with it) its count.
+    while w.metrics.requests_in_flight.get() != 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(w.metrics.fetches_in_flight.get(), 0);
+    for queue in ["fetch", "cpu", "requests"] {
+        let depth = w.metrics.queue_depth.with_label_values(&[queue]).get();
+        assert_eq!(depth, 0, "{queue}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_an_unknown_or_answered_request_is_harmless() {
+    let ds = synth_dataset(8, SynthFormat::Llava).await;
+    let w = start_worker(&ds.config(4)).await;
+    let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+    let first = request(&welcome, 0, 0, 0, 1);
+    let (head, _) = c.get(first).await.batch();
+    assert_eq!(head.request, first);
+    c.cancel(first.request_id).await; // answered already
+    c.cancel(987_654).await; // never asked
+    let second = request(&welcome, 0, 1, 0, 1);
+    let (head, _) = c.get(second).await.batch();
+    assert_eq!(head.request, second);
+    let m = w.metrics.render();
+    assert_eq!(
+        metric_value(&m, "stoker_worker_requests_cancelled_total"),
+        Some(0.0)
+    );
+    assert_eq!(
+        metric_value_with(
+            &m,
+            "stoker_worker_requests_refused_total",
+            &[("reason", "bad_request")]
+        ),
+        Some(0.0)
     );
 }

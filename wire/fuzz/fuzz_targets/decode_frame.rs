@@ -17,6 +17,7 @@ fuzz_target!(|data: &[u8]| {
     let _ = Welcome::decode(payload);
     let _ = BatchRequest::decode(payload);
     let _ = ErrorFrame::decode(payload);
+    let _ = Cancel::decode(payload);
     if let Ok(head) = BatchHead::decode(payload, payload.len() as u64) {
         // A decoded head must describe bytes inside the payload.
         for t in &head.tensors {
