@@ -10,6 +10,7 @@ mod cmd {
     pub mod demo;
     pub mod local;
     pub mod operator;
+    pub mod scale;
     pub mod spread;
     pub mod transport;
     pub mod worker;

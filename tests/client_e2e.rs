@@ -188,6 +188,124 @@ fn kills_lose_and_duplicate_no_sample(shaping: Shaping) {
     assert!(lost > 0, "no kill hit a request in flight (seed {seed})");
 }
 
+/// The 4,096-rank problem at the size this machine holds: 24 ranks stepping in lock-step
+/// against 6 worker processes of 8 connection slots each (48 slots; a full mesh needs 144).
+/// Every rank gets exactly its planned batches and no rank is refused into `NoWorker`, also
+/// when a worker is SIGKILLed and another added mid-epoch.
+#[test]
+fn many_ranks_in_lock_step_on_few_connection_slots_get_exactly_their_batches() {
+    const RANKS: u32 = 24;
+    const WORKERS: usize = 6;
+    const SLOTS: u32 = 8;
+    const GLOBAL: u32 = 2 * RANKS;
+    const SAMPLES: usize = 4 * GLOBAL as usize;
+    const EPOCHS: u64 = 2;
+    let root = tempfile::tempdir().unwrap();
+    let o = SynthOptions {
+        samples: SAMPLES,
+        format: SynthFormat::Messages,
+        samples_per_shard: 48,
+        min_side: 32,
+        max_side: 96,
+        ..SynthOptions::default()
+    };
+    generate(&root.path().join("bucket/data"), &o, &|| {}).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let s3 = rt
+        .block_on(EmbeddedS3::start(
+            root.path(),
+            "127.0.0.1:0",
+            Duration::ZERO,
+        ))
+        .unwrap();
+    let mut cfg = WorkerConfig {
+        data: "s3://bucket/data".into(),
+        ..WorkerConfig::default()
+    };
+    cfg.s3.path_style = true;
+    cfg.sampling.global_batch_size = GLOBAL;
+    cfg.concurrency.cpu_threads = Some(1);
+    cfg.serving.no_auth = true;
+    cfg.serving.limits.max_connections = SLOTS;
+    let env = s3.env();
+    let spawn = move || LocalWorker::spawn(STOKER.as_ref(), &cfg, &env);
+    let workers = Arc::new(Mutex::new(
+        (0..WORKERS).map(|_| spawn().unwrap()).collect::<Vec<_>>(),
+    ));
+    let addrs = |ws: &[LocalWorker]| -> WorkerSet { ws.iter().map(|w| w.addr.clone()).collect() };
+    let (set_tx, set_rx) = tokio::sync::watch::channel(addrs(&workers.lock().unwrap()));
+    let plan = Plan::new(SAMPLES as u64, GLOBAL, 0);
+    let bpe = plan.batches_per_epoch();
+    let steps = EPOCHS * bpe;
+    let barrier = Arc::new(std::sync::Barrier::new(RANKS as usize + 1));
+    let ranks: Vec<_> = (0..RANKS)
+        .map(|rank| {
+            let set_rx = set_rx.clone();
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                let mut cfg = LoaderConfig::new(Discovery::Watch(set_rx), rank, RANKS);
+                cfg.depth = Depth::Fixed(2);
+                let mut loader = Loader::new(cfg).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                let mut got = Vec::new();
+                while (got.len() as u64) < steps {
+                    let b = loader
+                        .next_batch()
+                        .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                    if let Some(b) = b {
+                        got.push((b.epoch, b.global_batch, b.sample_ids.clone()));
+                        // The synchronous step: every rank waits for the slowest.
+                        barrier.wait();
+                    }
+                }
+                got
+            })
+        })
+        .collect();
+    // The controller side of the barrier: after step 2 a worker dies, after step 4 one more
+    // joins (as a Deployment replaces and scales).
+    for step in 0..steps {
+        barrier.wait();
+        let mut ws = workers.lock().unwrap();
+        if step == 2 {
+            ws[0].kill();
+            ws.remove(0);
+            set_tx.send_replace(addrs(&ws));
+        }
+        if step == 4 {
+            ws.push(spawn().unwrap());
+            set_tx.send_replace(addrs(&ws));
+        }
+    }
+    let results: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
+    for (rank, got) in results.iter().enumerate() {
+        let want: Vec<_> = (0..EPOCHS)
+            .flat_map(|e| (0..bpe).map(move |g| (e, g)))
+            .map(|(e, g)| {
+                (
+                    e,
+                    g,
+                    plan.rank_slice(e, g, rank as u32, RANKS).unwrap().samples,
+                )
+            })
+            .collect();
+        assert_eq!(got, &want, "rank {rank}");
+    }
+    for e in 0..EPOCHS {
+        let seen: BTreeSet<u64> = results
+            .iter()
+            .flat_map(|got| got.iter().filter(|b| b.0 == e).flat_map(|b| b.2.clone()))
+            .collect();
+        assert_eq!(seen.len(), SAMPLES, "epoch {e}: every sample once");
+    }
+    // No worker ever held more connections than its slots, and ranks were refused (the
+    // limit was real) or fit (the subset kept them within it): either way nobody starved.
+    for w in workers.lock().unwrap().iter() {
+        let m = http::get_ok(&w.metrics_addr, "/metrics").unwrap();
+        let open = metric_value(&m, "stoker_worker_connections").unwrap_or(0.0);
+        assert!(open <= SLOTS as f64, "{} holds {open} connections", w.addr);
+    }
+}
+
 #[test]
 fn demo_prints_the_ablation_as_json() {
     let cache = tempfile::tempdir().unwrap();

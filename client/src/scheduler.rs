@@ -299,7 +299,14 @@ impl Scheduler {
     /// event (a deadline, a hedge, a reconnect, a release, the no-worker timeout).
     pub fn next_timer(&self) -> Option<Instant> {
         let mut t: Option<Instant> = None;
-        let mut at = |x: Instant| t = Some(t.map_or(x, |t| t.min(x)));
+        // Only what lies ahead: a time already passed that the last step did not act on (a
+        // hedge over budget, a position with nowhere to go) waits for an event instead.
+        let now = self.now;
+        let mut at = |x: Instant| {
+            if x > now {
+                t = Some(t.map_or(x, |t| t.min(x)));
+            }
+        };
         if let Some(since) = self.no_worker_since {
             at(since + self.cfg.no_worker_timeout);
         }
@@ -336,7 +343,7 @@ impl Scheduler {
     /// hedge, release.
     pub fn step(&mut self, now: Instant) {
         self.now = now.max(self.now);
-        if self.identity.is_none() {
+        if self.identity.is_none() && self.cfg.policy == Policy::Subset {
             // No plan yet, so no position to spill: when no home can answer, a spare is
             // dialled anyway, so a rank whose homes refuse it is never stranded.
             self.spill = !self.members.homes.iter().any(|a| self.home_healthy(a));
@@ -486,6 +493,11 @@ impl Scheduler {
     /// This rank's members, homes first (what `stoker bench scale` reports).
     pub fn members(&self) -> &Members {
         &self.members
+    }
+
+    /// Workers linked, serving this plan and not draining.
+    pub fn live_workers(&self) -> usize {
+        self.live
     }
 
     /// Connections open or opening.
@@ -688,7 +700,7 @@ impl Scheduler {
         let expired: Vec<u64> = self
             .in_flight
             .iter()
-            .filter(|(_, f)| now.duration_since(f.sent) > timeout)
+            .filter(|(_, f)| now.duration_since(f.sent) >= timeout)
             .map(|(id, _)| *id)
             .collect();
         for id in expired {
@@ -737,7 +749,7 @@ impl Scheduler {
             .filter(|(_, p)| {
                 self.in_flight
                     .get(&p.attempts[0])
-                    .is_some_and(|f| now.duration_since(f.sent) > threshold)
+                    .is_some_and(|f| now.duration_since(f.sent) >= threshold)
             })
             .map(|(pos, _)| *pos)
             .collect();
@@ -819,7 +831,7 @@ impl Scheduler {
         // Nothing else is left: a worker that failed this position, rather than none.
         match best(&|id, l| usable(id, l)) {
             Some(id) => Choice::Link(id),
-            None if home_will_take => Choice::Wait,
+            None if home_will_take || self.cfg.policy == Policy::FullMesh => Choice::Wait,
             None => Choice::Spill,
         }
     }

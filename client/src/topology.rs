@@ -5,7 +5,7 @@
 //! - **Homes** carry a rank's requests. Rank slots (`homes_per_rank` per rank) are placed on a
 //!   consistent-hash ring of the workers (32 points each) with bounded loads: a slot goes to
 //!   the first worker clockwise that holds fewer than `capacity` slots. No worker is home to
-//!   more than ⌈S/W⌉ + ⌊S/4W⌋ slots (S slots, W workers: at most 1.25× the mean when S ≥ 4W),
+//!   more than ⌈S/W⌉ + ⌊S/8W⌋ slots (S slots, W workers: at most 1.125× the mean when S ≥ 8W),
 //!   and a worker that joins or leaves moves the slots near it on the ring, not all of them.
 //! - **Spares** are the rank's next workers in rendezvous order (highest `hash(rank, worker)`
 //!   first, homes left out): connected only when no home can take a request (it failed,
@@ -116,9 +116,10 @@ pub fn tiebreak(rank: u32, addr: &str) -> u64 {
     mix(fnv(addr.as_bytes()).rotate_left(17) ^ (rank as u64).wrapping_mul(0x9e37_79b9))
 }
 
-/// The most slots one worker is home to: the mean rounded up plus a quarter of it.
+/// The most slots one worker is home to: the mean rounded up plus an eighth of it (room
+/// for a hedge or a spill within 1.25× the mean).
 pub fn capacity(slots: usize, workers: usize) -> usize {
-    slots.div_ceil(workers) + slots / (4 * workers)
+    slots.div_ceil(workers) + slots / (8 * workers)
 }
 
 /// Every rank's homes, as worker indexes into the sorted set.

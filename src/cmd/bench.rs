@@ -46,6 +46,9 @@ pub enum BenchCommand {
     /// Token-aware rank balance and packing vs naive slicing and plain batches, on a
     /// realistic length distribution, for world sizes 8, 64 and 512.
     Balance(super::balance::BalanceArgs),
+    /// The trainer client's real scheduler at 4,096 ranks × 1,024 workers in virtual time:
+    /// bounded links vs the full mesh, fault-free and through a restart, a drain and +25 %.
+    Scale(super::scale::ScaleArgs),
 }
 
 #[derive(clap::Args)]
@@ -101,6 +104,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             Ok(())
         }
         BenchCommand::Balance(a) => super::balance::run(a),
+        BenchCommand::Scale(a) => tokio::task::spawn_blocking(move || super::scale::run(a)).await?,
     }
 }
 

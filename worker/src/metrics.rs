@@ -26,6 +26,7 @@ pub struct Metrics {
     /// Sample lines served from a cached shard block ("hit") or one read for it ("miss").
     pub line_cache: IntCounterVec,
     pub requests_in_flight: IntGauge,
+    pub connections: IntGauge,
     pub fetches_in_flight: IntGauge,
     /// Work waiting for a bounded resource: "fetch" (object-store slots), "cpu" (pool).
     pub queue_depth: IntGaugeVec,
@@ -158,6 +159,10 @@ impl Metrics {
                 "stoker_worker_requests_in_flight",
                 "Batch requests being prepared or sent.",
             ),
+            connections: gauge(
+                "stoker_worker_connections",
+                "Connections holding one of the --max-connections slots.",
+            ),
             fetches_in_flight: gauge(
                 "stoker_worker_object_fetches_in_flight",
                 "Object-store reads in progress.",
@@ -211,6 +216,7 @@ impl Metrics {
         }
         for g in [
             &m.requests_in_flight,
+            &m.connections,
             &m.fetches_in_flight,
             &m.dataset_samples,
             &m.dataset_bad_lines,

@@ -195,9 +195,9 @@ impl Plan {
         let batch = &perm[start as usize..end as usize];
         let (rank, world) = (rank as usize, world as usize);
         let Some((sample, shaping)) = &self.costs else {
-            let contiguous = stoker_balance::slice_evenly(batch.len(), world).swap_remove(rank);
+            let contiguous = stoker_balance::even_slice(batch.len(), world, rank);
             return Ok(RankSlice {
-                samples: contiguous.iter().map(|&p| batch[p] as u64).collect(),
+                samples: batch[contiguous].iter().map(|&id| id as u64).collect(),
                 packs: None,
             });
         };

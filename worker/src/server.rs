@@ -428,9 +428,12 @@ impl Server {
             let _ = write_frame(&mut stream, Kind::Error, &e.encode()).await;
             return;
         };
+        let open = self.pipeline.metrics.connections.clone();
+        open.inc();
         if let Err(e) = self.handle(stream).await {
             tracing::debug!("connection from {peer}: {e:#}");
         }
+        open.dec();
         drop(slot);
     }
 
