@@ -370,3 +370,62 @@ fn demo_prints_the_ablation_as_json() {
         );
     }
 }
+
+/// `stoker bench scale` at a size CI affords (virtual time: deterministic, no wall clock):
+/// the bounded-link policy meets the targets in every scenario, the full mesh does
+/// not, and both deliver exactly (the command fails otherwise).
+#[test]
+fn the_scale_simulator_shows_bounded_links_meeting_their_targets() {
+    let out = std::process::Command::new(STOKER)
+        .args([
+            "bench", "scale", "--sizes", "512x128", "--steps", "12", "--json",
+        ])
+        .args(["--max-connections", "256"])
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let subset: Vec<_> = rows.iter().filter(|r| r["policy"] == "subset").collect();
+    assert_eq!(subset.len(), 4, "four scenarios: {rows:?}");
+    for r in &subset {
+        let name = &r["scenario"];
+        assert_eq!(r["ranks_without_worker"], 0, "{name}");
+        assert_eq!(r["requests_past_deadline"], 0, "{name}");
+        assert_eq!(r["exact_delivery"], true, "{name}");
+        assert!(
+            r["max_connections_per_worker"].as_u64().unwrap() <= 192,
+            "{name}: 25 % headroom"
+        );
+        let eff: Vec<f64> = r["efficiency_by_step"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e.as_f64().unwrap())
+            .collect();
+        assert_eq!(eff.len(), 11, "{name}: every step ran");
+        let below = eff.iter().skip(1).filter(|e| **e < 0.9).count();
+        assert!(below <= 1, "{name}: {eff:?}");
+        if name == "steady" {
+            assert!(eff.iter().skip(1).all(|e| *e >= 0.95), "{eff:?}");
+            assert!(r["max_over_mean_worker_load"].as_f64().unwrap() <= 1.25);
+        }
+    }
+    let mesh = rows.iter().find(|r| r["policy"] == "full-mesh").unwrap();
+    let mesh_eff = mesh["efficiency_by_step"].as_array().unwrap();
+    let worst = mesh_eff
+        .iter()
+        .map(|e| e.as_f64().unwrap())
+        .fold(1.0, f64::min);
+    // Half the ranks find no slot anywhere (the job fails), or the herd stalls it.
+    let starved = mesh["ranks_without_worker"].as_u64().unwrap();
+    assert!(starved > 0 || worst < 0.5, "the full mesh: {mesh}");
+}

@@ -654,7 +654,7 @@ impl Sim {
         }
     }
 
-    fn to_rank(&mut self, rank: u32, event: Event) {
+    fn tell_rank(&mut self, rank: u32, event: Event) {
         self.at(self.now + ns(ONE_WAY), Ev::ToRank { rank, event });
     }
 
@@ -662,7 +662,7 @@ impl Sim {
         let worker = &mut self.workers[w];
         if !worker.up {
             let error = "connection refused".to_string();
-            return self.to_rank(rank, Event::Down { link, error });
+            return self.tell_rank(rank, Event::Down { link, error });
         }
         if worker.connections >= self.a.max_connections as usize {
             self.refused += 1;
@@ -674,9 +674,9 @@ impl Sim {
                     self.a.max_connections
                 ),
             };
-            self.to_rank(rank, Event::Refused { link, error });
+            self.tell_rank(rank, Event::Refused { link, error });
             let error = "closed by the worker".to_string();
-            return self.to_rank(rank, Event::Down { link, error });
+            return self.tell_rank(rank, Event::Down { link, error });
         }
         worker.connections += 1;
         self.max_conns = self.max_conns.max(worker.connections);
@@ -691,7 +691,7 @@ impl Sim {
             },
         );
         let welcome = self.welcome.clone();
-        self.to_rank(rank, Event::Up { link, welcome });
+        self.tell_rank(rank, Event::Up { link, welcome });
     }
 
     fn request(&mut self, conn: (u32, LinkId), req: BatchRequest) {
@@ -708,7 +708,7 @@ impl Sim {
             let (rank, link) = conn;
             let answer = Err(error);
             let request_id = req.request_id;
-            return self.to_rank(
+            return self.tell_rank(
                 rank,
                 Event::Answer {
                     link,
@@ -849,7 +849,7 @@ impl Sim {
             let (rank, link) = job.conn;
             let answer = Ok((head, AlignedBuf::zeroed(0)));
             let request_id = job.req.request_id;
-            self.to_rank(
+            self.tell_rank(
                 rank,
                 Event::Answer {
                     link,
@@ -916,7 +916,7 @@ impl Sim {
             self.conns.remove(&key);
             let (rank, link) = key;
             let error = "connection reset by peer".to_string();
-            self.to_rank(rank, Event::Down { link, error });
+            self.tell_rank(rank, Event::Down { link, error });
         }
     }
 
