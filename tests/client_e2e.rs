@@ -411,7 +411,7 @@ fn the_scale_simulator_shows_bounded_links_meeting_their_targets() {
             .iter()
             .map(|e| e.as_f64().unwrap())
             .collect();
-        assert_eq!(eff.len(), 11, "{name}: every step ran");
+        assert_eq!(eff.len(), 12, "{name}: every step ran");
         let below = eff.iter().skip(1).filter(|e| **e < 0.9).count();
         assert!(below <= 1, "{name}: {eff:?}");
         if name == "steady" {
