@@ -378,7 +378,7 @@ fn demo_prints_the_ablation_as_json() {
 fn the_scale_simulator_shows_bounded_links_meeting_their_targets() {
     let out = std::process::Command::new(STOKER)
         .args([
-            "bench", "scale", "--sizes", "512x128", "--steps", "12", "--json",
+            "bench", "scale", "--sizes", "512x128", "--steps", "20", "--json",
         ])
         .args(["--max-connections", "256"])
         .env("RUST_LOG", "error")
@@ -395,7 +395,7 @@ fn the_scale_simulator_shows_bounded_links_meeting_their_targets() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     let subset: Vec<_> = rows.iter().filter(|r| r["policy"] == "subset").collect();
-    assert_eq!(subset.len(), 4, "four scenarios: {rows:?}");
+    assert_eq!(subset.len(), 5, "five scenarios: {rows:?}");
     for r in &subset {
         let name = &r["scenario"];
         assert_eq!(r["ranks_without_worker"], 0, "{name}");
@@ -411,7 +411,7 @@ fn the_scale_simulator_shows_bounded_links_meeting_their_targets() {
             .iter()
             .map(|e| e.as_f64().unwrap())
             .collect();
-        assert_eq!(eff.len(), 12, "{name}: every step ran");
+        assert_eq!(eff.len(), 20, "{name}: every step ran");
         let below = eff.iter().skip(1).filter(|e| **e < 0.9).count();
         assert!(below <= 1, "{name}: {eff:?}");
         if name == "steady" {
@@ -428,4 +428,24 @@ fn the_scale_simulator_shows_bounded_links_meeting_their_targets() {
     // Half the ranks find no slot anywhere (the job fails), or the herd stalls it.
     let starved = mesh["ranks_without_worker"].as_u64().unwrap();
     assert!(starved > 0 || worst < 0.5, "the full mesh: {mesh}");
+}
+
+/// A service-time profile that is no distribution is refused by name, before any run.
+#[test]
+fn the_scale_simulator_refuses_a_profile_without_times() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("profile.json");
+    std::fs::write(&path, r#"{"what": "nothing measured", "per_sample_s": []}"#).unwrap();
+    let out = std::process::Command::new(STOKER)
+        .args(["bench", "scale", "--sizes", "8x2", "--steps", "2"])
+        .arg("--service-profile")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("service profile") && err.contains("profile.json"),
+        "{err}"
+    );
 }

@@ -104,7 +104,8 @@ pub struct HedgePolicy {
     pub head_positions: usize,
     /// Hedges allowed per answered request, on average (0.05: at most 5 % extra work).
     pub budget: f64,
-    /// Hedges that may be sent at once before any answer earned them.
+    /// Hedges that may be sent at once before any answer earned them: four, about the
+    /// requests a worker that turns slow holds for one rank (its depth).
     pub burst: f64,
 }
 
@@ -113,10 +114,10 @@ impl Default for HedgePolicy {
         HedgePolicy {
             quantile: 0.95,
             factor: 1.5,
-            min_observations: 20,
+            min_observations: 8,
             head_positions: 2,
             budget: 0.05,
-            burst: 2.0,
+            burst: 4.0,
         }
     }
 }
@@ -196,8 +197,8 @@ mod tests {
     #[test]
     fn hedges_stay_within_their_budget() {
         let mut b = HedgeBudget::new(HedgePolicy::default());
-        // The burst: two at once, then one per twenty answers.
-        for _ in 0..2 {
+        // The burst: four at once, then one per twenty answers.
+        for _ in 0..4 {
             assert!(b.available());
             b.spend();
         }
@@ -212,8 +213,9 @@ mod tests {
         for _ in 0..1000 {
             b.earn();
         }
-        b.spend();
-        b.spend();
+        for _ in 0..4 {
+            b.spend();
+        }
         assert!(!b.available());
     }
 

@@ -143,6 +143,9 @@ struct WorkerLink {
     window: usize,
     /// Since when nothing is outstanding (idle spares are released).
     idle_since: Instant,
+    /// It lost a hedge race or answered lagging, and has not answered in time since: it is
+    /// probed with one request at a time (others go elsewhere meanwhile).
+    suspect: bool,
 }
 
 #[derive(Default)]
@@ -175,6 +178,11 @@ const LINK_IDLE: Duration = Duration::from_secs(30);
 const ESTIMATE_HALF_LIFE: Duration = Duration::from_secs(30);
 /// A new link's window: requests before its first answer.
 const INITIAL_WINDOW: usize = 2;
+/// A link this many times slower than the rank's median is lagging: its home role lapses
+/// until it catches up (requests go to a spare).
+const LAG_FACTOR: f64 = 4.0;
+/// ... judged only once the median rests on this many answers.
+const LAG_OBSERVATIONS: usize = 8;
 
 pub struct Scheduler {
     cfg: LoaderConfig,
@@ -213,6 +221,8 @@ pub struct Scheduler {
     /// Mean payload bytes of an answer (for the prefetch byte cap).
     batch_bytes: Option<f64>,
     hedges: HedgeBudget,
+    /// The trainer's last take as this scheduler saw it: (position it takes next, when).
+    last_take: Option<(u64, Instant)>,
     no_worker_since: Option<Instant>,
     /// A position waits for a spare: no home can take it.
     spill: bool,
@@ -256,6 +266,7 @@ impl Scheduler {
             latencies: LatencyWindow::default(),
             batch_bytes: None,
             hedges,
+            last_take: None,
             no_worker_since: Some(now),
             spill: false,
             actions: Vec::new(),
@@ -322,9 +333,9 @@ impl Scheduler {
                 at(f + self.cfg.request_timeout);
             }
             if let Some(threshold) = self.hedge_threshold() {
-                for p in self.pending.values().take(self.hedge_head()) {
+                for (pos, p) in self.pending.iter().take(self.hedge_head()) {
                     if let Some(f) = p.attempts.first().and_then(|id| self.in_flight.get(id)) {
-                        at(f.sent + threshold);
+                        at(self.hedge_due(*pos, f.sent, threshold));
                     }
                 }
             }
@@ -343,6 +354,10 @@ impl Scheduler {
     /// hedge, release.
     pub fn step(&mut self, now: Instant) {
         self.now = now.max(self.now);
+        let consumed = self.shared.consumed.load(Ordering::Acquire);
+        if self.last_take.is_none_or(|(c, _)| c != consumed) {
+            self.last_take = Some((consumed, self.now));
+        }
         if self.identity.is_none() && self.cfg.policy == Policy::Subset {
             // No plan yet, so no position to spill: when no home can answer, a spare is
             // dialled anyway, so a rank whose homes refuse it is never stranded.
@@ -584,6 +599,7 @@ impl Scheduler {
                 draining: false,
                 window,
                 idle_since: self.now,
+                suspect: false,
             },
         );
     }
@@ -677,7 +693,19 @@ impl Scheduler {
         let mut spill = false;
         for pos in unassigned {
             match self.choose(pos, false) {
-                Choice::Link(link) => self.send(pos, link, false),
+                Choice::Link(link) => {
+                    let probe = self.links.get(&link).is_some_and(|l| l.suspect);
+                    self.send(pos, link, false);
+                    // A suspect is probed with a position that also goes elsewhere: the first
+                    // answer is delivered, so probing a worker still slow never makes the
+                    // trainer wait (and costs one duplicate per probe).
+                    if probe {
+                        if let Choice::Link(other) = self.choose(pos, true) {
+                            self.send(pos, other, true);
+                            self.metrics.hedges.with_label_values(&["sent"]).inc();
+                        }
+                    }
+                }
                 Choice::Wait => break,
                 Choice::Spill => {
                     spill = true;
@@ -728,12 +756,73 @@ impl Scheduler {
         Some((f, addr))
     }
 
+    /// A link took `elapsed` for a request (or at least that long, if it `lost` a hedge
+    /// race): its estimate moves, up at once under the subset policy (a peak-sensitive
+    /// average: one slow answer is believed now, quick ones bring it down gradually), by a
+    /// fifth of the way otherwise. Losing, or answering past the lag limit, makes it suspect;
+    /// answering in time clears that.
+    fn measured(&mut self, link: LinkId, elapsed: Duration, lost: bool) {
+        let peak = self.cfg.policy == Policy::Subset;
+        let typical = self.typical_latency();
+        let limit = self.lag_limit(typical);
+        let Some(l) = self.links.get(&link) else {
+            return;
+        };
+        // Under the subset policy the estimate has been decaying since it was measured:
+        // the new answer moves what it is now.
+        let current = match l.latency_ewma {
+            Some(_) if peak => Some(self.estimate(l, typical)),
+            e => e,
+        };
+        let l = self.links.get_mut(&link).expect("looked up");
+        if peak {
+            let late = limit.is_some_and(|limit| elapsed.as_secs_f64() > limit);
+            l.suspect = lost || late || (l.suspect && limit.is_none());
+        }
+        let s = elapsed.as_secs_f64();
+        l.latency_ewma = Some(match current {
+            Some(e) if !(peak && s > e) => 0.8 * e + 0.2 * s,
+            _ => s,
+        });
+        l.measured = self.now;
+    }
+
     fn hedge_threshold(&self) -> Option<Duration> {
         self.cfg.hedge?.threshold(&self.latencies)
     }
 
     fn hedge_head(&self) -> usize {
         self.cfg.hedge.map_or(0, |h| h.head_positions)
+    }
+
+    /// When the trainer will ask for `pos`, once its pace is known: the position it takes
+    /// next is due one interval after the last take (now, if it is already waiting).
+    fn needed_at(&self, pos: u64) -> Option<Instant> {
+        let (next, at) = self.last_take?;
+        let interval = match self.shared.interval_ns.load(Ordering::Relaxed) {
+            0 => return None,
+            ns => Duration::from_nanos(ns),
+        };
+        if pos <= next && self.shared.asking.load(Ordering::Acquire) {
+            return Some(self.now);
+        }
+        Some(at + interval * (pos.saturating_sub(next) + 1) as u32)
+    }
+
+    /// When a position's request, sent at `sent`, is hedged: once it straggles (older than
+    /// `threshold`) and, under the subset policy with the trainer's pace known, only once a
+    /// fresh request (at the p90 latency) would no longer arrive before the trainer needs
+    /// it. A straggler with time to spare costs no duplicate work: at 4,096 ranks such
+    /// hedges, a few per step, met on the same worker and overloaded it.
+    fn hedge_due(&self, pos: u64, sent: Instant, threshold: Duration) -> Instant {
+        let straggling = sent + threshold;
+        if self.cfg.policy != Policy::Subset {
+            return straggling;
+        }
+        match (self.needed_at(pos), self.latencies.quantile(0.9)) {
+            (Some(need), Some(fresh)) => straggling.max(need.checked_sub(fresh).unwrap_or(need)),
+            _ => straggling,
+        }
     }
 
     fn hedge(&mut self) {
@@ -746,10 +835,10 @@ impl Scheduler {
             .iter()
             .take(self.hedge_head())
             .filter(|(_, p)| !p.hedged && p.attempts.len() == 1)
-            .filter(|(_, p)| {
+            .filter(|(pos, p)| {
                 self.in_flight
                     .get(&p.attempts[0])
-                    .is_some_and(|f| now.duration_since(f.sent) >= threshold)
+                    .is_some_and(|f| now >= self.hedge_due(**pos, f.sent, threshold))
             })
             .map(|(pos, _)| *pos)
             .collect();
@@ -779,10 +868,23 @@ impl Scheduler {
         }
     }
 
-    /// Where `pos` goes: a home with room (avoiding workers that failed it), else a linked
-    /// spare, else wait for a spare to connect; a hedge never goes where the position is.
+    /// Where `pos` goes: a home with room that is not lagging (avoiding workers that failed
+    /// it), else the cheaper of a linked spare and a lagging home, else wait for a spare to
+    /// connect; a hedge never goes where the position is.
     fn choose(&self, pos: u64, hedge: bool) -> Choice {
         let p = &self.pending[&pos];
+        let typical = self.typical_latency();
+        let lag_limit = self.lag_limit(typical);
+        // Slower than the limit by its answers or by what it has not answered yet (a worker
+        // that turned slow keeps only what it holds), or a suspect already being probed.
+        let lagging = |id: &LinkId, l: &WorkerLink| {
+            (l.suspect && l.outstanding > 0)
+                || lag_limit.is_some_and(|limit| {
+                    self.estimate(l, typical)
+                        .max(self.oldest_wait(*id).as_secs_f64())
+                        > limit
+                })
+        };
         let busy: Vec<LinkId> = p
             .attempts
             .iter()
@@ -797,10 +899,10 @@ impl Scheduler {
             self.links
                 .iter()
                 .filter(|(id, l)| filter(id, l))
-                .min_by(|a, b| self.order(a, b))
+                .min_by(|a, b| self.order(a, b, typical))
                 .map(|(id, _)| *id)
         };
-        if let Some(id) = best(&|id, l| home(l) && usable(id, l) && fresh(l)) {
+        if let Some(id) = best(&|id, l| home(l) && usable(id, l) && fresh(l) && !lagging(id, l)) {
             return Choice::Link(id);
         }
         // A healthy home that is only full (or still connecting for the first time) will take
@@ -811,13 +913,27 @@ impl Scheduler {
             };
             let l = &self.links[id];
             let first_connect = !l.up && !self.problems.contains_key(a);
-            !l.draining && !busy.contains(id) && fresh(l) && (l.up || first_connect)
+            !l.draining
+                && !busy.contains(id)
+                && fresh(l)
+                && (l.up || first_connect)
+                && !lagging(id, l)
         });
         if home_will_take && !hedge {
             return Choice::Wait;
         }
-        if let Some(id) = best(&|id, l| !home(l) && usable(id, l) && fresh(l)) {
-            return Choice::Link(id);
+        // A linked spare, or a lagging home if it is cheaper still; with no spare linked, one
+        // is dialled (a lagging home is the last resort below).
+        let spare_linked = self
+            .links
+            .iter()
+            .any(|(id, l)| !home(l) && usable(id, l) && fresh(l));
+        if spare_linked {
+            if let Some(id) =
+                best(&|id, l| (!home(l) || lagging(id, l)) && usable(id, l) && fresh(l))
+            {
+                return Choice::Link(id);
+            }
         }
         let more_to_try = self
             .members
@@ -837,7 +953,12 @@ impl Scheduler {
     }
 
     /// Which of two links takes a request first.
-    fn order(&self, a: &(&LinkId, &WorkerLink), b: &(&LinkId, &WorkerLink)) -> std::cmp::Ordering {
+    fn order(
+        &self,
+        a: &(&LinkId, &WorkerLink),
+        b: &(&LinkId, &WorkerLink),
+        typical: f64,
+    ) -> std::cmp::Ordering {
         match self.cfg.policy {
             // A link with no latency yet goes first, then the fewer outstanding, then the
             // lowest id: the same on every rank.
@@ -850,11 +971,15 @@ impl Scheduler {
                     .then(a.0.cmp(b.0))
             }
             // The lower expected wait, (outstanding + 1) × estimate, where a link never
-            // measured (or not lately) counts as the rank's typical link; ties per rank.
+            // measured (or not lately) counts as the rank's typical link, and one whose
+            // oldest request has been out longer counts as at least that slow (a worker
+            // that turned slow answers nothing that would tell); ties per rank.
             Policy::Subset => {
-                let neutral = self.neutral_estimate();
-                let cost = |l: &WorkerLink| (l.outstanding + 1) as f64 * self.estimate(l, neutral);
-                cost(a.1).total_cmp(&cost(b.1)).then_with(|| {
+                let cost = |(id, l): &(&LinkId, &WorkerLink)| {
+                    let waited = self.oldest_wait(**id).as_secs_f64();
+                    (l.outstanding + 1) as f64 * self.estimate(l, typical).max(waited)
+                };
+                cost(a).total_cmp(&cost(b)).then_with(|| {
                     topology::tiebreak(self.cfg.rank, &a.1.addr)
                         .cmp(&topology::tiebreak(self.cfg.rank, &b.1.addr))
                 })
@@ -862,7 +987,31 @@ impl Scheduler {
         }
     }
 
-    fn neutral_estimate(&self) -> f64 {
+    /// How long the oldest request outstanding on `link` has waited.
+    fn oldest_wait(&self, link: LinkId) -> Duration {
+        self.in_flight
+            .values()
+            .filter(|f| f.link == link)
+            .map(|f| self.now.duration_since(f.sent))
+            .max()
+            .unwrap_or_default()
+    }
+
+    /// Past this latency (seconds) a link lags: LAG_FACTOR × the rank's median, under the
+    /// subset policy once the median rests on enough answers.
+    fn lag_limit(&self, typical: f64) -> Option<f64> {
+        (self.cfg.policy == Policy::Subset && self.latencies.len() >= LAG_OBSERVATIONS)
+            .then_some(typical * LAG_FACTOR)
+    }
+
+    /// The rank's typical latency in seconds: what a link never measured (or not lately) is
+    /// estimated at. The median of its recent answers (robust to one slow worker: its
+    /// estimate decays towards the others', so it is tried again), else the mean of its
+    /// links' estimates, else 1 s.
+    fn typical_latency(&self) -> f64 {
+        if let Some(median) = self.latencies.quantile(0.5) {
+            return median.as_secs_f64().max(1e-6);
+        }
         let known: Vec<f64> = self.links.values().filter_map(|l| l.latency_ewma).collect();
         if known.is_empty() {
             1.0
@@ -1011,10 +1160,8 @@ impl Scheduler {
                     .worker_latency
                     .with_label_values(&[&addr])
                     .observe(elapsed.as_secs_f64());
+                self.measured(link, elapsed, false);
                 if let Some(l) = self.links.get_mut(&link) {
-                    let s = elapsed.as_secs_f64();
-                    l.latency_ewma = Some(l.latency_ewma.map_or(s, |e| 0.8 * e + 0.2 * s));
-                    l.measured = self.now;
                     if l.window < LINK_QUEUE {
                         l.window += 1;
                     }
@@ -1042,9 +1189,15 @@ impl Scheduler {
                 if f.hedge {
                     self.metrics.hedges.with_label_values(&["won"]).inc();
                 }
-                // The other attempts lost: their workers can stop preparing them.
+                // The other attempts lost: their workers can stop preparing them. Each took at
+                // least this long, which its link's estimate learns (else a worker that turned
+                // slow, never answering, would look as quick as before and be asked again).
                 for id in p.attempts.iter().filter(|id| **id != request_id) {
-                    self.abandon(*id);
+                    if let Some((lost, _)) = self.abandon(*id) {
+                        if self.cfg.policy == Policy::Subset {
+                            self.measured(lost.link, self.now.duration_since(lost.sent), true);
+                        }
+                    }
                 }
                 self.ready.insert(f.position, Ok(batch));
             }

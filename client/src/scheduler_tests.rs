@@ -843,6 +843,7 @@ async fn hedges_stop_at_their_budget() {
     cfg.hedge = Some(HedgePolicy {
         min_observations: 1,
         head_positions: 4,
+        burst: 2.0,
         ..HedgePolicy::default()
     });
     let mut m = Machine::new(cfg);
@@ -856,4 +857,95 @@ async fn hedges_stop_at_their_budget() {
     // Four stragglers, a burst of two hedges, nothing answered to earn more.
     assert_eq!(m.s.metrics.hedges.with_label_values(&["sent"]).get(), 2);
     assert!(m.s.metrics.hedges.with_label_values(&["over_budget"]).get() >= 1);
+}
+
+#[tokio::test]
+async fn a_straggler_with_time_to_spare_is_hedged_only_once_the_trainer_would_wait_for_it() {
+    let mut cfg = config(1);
+    cfg.hedge = Some(HedgePolicy {
+        min_observations: 1,
+        ..HedgePolicy::default()
+    });
+    let mut m = Machine::new(cfg);
+    let a = m.worker_up("a", plan(7));
+    let b = m.worker_up("b", plan(7));
+    m.s.latencies.record(Duration::from_millis(1));
+    // The trainer takes a batch every 100 ms: position 0 is needed 100 ms from now.
+    m.s.shared.took(0, Some(Duration::from_millis(100)));
+    m.step();
+    let (slow, other) = if m.asked(a).is_empty() {
+        (b, a)
+    } else {
+        (a, b)
+    };
+    // A straggler by the latency rule (1.5 × 1 ms), but a fresh request (1 ms) would still
+    // arrive in time: no duplicate yet.
+    m.advance(Duration::from_millis(5));
+    m.step();
+    assert!(m.asked(other).is_empty(), "not hedged with 95 ms to spare");
+    // 1 ms before it is needed: hedged.
+    m.advance(Duration::from_millis(94));
+    m.step();
+    assert_eq!(m.asked(other).len(), 1, "hedged once it would be late");
+    assert!(m.asked(slow).is_empty());
+}
+
+#[tokio::test]
+async fn a_lagging_home_keeps_what_it_holds_and_is_probed_one_request_at_a_time() {
+    let (mut m, _) = subset_machine();
+    let members = m.s.members().clone();
+    let home = m.worker_up(&members.homes[0], plan(7));
+    for _ in 0..LAG_OBSERVATIONS {
+        m.s.latencies.record(Duration::from_millis(10));
+    }
+    m.step();
+    let first = m.asked(home);
+    assert_eq!(first.len(), 2);
+    m.advance(Duration::from_millis(10));
+    m.answer(home, first[0].0);
+    // Position 1 has waited 50 ms at home, past 4 × the median (10 ms): the home lags, so
+    // position 2 goes to a spare, dialled for it.
+    m.advance(Duration::from_millis(40));
+    m.consume(1);
+    m.step();
+    assert!(m.asked(home).is_empty(), "a lagging home gets nothing more");
+    assert_eq!(m.links_by_addr.len(), 2, "a spare dialled");
+    let spare = m.worker_up(&members.spares[0], plan(7));
+    m.step();
+    let on_spare = m.asked(spare);
+    assert_eq!(
+        on_spare.iter().map(|r| (r.1, r.2)).collect::<Vec<_>>(),
+        [(0, 2)]
+    );
+    // The home answers late (a suspect now), the spare in time.
+    m.answer(home, first[1].0);
+    m.advance(Duration::from_millis(10));
+    m.answer(spare, on_spare[0].0);
+    assert_eq!(m.delivered().len(), 3);
+    // Once its estimate has decayed below the limit the home is probed with one request,
+    // whose position goes to the spare too; the next goes to the spare while the probe is out.
+    m.advance(Duration::from_secs(20));
+    m.consume(2);
+    m.step();
+    let probe = m.asked(home);
+    assert_eq!(
+        probe.iter().map(|r| (r.1, r.2)).collect::<Vec<_>>(),
+        [(0, 3)]
+    );
+    let beside = m.asked(spare);
+    assert_eq!(
+        beside.iter().map(|r| (r.1, r.2)).collect::<Vec<_>>(),
+        [(0, 3), (1, 0)]
+    );
+    // The probe answers in time: its duplicate is cancelled, the home is trusted again and
+    // takes the next positions.
+    m.advance(Duration::from_millis(10));
+    m.answer(home, probe[0].0);
+    assert_eq!(m.cancelled, [(spare, beside[0].0)]);
+    m.answer(spare, beside[1].0);
+    assert_eq!(m.delivered().len(), 2);
+    m.consume(2);
+    m.step();
+    assert_eq!(m.asked(home).len(), 2, "home again");
+    assert!(m.asked(spare).is_empty());
 }

@@ -255,7 +255,8 @@ class Loader:
             ``--no-auth``).
         prefetch: batches kept requested ahead; ``None`` adapts to latency and your step
             time (up to ``max_prefetch``); ``0`` disables prefetching.
-        hedge: re-request a straggler from another worker past the p95 latency.
+        hedge: re-request a straggler from another worker past the p95 latency, once it
+            would otherwise be late for your step.
         no_worker_timeout_s: with no usable worker for this long, raise ``NoWorker``.
         request_timeout_s: a batch request unanswered for this long counts as a failed
             attempt and is asked again, elsewhere first (a stalled worker never holds a

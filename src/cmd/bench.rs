@@ -4,6 +4,7 @@
 //! work, so that runs on a shared, noisy 2-core machine compare like with like.
 
 use super::local::{cache_root, ensure_dataset, spawn_worker};
+use super::scale::ServiceProfile;
 use clap::Subcommand;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -65,6 +66,10 @@ pub struct PreprocessBench {
     /// Samples for the in-memory ceiling.
     #[arg(long, default_value_t = 500)]
     ceiling_samples: usize,
+    /// Write each ceiling sample's time through the CPU chain on one thread to this file
+    /// (JSON): the service-time profile `stoker bench scale --service-profile` draws from.
+    #[arg(long)]
+    write_service_profile: Option<PathBuf>,
     #[arg(long, default_value_t = 32)]
     global_batch_size: u32,
     /// Requests kept in flight by the benchmark's client.
@@ -175,7 +180,20 @@ async fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
 
     let in_memory = ceiling_samples(&b, &dir)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let ceilings = [ceiling(&b, &in_memory, 1)?, ceiling(&b, &in_memory, cores)?];
+    let (one_thread, per_sample) = ceiling(&b, &in_memory, 1)?;
+    if let Some(path) = &b.write_service_profile {
+        let profile = ServiceProfile {
+            what: format!(
+                "seconds per sample, decode + resize + patchify of its images on one thread, \
+                 {} samples of the benchmark dataset (`stoker bench preprocess`)",
+                per_sample.len()
+            ),
+            per_sample_s: per_sample,
+        };
+        std::fs::write(path, serde_json::to_string_pretty(&profile)? + "\n")?;
+        println!("service profile written to {}", path.display());
+    }
+    let ceilings = [one_thread, ceiling(&b, &in_memory, cores)?.0];
     if b.ceiling_only {
         for c in &ceilings {
             println!(
@@ -379,13 +397,18 @@ fn ceiling_samples(b: &PreprocessBench, dir: &Path) -> anyhow::Result<Vec<Vec<Ve
 
 /// (c) The ceiling: decode + resize + normalize/patchify of each sample's images from memory,
 /// no IO, no tokenizing, no sending, on `threads` threads (each taking every n-th sample).
-/// CPU is the sum of those threads' CPU time.
-fn ceiling(b: &PreprocessBench, samples: &[Vec<Vec<u8>>], threads: usize) -> anyhow::Result<Row> {
+/// CPU is the sum of those threads' CPU time. Also each sample's wall time, in seconds.
+fn ceiling(
+    b: &PreprocessBench,
+    samples: &[Vec<Vec<u8>>],
+    threads: usize,
+) -> anyhow::Result<(Row, Vec<f64>)> {
     let preset = Preset::from_config(&b.pre);
     let limits = DecodeLimits::from_config(&b.pre);
     let lut = PixelLut::new(&preset);
     let t0 = Instant::now();
-    let per_thread: Vec<anyhow::Result<(f64, ImageTimings, usize)>> = std::thread::scope(|scope| {
+    type ThreadResult = anyhow::Result<(f64, ImageTimings, usize, Vec<f64>)>;
+    let per_thread: Vec<ThreadResult> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|k| {
                 let (preset, lut) = (&preset, &lut);
@@ -393,13 +416,16 @@ fn ceiling(b: &PreprocessBench, samples: &[Vec<Vec<u8>>], threads: usize) -> any
                     let c0 = thread_cpu_seconds();
                     let mut timings = ImageTimings::default();
                     let mut images = 0;
+                    let mut per_sample = Vec::new();
                     for imgs in samples.iter().skip(k).step_by(threads) {
+                        let s0 = Instant::now();
                         for bytes in imgs {
                             process_image(bytes, preset, lut, limits, &mut timings)?;
                             images += 1;
                         }
+                        per_sample.push(s0.elapsed().as_secs_f64());
                     }
-                    Ok((thread_cpu_seconds() - c0, timings, images))
+                    Ok((thread_cpu_seconds() - c0, timings, images, per_sample))
                 })
             })
             .collect();
@@ -410,8 +436,10 @@ fn ceiling(b: &PreprocessBench, samples: &[Vec<Vec<u8>>], threads: usize) -> any
     });
     let wall_s = t0.elapsed().as_secs_f64();
     let (mut cpu_s, mut t, mut images) = (0.0, ImageTimings::default(), 0usize);
+    let mut per_sample = Vec::new();
     for r in per_thread {
-        let (c, tt, n) = r?;
+        let (c, tt, n, s) = r?;
+        per_sample.extend(s);
         cpu_s += c;
         t.decode += tt.decode;
         t.resize += tt.resize;
@@ -419,7 +447,7 @@ fn ceiling(b: &PreprocessBench, samples: &[Vec<Vec<u8>>], threads: usize) -> any
         images += n;
     }
     let ms = |d: Duration| d.as_secs_f64() * 1e3 / images as f64;
-    Ok(Row {
+    let row = Row {
         name: if threads == 1 {
             "(c) ceiling, 1 thread"
         } else {
@@ -434,7 +462,8 @@ fn ceiling(b: &PreprocessBench, samples: &[Vec<Vec<u8>>], threads: usize) -> any
             ms(t.resize),
             ms(t.patchify)
         ),
-    })
+    };
+    Ok((row, per_sample))
 }
 
 /// (a) and (b): benches/preprocess_baseline.py with the reference Python stack.

@@ -30,8 +30,8 @@ pub struct ScaleArgs {
     #[arg(long, default_value = "4096x1024,4096x256")]
     sizes: String,
     /// Scenarios: steady, restart (a worker killed at the middle step, back 10 s later),
-    /// drain (one drained), scale-up (+25 % workers).
-    #[arg(long, default_value = "steady,restart,drain,scale-up")]
+    /// drain (one drained), scale-up (+25 % workers), slow (a worker 20x slower from then on).
+    #[arg(long, default_value = "steady,restart,drain,scale-up,slow")]
     scenarios: String,
     /// Policies: subset (ours), full-mesh (the rules before it, for the ratio).
     #[arg(long, default_value = "subset,full-mesh")]
@@ -55,9 +55,12 @@ pub struct ScaleArgs {
     /// share of them.
     #[arg(long, default_value_t = 0.5)]
     utilization: f64,
-    /// Spread of a sample's service time (σ of its logarithm).
-    #[arg(long, default_value_t = 0.5)]
-    service_sigma: f64,
+    /// Per-sample service times measured from the pipeline (`stoker bench preprocess
+    /// --write-service-profile`): a sample's time is drawn from them, scaled so their mean
+    /// is the one `--utilization` sets [default: the profile measured on this project's
+    /// benchmark dataset, embedded].
+    #[arg(long)]
+    service_profile: Option<std::path::PathBuf>,
     /// Bytes of one prepared sample on the wire (u8 pixels of a ~1 MP image and its tokens).
     #[arg(long, default_value_t = 5_000_000)]
     sample_bytes: u64,
@@ -79,6 +82,8 @@ const RESTART_DOWN: Duration = Duration::from_secs(10);
 /// A drained worker leaves discovery after this, and exits after its drain timeout.
 const DRAIN_UNLIST: Duration = Duration::from_secs(2);
 const DRAIN_EXIT: Duration = Duration::from_secs(30);
+/// `slow`: one worker's samples take this many times longer from the middle step on.
+const SLOW_WORKER: f64 = 20.0;
 /// Ranks re-resolve the workers' DNS name this often (the loader's default).
 const DISCOVERY_EVERY: Duration = Duration::from_secs(5);
 
@@ -95,6 +100,7 @@ struct Report {
     start_stall_s: f64,
     efficiency_by_step: Vec<f64>,
     max_over_mean_worker_load: f64,
+    max_over_mean_load_by_step: Vec<f64>,
     requests_past_deadline: u64,
     hedges_per_step: f64,
     restart_efficiency: Option<f64>,
@@ -104,7 +110,44 @@ struct Report {
     wall_s: f64,
 }
 
+/// Per-sample service times measured from the pipeline: their spread and tail are what the
+/// simulator keeps, their scale is the fleet's sizing.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct ServiceProfile {
+    /// How and on what it was measured.
+    pub what: String,
+    pub per_sample_s: Vec<f64>,
+}
+
+/// Measured here with `stoker bench preprocess --ceiling-only --write-service-profile`.
+const EMBEDDED_PROFILE: &str = include_str!("service_profile.json");
+
+impl ServiceProfile {
+    /// The times divided by their mean (a distribution of mean 1).
+    fn shape(&self) -> anyhow::Result<Vec<f64>> {
+        let n = self.per_sample_s.len();
+        let mean = self.per_sample_s.iter().sum::<f64>() / n.max(1) as f64;
+        anyhow::ensure!(
+            n > 0 && mean > 0.0 && self.per_sample_s.iter().all(|t| t.is_finite() && *t >= 0.0),
+            "expected at least one non-negative time and a positive mean"
+        );
+        Ok(self.per_sample_s.iter().map(|t| t / mean).collect())
+    }
+}
+
 pub fn run(a: ScaleArgs) -> anyhow::Result<()> {
+    let (text, source) = match &a.service_profile {
+        Some(path) => (
+            std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("service profile {}: {e}", path.display()))?,
+            path.display().to_string(),
+        ),
+        None => (EMBEDDED_PROFILE.to_string(), "(embedded)".to_string()),
+    };
+    let shape = serde_json::from_str::<ServiceProfile>(&text)
+        .map_err(anyhow::Error::from)
+        .and_then(|p| p.shape())
+        .map_err(|e| anyhow::anyhow!("service profile {source}: {e}"))?;
     let mut reports = Vec::new();
     for size in a.sizes.split(',') {
         let (r, w) = size
@@ -124,7 +167,7 @@ pub fn run(a: ScaleArgs) -> anyhow::Result<()> {
                 if failed.contains(&policy) {
                     continue;
                 }
-                let report = Sim::new(&a, ranks, workers, policy, scenario).run();
+                let report = Sim::new(&a, &shape, ranks, workers, policy, scenario).run();
                 if report.steps_completed <= a.steps / 2 {
                     failed.push(policy);
                 }
@@ -198,6 +241,7 @@ enum Scenario {
     Restart,
     Drain,
     ScaleUp,
+    Slow,
 }
 
 impl Scenario {
@@ -207,7 +251,8 @@ impl Scenario {
             "restart" => Scenario::Restart,
             "drain" => Scenario::Drain,
             "scale-up" => Scenario::ScaleUp,
-            s => anyhow::bail!("scenario {s:?}: expected steady, restart, drain or scale-up"),
+            "slow" => Scenario::Slow,
+            s => anyhow::bail!("scenario {s:?}: expected steady, restart, drain, scale-up or slow"),
         })
     }
 
@@ -217,6 +262,7 @@ impl Scenario {
             Scenario::Restart => "restart",
             Scenario::Drain => "drain",
             Scenario::ScaleUp => "scale-up",
+            Scenario::Slow => "slow",
         }
     }
 }
@@ -254,11 +300,11 @@ enum Ev {
     Close {
         conn: (u32, LinkId),
     },
-    /// A core finished preparing a request (if the worker's incarnation still matches).
-    Prepared {
+    /// A core finished one sample of a request (if the worker's incarnation still matches).
+    SampleDone {
         worker: usize,
         incarnation: u32,
-        job: Job,
+        job: u64,
     },
     /// The batch left the node's NIC: the budget is released, the rank gets it.
     Sent {
@@ -281,6 +327,16 @@ struct Job {
     samples: u32,
 }
 
+/// A request holding its sample budget: its samples run on the worker's cores side by side
+/// (the worker loads a request's samples concurrently, each on its CPU pool).
+struct Running {
+    job: Job,
+    unstarted: u32,
+    unfinished: u32,
+    /// Cancelled: samples not started are dropped, those running are wasted.
+    cancelled: bool,
+}
+
 struct Conn {
     worker: usize,
     incarnation: u32,
@@ -296,12 +352,16 @@ struct Worker {
     incarnation: u32,
     connections: usize,
     free_cores: usize,
-    /// Requests holding their budget and waiting for a core.
-    ready: VecDeque<Job>,
+    /// Service times are this many times the profile's (a sick node: `slow`).
+    slowdown: f64,
+    /// Requests holding their budget, by id; `ready` holds those with samples not started,
+    /// in the order cores take them.
+    running: HashMap<u64, Running>,
+    ready: VecDeque<u64>,
+    next_job: u64,
     free_budget: u32,
     /// Requests waiting for sample budget (FIFO, as the worker's semaphore).
     budget_queue: VecDeque<Job>,
-    cancelled: std::collections::HashSet<((u32, LinkId), u64)>,
 }
 
 struct Rank {
@@ -342,7 +402,8 @@ struct Sim {
     by_addr: HashMap<String, usize>,
     conns: HashMap<(u32, LinkId), Conn>,
     nic_free: Vec<T>,
-    mean_sample_ns: f64,
+    /// The service-time profile, scaled to this fleet's mean (ns per sample).
+    sample_ns: Vec<f64>,
     max_samples_budget: u32,
     // The trainer's barrier.
     step_started: Vec<T>,
@@ -358,7 +419,14 @@ struct Sim {
 }
 
 impl Sim {
-    fn new(a: &ScaleArgs, ranks: u32, workers: usize, policy: Policy, scenario: Scenario) -> Sim {
+    fn new(
+        a: &ScaleArgs,
+        shape: &[f64],
+        ranks: u32,
+        workers: usize,
+        policy: Policy,
+        scenario: Scenario,
+    ) -> Sim {
         let global = ranks * a.samples_per_rank;
         let batches = a.steps + 8;
         let plan = Plan::new(global as u64 * batches, global, a.seed);
@@ -396,7 +464,7 @@ impl Sim {
             by_addr: HashMap::new(),
             conns: HashMap::new(),
             nic_free: Vec::new(),
-            mean_sample_ns,
+            sample_ns: shape.iter().map(|x| x * mean_sample_ns).collect(),
             // The worker's default: 8 per preprocessing thread, at least 32.
             max_samples_budget: (8 * CORES_PER_WORKER as u32).max(32),
             step_started: Vec::new(),
@@ -451,10 +519,12 @@ impl Sim {
             incarnation: 0,
             connections: 0,
             free_cores: CORES_PER_WORKER,
+            slowdown: 1.0,
+            running: HashMap::new(),
             ready: VecDeque::new(),
+            next_job: 0,
             free_budget: self.max_samples_budget,
             budget_queue: VecDeque::new(),
-            cancelled: Default::default(),
         });
         self.by_addr.insert(addr.clone(), i);
         self.listed.insert(addr);
@@ -528,11 +598,11 @@ impl Sim {
                     }
                 }
             }
-            Ev::Prepared {
+            Ev::SampleDone {
                 worker,
                 incarnation,
                 job,
-            } => self.prepared(worker, incarnation, job),
+            } => self.sample_done(worker, incarnation, job),
             Ev::Sent {
                 worker,
                 incarnation,
@@ -748,7 +818,7 @@ impl Sim {
         self.run_worker(w);
     }
 
-    /// Grants budget in FIFO order and starts prepared work on free cores.
+    /// Grants budget in FIFO order and starts waiting samples on free cores.
     fn run_worker(&mut self, w: usize) {
         loop {
             let worker = &mut self.workers[w];
@@ -760,63 +830,73 @@ impl Sim {
             }
             worker.free_budget -= job.samples;
             let job = worker.budget_queue.pop_front().expect("front");
-            worker.ready.push_back(job);
+            let id = worker.next_job;
+            worker.next_job += 1;
+            worker.running.insert(
+                id,
+                Running {
+                    job,
+                    unstarted: job.samples,
+                    unfinished: job.samples,
+                    cancelled: false,
+                },
+            );
+            worker.ready.push_back(id);
         }
         while self.workers[w].free_cores > 0 {
-            let Some(job) = self.workers[w].ready.pop_front() else {
+            let worker = &mut self.workers[w];
+            let Some(&id) = worker.ready.front() else {
                 break;
             };
-            if self.workers[w]
-                .cancelled
-                .remove(&(job.conn, job.req.request_id))
-            {
-                self.finish(w, job);
+            let Some(r) = worker.running.get_mut(&id).filter(|r| r.unstarted > 0) else {
+                worker.ready.pop_front(); // all started, or cancelled
                 continue;
-            }
-            self.workers[w].free_cores -= 1;
-            let mut t = 0.0;
-            let sigma = self.a.service_sigma;
-            for _ in 0..job.samples {
-                // Lognormal with the configured mean: exp(μ + σZ), μ = ln(mean) - σ²/2.
-                let z: f64 = box_muller(&mut self.rng);
-                t += (self.mean_sample_ns.ln() - sigma * sigma / 2.0 + sigma * z).exp();
-            }
-            let incarnation = self.workers[w].incarnation;
+            };
+            r.unstarted -= 1;
+            worker.free_cores -= 1;
+            let incarnation = worker.incarnation;
+            let t = self.sample_ns[self.rng.gen_range(0..self.sample_ns.len())] * worker.slowdown;
             self.at(
                 self.now + t as T,
-                Ev::Prepared {
+                Ev::SampleDone {
                     worker: w,
                     incarnation,
-                    job,
+                    job: id,
                 },
             );
         }
     }
 
-    fn prepared(&mut self, w: usize, incarnation: u32, job: Job) {
-        if self.workers[w].incarnation != incarnation {
+    fn sample_done(&mut self, w: usize, incarnation: u32, id: u64) {
+        let worker = &mut self.workers[w];
+        if worker.incarnation != incarnation {
             return;
         }
-        self.workers[w].free_cores += 1;
-        if self.workers[w]
-            .cancelled
-            .remove(&(job.conn, job.req.request_id))
-        {
-            self.finish(w, job);
-        } else {
-            let node = self.workers[w].node;
-            let bytes = job.samples as u64 * self.a.sample_bytes;
-            let transfer = bytes as f64 * 8.0 / (self.a.nic_gbit * 1e9) * 1e9;
-            let start = self.nic_free[node].max(self.now);
-            self.nic_free[node] = start + transfer as T;
-            self.at(
-                self.nic_free[node],
-                Ev::Sent {
-                    worker: w,
-                    incarnation,
-                    job,
-                },
-            );
+        worker.free_cores += 1;
+        let r = worker
+            .running
+            .get_mut(&id)
+            .expect("a sample of a running job");
+        r.unfinished -= 1;
+        if r.unfinished == 0 && r.unstarted == 0 {
+            let r = worker.running.remove(&id).expect("running");
+            if r.cancelled {
+                self.finish(w, r.job);
+            } else {
+                let node = self.workers[w].node;
+                let bytes = r.job.samples as u64 * self.a.sample_bytes;
+                let transfer = bytes as f64 * 8.0 / (self.a.nic_gbit * 1e9) * 1e9;
+                let start = self.nic_free[node].max(self.now);
+                self.nic_free[node] = start + transfer as T;
+                self.at(
+                    self.nic_free[node],
+                    Ev::Sent {
+                        worker: w,
+                        incarnation,
+                        job: r.job,
+                    },
+                );
+            }
         }
         self.run_worker(w);
     }
@@ -890,8 +970,22 @@ impl Sim {
             worker.free_budget += job.samples; // finish() gives back what it never took
             return self.finish(w, job);
         }
-        // Waiting for a core or being prepared: the worker aborts it (as its task is).
-        worker.cancelled.insert((conn, request_id));
+        // Being prepared: the worker aborts it (as its task is): samples not started are
+        // dropped, running ones finish unused. Once sending, it goes out.
+        let Some((&id, r)) = worker
+            .running
+            .iter_mut()
+            .find(|(_, r)| r.job.conn == conn && r.job.req.request_id == request_id)
+        else {
+            return;
+        };
+        r.cancelled = true;
+        r.unfinished -= r.unstarted;
+        r.unstarted = 0;
+        if r.unfinished == 0 {
+            let job = worker.running.remove(&id).expect("running").job;
+            self.finish(w, job);
+        }
     }
 
     /// The process dies: every connection drops, nothing in it is answered.
@@ -901,9 +995,9 @@ impl Sim {
         worker.incarnation += 1;
         worker.connections = 0;
         worker.free_cores = CORES_PER_WORKER;
+        worker.running.clear();
         worker.ready.clear();
         worker.budget_queue.clear();
-        worker.cancelled.clear();
         worker.free_budget = self.max_samples_budget;
         worker.draining = false;
         let dropped: Vec<(u32, LinkId)> = self
@@ -972,6 +1066,7 @@ impl Sim {
                 }
                 Scenario::Drain => self.at(self.now + ns(DRAIN_UNLIST), Ev::Drain(0)),
                 Scenario::ScaleUp => self.at(self.now, Ev::ScaleUp),
+                Scenario::Slow => self.workers[0].slowdown = SLOW_WORKER,
             }
         }
         for r in 0..self.ranks.len() as u32 {
@@ -987,23 +1082,23 @@ impl Sim {
             .windows(2)
             .map(|w| step / ((w[1] - w[0]) as f64 / 1e9))
             .collect();
-        let max_over_mean = self
-            .load
-            .iter()
-            .enumerate()
-            .skip(1)
-            .take(steps_completed as usize)
-            .filter(|(_, l)| !l.is_empty())
-            .map(|(k, l)| {
+        // Requests per listed worker in each step: the busiest over the mean.
+        let load_by_step: Vec<f64> = (0..steps_completed as usize)
+            .map(|k| {
+                let l = &self.load[k];
                 let live = self
                     .listed_at_step
                     .get(k)
                     .copied()
                     .unwrap_or(self.workers.len()) as f64;
                 let total: u32 = l.iter().sum();
-                *l.iter().max().unwrap_or(&0) as f64 / (total as f64 / live).max(1e-9)
+                if total == 0 {
+                    return 0.0;
+                }
+                *l.iter().max().unwrap_or(&0) as f64 / (total as f64 / live)
             })
-            .fold(0.0, f64::max);
+            .collect();
+        let max_over_mean = load_by_step.iter().copied().fold(0.0, f64::max);
         let (restart_efficiency, below) = match self.event_step {
             Some(k) => {
                 let after: Vec<f64> = efficiency_by_step
@@ -1045,6 +1140,7 @@ impl Sim {
                 - self.a.start_skew_s,
             efficiency_by_step,
             max_over_mean_worker_load: max_over_mean,
+            max_over_mean_load_by_step: load_by_step,
             requests_past_deadline: deadline,
             hedges_per_step: hedges as f64 / steps_completed.max(1) as f64,
             restart_efficiency,
@@ -1056,10 +1152,4 @@ impl Sim {
             wall_s,
         }
     }
-}
-
-fn box_muller(rng: &mut ChaCha8Rng) -> f64 {
-    let u1: f64 = rng.gen::<f64>().max(1e-12);
-    let u2: f64 = rng.gen();
-    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
 }
