@@ -694,7 +694,8 @@ impl Scheduler {
         for pos in unassigned {
             match self.choose(pos, false) {
                 Choice::Link(link) => {
-                    let probe = self.links.get(&link).is_some_and(|l| l.suspect);
+                    let probe = !self.members.spares.is_empty()
+                        && self.links.get(&link).is_some_and(|l| l.suspect);
                     self.send(pos, link, false);
                     // A suspect is probed with a position that also goes elsewhere: the first
                     // answer is delivered, so probing a worker still slow never makes the
@@ -876,14 +877,20 @@ impl Scheduler {
         let typical = self.typical_latency();
         let lag_limit = self.lag_limit(typical);
         // Slower than the limit by its answers or by what it has not answered yet (a worker
-        // that turned slow keeps only what it holds), or a suspect already being probed.
+        // that turned slow keeps only what it holds), or a suspect already being probed. Only
+        // a rank with spares reroutes around a lagging link: the rest of the workers is for
+        // failures, and a rank with one link (few slots for many ranks) must not take
+        // another's slot because it is slow.
+        let may_lag = !self.members.spares.is_empty();
         let lagging = |id: &LinkId, l: &WorkerLink| {
-            (l.suspect && l.outstanding > 0)
-                || lag_limit.is_some_and(|limit| {
+            let slow = || {
+                lag_limit.is_some_and(|limit| {
                     self.estimate(l, typical)
                         .max(self.oldest_wait(*id).as_secs_f64())
                         > limit
                 })
+            };
+            may_lag && ((l.suspect && l.outstanding > 0) || slow())
         };
         let busy: Vec<LinkId> = p
             .attempts
