@@ -45,6 +45,21 @@ fn random_worker_kills_lose_and_duplicate_no_sample_with_packed_ranks() {
     });
 }
 
+/// A synthetic dataset under `root/bucket/data`, served by the embedded S3 server (its first
+/// byte `delay` late) on a runtime the caller keeps alive.
+fn serve_dataset(
+    root: &std::path::Path,
+    o: &SynthOptions,
+    delay: Duration,
+) -> (tokio::runtime::Runtime, EmbeddedS3) {
+    generate(&root.join("bucket/data"), o, &|| {}).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let s3 = rt
+        .block_on(EmbeddedS3::start(root, "127.0.0.1:0", delay))
+        .unwrap();
+    (rt, s3)
+}
+
 fn kills_lose_and_duplicate_no_sample(shaping: Shaping) {
     let root = tempfile::tempdir().unwrap();
     let o = SynthOptions {
@@ -55,16 +70,8 @@ fn kills_lose_and_duplicate_no_sample(shaping: Shaping) {
         max_side: 300,
         ..SynthOptions::default()
     };
-    generate(&root.path().join("bucket/data"), &o, &|| {}).unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let s3 = rt
-        .block_on(EmbeddedS3::start(
-            root.path(),
-            "127.0.0.1:0",
-            // Slower than the trainer's step: workers always have requests in flight.
-            Duration::from_millis(40),
-        ))
-        .unwrap();
+    // Slower than the trainer's step: workers always have requests in flight.
+    let (_rt, s3) = serve_dataset(root.path(), &o, Duration::from_millis(40));
     let token = root.path().join("token");
     std::fs::write(&token, "kill-test").unwrap();
     let mut cfg = WorkerConfig {
@@ -209,15 +216,7 @@ fn many_ranks_in_lock_step_on_few_connection_slots_get_exactly_their_batches() {
         max_side: 96,
         ..SynthOptions::default()
     };
-    generate(&root.path().join("bucket/data"), &o, &|| {}).unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let s3 = rt
-        .block_on(EmbeddedS3::start(
-            root.path(),
-            "127.0.0.1:0",
-            Duration::ZERO,
-        ))
-        .unwrap();
+    let (_rt, s3) = serve_dataset(root.path(), &o, Duration::ZERO);
     let mut cfg = WorkerConfig {
         data: "s3://bucket/data".into(),
         ..WorkerConfig::default()
