@@ -7,7 +7,9 @@ mod cmd {
     pub mod balance;
     pub mod bench;
     pub mod dataset;
+    pub mod dataset_scale;
     pub mod demo;
+    pub mod epoch_boundary;
     pub mod local;
     pub mod operator;
     pub mod scale;

@@ -83,7 +83,7 @@ async fn dataset_commands_and_worker_lifecycle_over_s3() {
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("12 samples, 1 bad lines"), "{text}");
-    assert!(data.join("stoker-index.json").exists());
+    assert!(data.join("stoker-index.bin").exists());
 
     let st = root.path().join("s.safetensors");
     let out = stoker(

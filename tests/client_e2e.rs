@@ -89,7 +89,7 @@ fn kills_lose_and_duplicate_no_sample(shaping: Shaping) {
     if shaping != Shaping::default() {
         let dir = root.path().join("bucket/data");
         let tokens = write_sample_lengths(STOKER.as_ref(), "s3://bucket/data", &s3.env(), &dir);
-        plan = plan.with_lengths(&tokens.unwrap(), shaping);
+        plan = plan.with_lengths(tokens.unwrap(), shaping);
     }
     let env = s3.env();
     let spawn = move || LocalWorker::spawn(STOKER.as_ref(), &cfg, &env);

@@ -5,8 +5,8 @@
 //! wait ratio of this rank.
 
 use prometheus::{
-    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    Opts, Registry, TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
 };
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -25,7 +25,9 @@ pub struct ClientMetrics {
     pub retries: IntCounterVec,
     pub hedges: IntCounterVec,
     pub errors: IntCounterVec,
-    pub worker_latency: HistogramVec,
+    /// Request to whole answer, whichever worker answered: no per-worker label, so a rank's
+    /// page does not grow with the workers (a worker's own series name a slow one).
+    pub request_latency: Histogram,
     pub wait_ratio: Gauge,
     pub next_wait: Histogram,
 }
@@ -59,17 +61,16 @@ impl ClientMetrics {
             c
         };
         let latency_buckets = prometheus::exponential_buckets(0.005, 2.0, 14).expect("buckets");
-        let worker_latency = HistogramVec::new(
+        let request_latency = Histogram::with_opts(
             HistogramOpts::new(
                 "stoker_trainer_request_seconds",
-                "Time from sending a batch request to having its whole answer, by worker.",
+                "Time from sending a batch request to having its whole answer.",
             )
             .buckets(latency_buckets.clone()),
-            &["worker"],
         )
         .expect("valid metric");
         registry
-            .register(Box::new(worker_latency.clone()))
+            .register(Box::new(request_latency.clone()))
             .expect("unique");
         let next_wait = Histogram::with_opts(
             HistogramOpts::new(
@@ -146,7 +147,7 @@ impl ClientMetrics {
                 "Problems with workers, by kind (connect, refused, plan_mismatch, lost, answer, poison, wrong_batch, malformed_batch).",
                 "kind",
             ),
-            worker_latency,
+            request_latency,
             wait_ratio,
             next_wait,
             registry,

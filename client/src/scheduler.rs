@@ -1163,10 +1163,7 @@ impl Scheduler {
                 self.hedges.earn();
                 let bytes = buf.len() as f64;
                 self.batch_bytes = Some(self.batch_bytes.map_or(bytes, |b| 0.8 * b + 0.2 * bytes));
-                self.metrics
-                    .worker_latency
-                    .with_label_values(&[&addr])
-                    .observe(elapsed.as_secs_f64());
+                self.metrics.request_latency.observe(elapsed.as_secs_f64());
                 self.measured(link, elapsed, false);
                 if let Some(l) = self.links.get_mut(&link) {
                     if l.window < LINK_QUEUE {

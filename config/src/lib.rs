@@ -85,6 +85,35 @@ impl PixelDtype {
     }
 }
 
+/// How an epoch's sample order is drawn (either is a pure function of seed and epoch).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
+pub enum SampleOrder {
+    /// A Fisher–Yates shuffle of the whole epoch, held in memory (4 bytes per sample) and
+    /// built once per epoch, ahead of the boundary and off the serving threads. The order of
+    /// earlier releases: stored resume states keep their plan.
+    #[default]
+    Shuffle,
+    /// A keyed Feistel permutation: each position's sample is computed on its own, so there
+    /// is no array to hold and nothing to build at an epoch boundary (for 10^7 samples and
+    /// more). Another plan than `shuffle`, with its own plan id.
+    Feistel,
+}
+
+impl SampleOrder {
+    fn is_shuffle(&self) -> bool {
+        *self == SampleOrder::Shuffle
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SampleOrder::Shuffle => "shuffle",
+            SampleOrder::Feistel => "feistel",
+        }
+    }
+}
+
 /// What to do with a sample that cannot be served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
@@ -312,6 +341,12 @@ pub struct Sampling {
     #[serde(default)]
     #[cfg_attr(feature = "clap", arg(long, value_enum, default_value = "skip"))]
     pub on_error: OnError,
+    /// How each epoch's order is drawn: `shuffle` (in memory, 4 bytes per sample, built once
+    /// per epoch) or `feistel` (computed per position: no memory, no build at an epoch
+    /// boundary; for 10^7 samples and more).
+    #[serde(default, skip_serializing_if = "SampleOrder::is_shuffle")]
+    #[cfg_attr(feature = "clap", arg(long, value_enum, default_value = "shuffle"))]
+    pub order: SampleOrder,
     /// Assign each global batch's samples to ranks by token cost (longest first, to the
     /// lightest rank; equal sample counts), so no rank waits on a heavier slice. The global
     /// batches themselves do not change, so resume at another world size still holds. Needs
@@ -403,6 +438,7 @@ impl Default for Sampling {
             seed: 0,
             global_batch_size: DEFAULT_GLOBAL_BATCH_SIZE,
             on_error: OnError::Skip,
+            order: SampleOrder::Shuffle,
             balance_ranks: false,
             bucket_by_length: false,
             pack_max_tokens: None,
@@ -694,6 +730,9 @@ impl Sampling {
         a.value("seed", self.seed);
         a.value("global-batch-size", self.global_batch_size);
         a.value("on-error", self.on_error.as_str());
+        if !self.order.is_shuffle() {
+            a.value("order", self.order.as_str());
+        }
         a.switch("balance-ranks", self.balance_ranks);
         a.switch("bucket-by-length", self.bucket_by_length);
         a.optional("pack-max-tokens", self.pack_max_tokens);
@@ -798,6 +837,7 @@ mod tests {
                 seed: 42,
                 global_batch_size: 256,
                 on_error: OnError::Fail,
+                order: SampleOrder::Feistel,
                 balance_ranks: true,
                 bucket_by_length: true,
                 pack_max_tokens: Some(8192),

@@ -93,7 +93,14 @@ pub struct Observation {
     pub consumed_per_s: f64,
     /// Workers ready during the interval.
     pub ready_workers: u32,
+    /// Ranks whose counters were read and moved, of all the ranks found.
+    pub ranks_reporting: u32,
+    pub ranks: u32,
 }
+
+/// The share of ranks an observation needs: at 4,096 ranks a few are always restarting or
+/// unreachable, and waiting for all would freeze every decision; below 20 ranks it is all.
+pub const MIN_RANK_COVERAGE: f64 = 0.95;
 
 /// One rank's client counters, as scraped from its /metrics.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -108,8 +115,10 @@ pub struct RankCounters {
 
 impl Observation {
     /// The observation between two scrapes of the same ranks (`None` where a rank could not
-    /// be read). Any unreadable or idle rank makes the whole observation unavailable: a
-    /// decision on part of the trainer could scale on a rank that is not the slowest.
+    /// be read). Ranks unreadable or idle (no step and no wait) are left out, as long as at
+    /// least [`MIN_RANK_COVERAGE`] of them report; otherwise there is no observation (hold).
+    /// The worst wait ratio is the worst of those seen; the consumed rate counts the unseen
+    /// ranks at the seen ones' mean.
     pub fn between(
         before: &[Option<RankCounters>],
         after: &[Option<RankCounters>],
@@ -118,23 +127,32 @@ impl Observation {
         if before.is_empty() || before.len() != after.len() {
             return None;
         }
-        let (mut worst, mut sum, mut consumed) = (0.0f64, 0.0, 0.0);
+        let (mut worst, mut sum, mut consumed, mut seen) = (0.0f64, 0.0, 0.0, 0u32);
         for (b, a) in before.iter().zip(after) {
-            let (b, a) = ((*b)?, (*a)?);
+            let (Some(b), Some(a)) = (b, a) else {
+                continue;
+            };
             let wall = (a.wait_s - b.wait_s) + (a.step_s - b.step_s);
             if wall <= 0.0 {
-                return None;
+                continue;
             }
             let wait = (a.wait_s - b.wait_s) / wall;
             worst = worst.max(wait);
             sum += wait;
             consumed += (a.samples - b.samples) / wall;
+            seen += 1;
+        }
+        let ranks = before.len() as u32;
+        if (seen as f64) < (MIN_RANK_COVERAGE * ranks as f64).ceil() {
+            return None;
         }
         Some(Observation {
             worst_wait_ratio: worst,
-            mean_wait_ratio: sum / before.len() as f64,
-            consumed_per_s: consumed,
+            mean_wait_ratio: sum / seen as f64,
+            consumed_per_s: consumed * ranks as f64 / seen as f64,
             ready_workers,
+            ranks_reporting: seen,
+            ranks,
         })
     }
 }
@@ -163,6 +181,23 @@ impl Autoscaler {
     /// Evaluates at time `now` (any monotonic clock) with `current` replicas desired so far.
     /// `None` observation = metrics unavailable: hold.
     pub fn evaluate(
+        &mut self,
+        spec: &Spec,
+        now: Duration,
+        current: u32,
+        obs: Option<Observation>,
+    ) -> Decision {
+        let mut d = self.decide(spec, now, current, obs);
+        if let Some(o) = obs.filter(|o| o.ranks_reporting < o.ranks) {
+            d.reason.push_str(&format!(
+                " ({} of {} ranks reporting)",
+                o.ranks_reporting, o.ranks
+            ));
+        }
+        d
+    }
+
+    fn decide(
         &mut self,
         spec: &Spec,
         now: Duration,
@@ -387,6 +422,8 @@ mod tests {
             mean_wait_ratio: 1.0 - consumed / demand,
             consumed_per_s: consumed,
             ready_workers: n,
+            ranks_reporting: 1,
+            ranks: 1,
         }
     }
 
@@ -488,6 +525,40 @@ mod tests {
         // A rank that could not be read, or did not move: no observation (hold).
         assert_eq!(Observation::between(&before, &[after[0], None], 3), None);
         assert_eq!(Observation::between(&before, &before, 3), None);
+    }
+
+    /// At scale a few ranks are always unreadable: 95 % reporting is enough, the decision
+    /// says how many it saw, and the consumed rate counts the unseen at the seen ones' mean.
+    #[test]
+    fn a_decision_tolerates_a_few_silent_ranks_and_says_so() {
+        let moving = Some(RankCounters {
+            wait_s: 5.0,
+            step_s: 5.0,
+            samples: 100.0,
+        });
+        let start = Some(RankCounters {
+            wait_s: 0.0,
+            step_s: 0.0,
+            samples: 0.0,
+        });
+        let before = vec![start; 100];
+        let mut after = vec![moving; 100];
+        after[..5].iter_mut().for_each(|r| *r = None);
+        let o = Observation::between(&before, &after, 4).unwrap();
+        assert_eq!((o.ranks_reporting, o.ranks), (95, 100));
+        assert!((o.consumed_per_s - 100.0 * 10.0).abs() < 1e-9);
+        let d = Autoscaler::default().evaluate(&Spec::default(), s(0), 4, Some(o));
+        assert!(
+            d.reason.ends_with("(95 of 100 ranks reporting)"),
+            "{}",
+            d.reason
+        );
+        after[5] = None;
+        assert_eq!(
+            Observation::between(&before, &after, 4),
+            None,
+            "94 % is too few"
+        );
     }
 
     #[test]

@@ -106,6 +106,8 @@ pub fn run(sc: &Scenario, spec: &Spec) -> Outcome {
             mean_wait_ratio: mean,
             consumed_per_s: consumed,
             ready_workers: ready,
+            ranks_reporting: 1,
+            ranks: 1,
         };
         let now = sc.interval * i as u32;
         desired = scaler.evaluate(spec, now, desired, Some(obs)).replicas;

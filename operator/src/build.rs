@@ -276,6 +276,10 @@ fn spread(dp: &DataPipeline) -> Option<Vec<TopologySpreadConstraint>> {
             topology_key: p.topology_key.clone(),
             // Hard: workers on one node would share (and saturate) its NIC.
             when_unsatisfiable: "DoNotSchedule".into(),
+            // Count only nodes a worker may go to: tainted GPU nodes and nodes outside the
+            // affinity would otherwise hold the skew at 0 and leave workers Pending.
+            node_taints_policy: Some("Honor".into()),
+            node_affinity_policy: Some("Honor".into()),
             label_selector: Some(LabelSelector {
                 match_labels: Some(selector_labels(dp)),
                 ..LabelSelector::default()
@@ -465,13 +469,14 @@ pub fn deployment(dp: &DataPipeline, replicas: i32) -> Deployment {
                 match_labels: Some(selector_labels(dp)),
                 ..LabelSelector::default()
             },
-            // Workers are stateless and clients retry: replace one at a time, no surge of
-            // extra pods competing for the same NICs.
+            // Workers are stateless and clients retry: replace a tenth at a time (one at a
+            // time would take days at 1,024 workers; Kubernetes makes it at least one), no
+            // surge of extra pods competing for the same NICs.
             strategy: Some(DeploymentStrategy {
                 type_: Some("RollingUpdate".into()),
                 rolling_update: Some(RollingUpdateDeployment {
                     max_surge: Some(IntOrString::Int(0)),
-                    max_unavailable: Some(IntOrString::Int(1)),
+                    max_unavailable: Some(IntOrString::String(DISRUPTION_SHARE.into())),
                 }),
             }),
             template: PodTemplateSpec {
@@ -512,12 +517,17 @@ pub fn service(dp: &DataPipeline) -> Service {
     }
 }
 
-/// At most one worker down by voluntary disruption (drains, upgrades) at a time.
+/// The share of workers a rollout replaces at once, and voluntary disruptions (drains,
+/// upgrades) may take down at once: clients reroute around that many.
+const DISRUPTION_SHARE: &str = "10%";
+
+/// At most a tenth of the workers (rounded up: at least one) down by voluntary disruption at
+/// a time.
 pub fn pod_disruption_budget(dp: &DataPipeline) -> PodDisruptionBudget {
     PodDisruptionBudget {
         metadata: meta(dp, &names(dp).workers),
         spec: Some(PodDisruptionBudgetSpec {
-            max_unavailable: Some(IntOrString::Int(1)),
+            max_unavailable: Some(IntOrString::String(DISRUPTION_SHARE.into())),
             selector: Some(LabelSelector {
                 match_labels: Some(selector_labels(dp)),
                 ..LabelSelector::default()
@@ -759,6 +769,22 @@ mod tests {
             ),
             (1, "kubernetes.io/hostname", "DoNotSchedule")
         );
+        assert_eq!(
+            (
+                tsc.node_taints_policy.as_deref(),
+                tsc.node_affinity_policy.as_deref()
+            ),
+            (Some("Honor"), Some("Honor"))
+        );
+        let rolling = p.spec.as_ref().unwrap().strategy.as_ref().unwrap();
+        let rolling = rolling.rolling_update.as_ref().unwrap();
+        assert_eq!(
+            (rolling.max_surge.clone(), rolling.max_unavailable.clone()),
+            (
+                Some(IntOrString::Int(0)),
+                Some(IntOrString::String("10%".into()))
+            )
+        );
         assert!(pod(&p).affinity.is_none());
         // A budget for one worker per node: required anti-affinity.
         dp.spec.placement.worker_egress_gbps = Some(15.0);
@@ -873,7 +899,7 @@ mod tests {
         let pdb = pod_disruption_budget(&dp);
         assert_eq!(
             pdb.spec.as_ref().unwrap().max_unavailable,
-            Some(IntOrString::Int(1))
+            Some(IntOrString::String("10%".into()))
         );
         let np = network_policy(&dp);
         let rules = np.spec.as_ref().unwrap().ingress.as_ref().unwrap();

@@ -59,7 +59,7 @@ pub struct DataPipelineSpec {
     /// Worker count when autoscaling is absent, and the starting count when it is present
     /// (the scale subresource: `kubectl scale dp/NAME --replicas=N`).
     #[serde(default = "one")]
-    #[schemars(range(min = 0, max = 1000))]
+    #[schemars(range(min = 0, max = 4096))]
     pub replicas: i32,
     /// Scale workers on the trainers' wait ratio. Absent: `replicas` holds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -226,7 +226,7 @@ pub struct Autoscaling {
     #[schemars(range(min = 1))]
     pub min_replicas: i32,
     /// Most workers.
-    #[schemars(range(min = 1, max = 1000))]
+    #[schemars(range(min = 1, max = 4096))]
     pub max_replicas: i32,
     /// Keep the worst trainer rank's wait ratio (blocked time / wall time) under this.
     #[serde(default = "default_target")]

@@ -12,8 +12,15 @@ use stoker_control::exposition::rank_counters;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
-/// Bound on a response body (a /metrics page is a few KiB).
+/// Bound on a response body: a rank's /metrics page is ~5 KiB whatever the workers; a
+/// Prometheus answer of one number per rank at 4,096 ranks is ~0.5 MiB.
 const MAX_BODY: usize = 4 << 20;
+/// Ranks read at once by the direct scrape: 4,096 ranks' pages (~20 MiB) are read 64 at a
+/// time, not all at once.
+const SCRAPE_CONCURRENCY: usize = 64;
+/// A round of the direct scrape ends by then; ranks not read by then count as unreadable
+/// (the decision needs 95 % of them), so a few black holes cannot stall it.
+const ROUND_DEADLINE: Duration = Duration::from_secs(20);
 
 /// GET an `http://host:port/path?query` URL; the body on 200, an error naming the URL
 /// otherwise.
@@ -75,17 +82,37 @@ pub async fn read(
     } else {
         anyhow::bail!("no metric source (rejected at admission)")
     };
-    let reads = urls.iter().map(|u| async move {
-        let counters = match http_get(u).await {
-            Ok(text) => rank_counters(&text),
-            Err(e) => {
-                tracing::debug!("scrape {u}: {e:#}");
-                None
-            }
-        };
-        (u.clone(), counters)
-    });
-    Ok(futures::future::join_all(reads).await)
+    Ok(scrape_all(urls, ROUND_DEADLINE).await)
+}
+
+/// Every URL's counters, [`SCRAPE_CONCURRENCY`] at a time, within `round` (unread by then:
+/// unreadable); in the order of `urls`.
+async fn scrape_all(urls: Vec<String>, round: Duration) -> Reading {
+    use futures::StreamExt;
+    let deadline = tokio::time::Instant::now() + round;
+    // Unordered: a rank that never answers holds one of the slots, not the ones behind it.
+    let mut reading: Vec<(usize, (String, Option<RankCounters>))> = futures::stream::iter(urls)
+        .enumerate()
+        .map(|(i, u)| async move {
+            let read = tokio::time::timeout_at(deadline, http_get(&u));
+            let counters = match read.await {
+                Ok(Ok(text)) => rank_counters(&text),
+                Ok(Err(e)) => {
+                    tracing::debug!("scrape {u}: {e:#}");
+                    None
+                }
+                Err(_) => {
+                    tracing::debug!("scrape {u}: the round's {round:?} ran out");
+                    None
+                }
+            };
+            (i, (u, counters))
+        })
+        .buffer_unordered(SCRAPE_CONCURRENCY)
+        .collect()
+        .await;
+    reading.sort_unstable_by_key(|(i, _)| *i);
+    reading.into_iter().map(|(_, r)| r).collect()
 }
 
 /// The same counters per rank from Prometheus (instant query; the series' own values). The
@@ -157,6 +184,51 @@ pub fn paired(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+
+    /// 4,096 ranks are read a bounded number at a time, and a rank that accepts but never
+    /// answers costs the round its deadline, not the decision: it is unreadable.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_round_is_bounded_in_concurrency_and_time() {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (open, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (o, m) = (open.clone(), most.clone());
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = listener.accept().await.unwrap();
+                let (o, m) = (o.clone(), m.clone());
+                tokio::spawn(async move {
+                    m.fetch_max(o.fetch_add(1, SeqCst) + 1, SeqCst);
+                    let mut buf = [0u8; 1024];
+                    let n = s.read(&mut buf).await.unwrap_or(0);
+                    if String::from_utf8_lossy(&buf[..n]).starts_with("GET /hole ") {
+                        tokio::time::sleep(Duration::from_secs(60)).await;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    let body = "stoker_trainer_wait_seconds_total 1\nstoker_trainer_step_seconds_total 9\nstoker_trainer_samples_total 64\n";
+                    let _ = s
+                        .write_all(format!("HTTP/1.0 200 OK\r\n\r\n{body}").as_bytes())
+                        .await;
+                    o.fetch_sub(1, SeqCst);
+                });
+            }
+        });
+        let mut urls: Vec<String> = (0..300)
+            .map(|i| format!("http://{addr}/metrics?r={i}"))
+            .collect();
+        urls[7] = format!("http://{addr}/hole");
+        let reading = scrape_all(urls.clone(), Duration::from_secs(2)).await;
+        assert_eq!(
+            reading.iter().map(|(u, _)| u.clone()).collect::<Vec<_>>(),
+            urls
+        );
+        let unread: Vec<usize> = (0..300).filter(|&i| reading[i].1.is_none()).collect();
+        assert_eq!(unread, [7], "only the black hole is unreadable");
+        let most = most.load(SeqCst);
+        assert!(most <= SCRAPE_CONCURRENCY + 1, "{most} connections at once");
+    }
 
     #[tokio::test]
     async fn reads_counters_over_http_and_names_failures() {

@@ -50,6 +50,12 @@ pub enum BenchCommand {
     /// The trainer client's real scheduler at 4,096 ranks × 1,024 workers in virtual time:
     /// bounded links vs the full mesh, fault-free and through a restart, a drain and +25 %.
     Scale(super::scale::ScaleArgs),
+    /// Indexing a large text dataset and starting a worker on it: time, peak memory and
+    /// store requests, this binary beside a baseline one.
+    DatasetScale(super::dataset_scale::DatasetScaleArgs),
+    /// Request latency across an epoch boundary (the plan's order built on the serving
+    /// threads, ahead of the boundary off them, or not at all) and the health probes' delay.
+    EpochBoundary(super::epoch_boundary::EpochBoundaryArgs),
 }
 
 #[derive(clap::Args)]
@@ -109,6 +115,10 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             Ok(())
         }
         BenchCommand::Balance(a) => super::balance::run(a),
+        BenchCommand::DatasetScale(a) => super::dataset_scale::run(a).await,
+        BenchCommand::EpochBoundary(a) => {
+            tokio::task::spawn_blocking(move || super::epoch_boundary::run(a)).await?
+        }
         BenchCommand::Scale(a) => tokio::task::spawn_blocking(move || super::scale::run(a)).await?,
     }
 }

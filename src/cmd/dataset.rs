@@ -22,7 +22,7 @@ pub enum DatasetCommand {
         options: SynthOptions,
     },
     /// Build the index (shards, line offsets, counts), validating every line; writes
-    /// stoker-index.json at the dataset root. Exits 1 if any line is bad (use --allow-bad).
+    /// stoker-index.bin at the dataset root. Exits 1 if any line is bad (use --allow-bad).
     Index {
         /// s3://bucket/prefix or a local folder.
         uri: String,
@@ -145,15 +145,23 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
             for b in &idx.bad_lines {
                 eprintln!("bad line {b}");
             }
+            if idx.bad_line_count > idx.bad_lines.len() as u64 {
+                eprintln!(
+                    "... and {} more bad lines (the first {} are listed)",
+                    idx.bad_line_count - idx.bad_lines.len() as u64,
+                    idx.bad_lines.len()
+                );
+            }
             println!(
-                "{} shards, {} samples, {} bad lines, version {:016x}",
+                "{} shards, {} samples, {} bad lines, version {:016x}, {} bytes in memory",
                 idx.shards.len(),
                 idx.num_samples(),
-                idx.bad_lines.len(),
-                idx.version
+                idx.bad_line_count,
+                idx.version,
+                idx.resident_bytes()
             );
             if !dry_run {
-                store.put(INDEX_KEY, idx.to_json()).await?;
+                store.put(INDEX_KEY, idx.to_bytes()).await?;
                 println!("wrote {}", store.describe(INDEX_KEY));
             }
             if write_lengths {
@@ -161,8 +169,8 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
                     open_pipeline(&one_sample_config(uri, s3, pre, None), Metrics::new()).await?;
                 store_lengths(&p, &sample_lengths(&p, None, false).await).await?;
             }
-            if !idx.bad_lines.is_empty() && !allow_bad {
-                anyhow::bail!("{} bad lines (listed above)", idx.bad_lines.len());
+            if idx.bad_line_count > 0 && !allow_bad {
+                anyhow::bail!("{} bad lines (listed above)", idx.bad_line_count);
             }
             Ok(())
         }
@@ -232,7 +240,7 @@ async fn inspect(cfg: &WorkerConfig, sample: u64, out: Option<PathBuf>) -> anyho
             p.index.num_samples()
         )
     })?;
-    println!("sample {sample}: {}:{}", shard.key, line.0);
+    println!("sample {sample}: {}:{}", shard.key, line.line);
     let s = p.load_sample(sample).await?;
     println!("--- chat text ---\n{}--- end ---", s.text);
     let trained = s.labels.iter().filter(|&&l| l >= 0).count();

@@ -5,7 +5,7 @@
 //! bounded by a second semaphore sized to the cores. A request's samples are loaded
 //! concurrently, so a slow object delays only its own batch, never other requests.
 
-use crate::dataset::index::{DatasetIndex, ShardIndex};
+use crate::dataset::index::{DatasetIndex, Shard};
 use crate::dataset::lengths::SampleLengths;
 use crate::dataset::sample::{Conversation, SampleError};
 use crate::limits::{LimitError, SampleLimits};
@@ -206,7 +206,7 @@ pub struct PipelineConfig {
 pub struct Pipeline {
     pub store: Store,
     pub index: DatasetIndex,
-    pub plan: Plan,
+    pub plan: Arc<Plan>,
     pub text: TextProcessor,
     pub config: PipelineConfig,
     pub metrics: Arc<Metrics>,
@@ -235,7 +235,7 @@ impl Pipeline {
         metrics: Arc<Metrics>,
     ) -> Self {
         metrics.dataset_samples.set(index.num_samples() as i64);
-        metrics.dataset_bad_lines.set(index.bad_lines.len() as i64);
+        metrics.dataset_bad_lines.set(index.bad_line_count as i64);
         Pipeline {
             lut: PixelLut::new(&config.preset),
             pixel_lut: (config.preset.pixel_dtype == PixelDtype::U8).then(|| {
@@ -250,7 +250,7 @@ impl Pipeline {
             datasets: vec![(store.describe(""), 0)],
             store,
             index,
-            plan,
+            plan: Arc::new(plan),
             text,
             config,
             metrics,
@@ -353,12 +353,12 @@ impl Pipeline {
     }
 
     /// A sample's shard, (offset, length) of its line, and its location for messages.
-    fn locate(&self, sample_id: u64) -> Result<(&ShardIndex, (u64, u64), String), SampleFailure> {
+    fn locate(&self, sample_id: u64) -> Result<(&Shard, (u64, u64), String), SampleFailure> {
         let Some((shard, line)) = self.index.locate(sample_id) else {
             return Err(self.failure(sample_id, "-".into(), Cause::NoSuchSample));
         };
-        let location = format!("{}:{}", shard.key, line.0);
-        Ok((shard, (line.1, line.2 as u64), location))
+        let location = format!("{}:{}", shard.key, line.line);
+        Ok((shard, (line.offset, line.len), location))
     }
 
     fn failure(&self, sample_id: u64, location: String, cause: Cause) -> SampleFailure {
@@ -380,7 +380,7 @@ impl Pipeline {
     /// on its own.
     async fn read_line(
         self: &Arc<Self>,
-        shard: &ShardIndex,
+        shard: &Shard,
         offset: u64,
         len: u64,
     ) -> Result<bytes::Bytes, FetchError> {
@@ -406,7 +406,7 @@ impl Pipeline {
     /// A sample's conversation and its images' keys, limits checked.
     async fn read_sample(
         self: &Arc<Self>,
-        shard: &ShardIndex,
+        shard: &Shard,
         (offset, len): (u64, u64),
     ) -> Result<(Conversation, Vec<String>), Cause> {
         self.config.limits.check_line(len)?;
@@ -423,7 +423,7 @@ impl Pipeline {
     async fn prepare(
         self: &Arc<Self>,
         sample_id: u64,
-        shard: &ShardIndex,
+        shard: &Shard,
         line: (u64, u64),
     ) -> Result<PreparedSample, Cause> {
         let (conv, keys) = self.read_sample(shard, line).await?;
@@ -494,7 +494,7 @@ impl Pipeline {
 
     async fn measure(
         self: &Arc<Self>,
-        shard: &ShardIndex,
+        shard: &Shard,
         line: (u64, u64),
     ) -> Result<SampleShape, Cause> {
         let (conv, keys) = self.read_sample(shard, line).await?;
@@ -666,11 +666,10 @@ impl Dataset {
     async fn open(uri: &str, weight: u32, cfg: &WorkerConfig) -> anyhow::Result<Dataset> {
         let store = Store::open(uri, &cfg.s3).await?;
         let index = DatasetIndex::load_or_build(&store).await?;
-        if !index.bad_lines.is_empty() {
+        if let Some(first) = index.bad_lines.first() {
             tracing::warn!(
-                "{uri}: {} invalid lines are excluded from the plan (first: {}); `stoker dataset index` lists them",
-                index.bad_lines.len(),
-                index.bad_lines[0]
+                "{uri}: {} invalid lines are excluded from the plan (first: {first}); `stoker dataset index` lists them",
+                index.bad_line_count,
             );
         }
         anyhow::ensure!(index.num_samples() > 0, "{uri}: no valid samples");
@@ -747,7 +746,8 @@ pub async fn open_pipeline(
         sizes.iter().sum(),
         cfg.sampling.global_batch_size,
         cfg.sampling.seed,
-    );
+    )
+    .with_order(cfg.sampling.order);
     if datasets.len() > 1 {
         let weights: Vec<u32> = datasets.iter().map(|d| d.weight).collect();
         plan = plan.with_mix(&sizes, &weights);
@@ -763,7 +763,7 @@ pub async fn open_pipeline(
         for d in &datasets {
             lengths.extend(d.lengths(id, shaping).await?);
         }
-        plan = plan.with_lengths(&lengths, shaping);
+        plan = plan.with_lengths(lengths, shaping);
     }
     let names = datasets.iter().map(|d| d.uri.clone()).zip(sizes).collect();
     let (store, index) = combine(datasets, cfg).await?;

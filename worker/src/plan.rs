@@ -6,9 +6,16 @@
 //! (stoker-balance), so no rank draws a heavier slice; `--bucket-by-length` makes each global batch's samples similar in length (less padding for
 //! trainers that cannot take packed input); `--pack-max-tokens` hands each rank the same
 //! number of packs, each at most that many tokens, balanced by cost.
+//!
+//! Two orders (`--order`): `shuffle` holds each epoch's permutation (4 bytes per sample,
+//! seconds to build at 10^8), `feistel` computes each position's sample on its own (nothing
+//! held, nothing built at an epoch boundary). A server asks through [`Plan::serve_slice`],
+//! which builds what a request needs on the blocking pool and the next epoch's order ahead of
+//! the boundary: the serving threads (and the health probes) never wait on a build.
 
 use rand::{RngCore, SeedableRng};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+pub use stoker_config::SampleOrder;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PlanError {
@@ -22,23 +29,75 @@ pub struct Plan {
     pub num_samples: u64,
     pub global_batch_size: u32,
     pub seed: u64,
-    /// Each sample's length and cost (by id), and what the plan does with them.
+    order: SampleOrder,
+    /// Each sample's length (by id), and what the plan does with it.
     costs: Option<(SampleCosts, Shaping)>,
     /// Several datasets mixed by weight (their ids follow each other).
     mix: Option<Mix>,
-    /// Cache of recent epochs' permutations: consecutive requests share an epoch.
-    perms: Mutex<Vec<(u64, Arc<Vec<u32>>)>>,
-    /// Cache of recently shaped global batches, by (epoch, batch, world size): all ranks'.
-    shaped: Mutex<Vec<ShapedBatch>>,
+    /// `shuffle`: recent epochs' permutations (the current one, the next built ahead, and
+    /// one for ranks still finishing the previous).
+    perms: Recent<u64, Arc<Vec<u32>>>,
+    /// `feistel` with length bucketing: recent windows of [`BUCKET_WINDOW`] global batches.
+    windows: Recent<(u64, u64), Arc<Vec<u32>>>,
+    /// Recently shaped global batches, by (epoch, batch, world size): all ranks'.
+    shaped: Recent<(u64, u64, usize), Arc<Vec<RankSlice>>>,
 }
 
-type ShapedBatch = ((u64, u64, usize), Arc<Vec<RankSlice>>);
-
-const CACHED_EPOCHS: usize = 2;
+const CACHED_EPOCHS: usize = 3;
 /// Shaped global batches kept: a worker serves a few batches ahead of the slowest rank.
 const CACHED_SHAPES: usize = 16;
+const CACHED_WINDOWS: usize = 4;
 /// Length bucketing sorts windows of this many global batches of the shuffled order.
 pub const BUCKET_WINDOW: usize = 32;
+/// A request within this fraction of an epoch's end has the next epoch's order built ahead.
+const AHEAD_FRACTION: u64 = 10;
+
+/// A small cache whose values are built once, outside its lock: requests for a value being
+/// built wait for that build (on their own thread), others go on.
+struct Recent<K, V> {
+    capacity: usize,
+    entries: Mutex<Vec<(K, Arc<OnceLock<V>>)>>,
+}
+
+impl<K: PartialEq + Copy, V: Clone> Recent<K, V> {
+    fn new(capacity: usize) -> Self {
+        Recent {
+            capacity,
+            entries: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn slot(&self, key: K) -> Arc<OnceLock<V>> {
+        let mut entries = self.entries.lock().expect("plan cache");
+        if let Some((_, slot)) = entries.iter().find(|(k, _)| *k == key) {
+            return slot.clone();
+        }
+        if entries.len() >= self.capacity {
+            entries.remove(0);
+        }
+        let slot = Arc::new(OnceLock::new());
+        entries.push((key, slot.clone()));
+        slot
+    }
+
+    fn get_or_build(&self, key: K, build: impl FnOnce() -> V) -> V {
+        self.slot(key).get_or_init(build).clone()
+    }
+
+    /// Built (not just being built).
+    fn is_built(&self, key: K) -> bool {
+        let entries = self.entries.lock().expect("plan cache");
+        entries
+            .iter()
+            .any(|(k, slot)| *k == key && slot.get().is_some())
+    }
+
+    /// Built or being built.
+    fn has(&self, key: K) -> bool {
+        let entries = self.entries.lock().expect("plan cache");
+        entries.iter().any(|(k, _)| *k == key)
+    }
+}
 
 /// What a plan with sample costs does with them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -51,10 +110,16 @@ pub struct Shaping {
     pub pack_max_tokens: Option<u32>,
 }
 
-/// Per sample id: tokens, and the cost model's cost of them.
+/// Per sample id: tokens (4 bytes a sample); costs follow from them by the cost model.
 struct SampleCosts {
-    lengths: Vec<u64>,
-    costs: Vec<u64>,
+    lengths: Vec<u32>,
+    model: stoker_balance::CostModel,
+}
+
+impl SampleCosts {
+    fn cost(&self, id: u32) -> u64 {
+        self.model.cost(self.lengths[id as usize].into())
+    }
 }
 
 /// One rank's share of a global batch.
@@ -77,31 +142,38 @@ impl Plan {
             num_samples,
             global_batch_size: global_batch_size.max(1),
             seed,
+            order: SampleOrder::Shuffle,
             costs: None,
             mix: None,
-            perms: Mutex::new(Vec::new()),
-            shaped: Mutex::new(Vec::new()),
+            perms: Recent::new(CACHED_EPOCHS),
+            windows: Recent::new(CACHED_WINDOWS),
+            shaped: Recent::new(CACHED_SHAPES),
         }
+    }
+
+    /// The same plan drawing its order another way (another plan unless `Shuffle`).
+    pub fn with_order(mut self, order: SampleOrder) -> Self {
+        self.order = order;
+        self
+    }
+
+    pub fn order(&self) -> SampleOrder {
+        self.order
     }
 
     /// The same plan shaped by the samples' token lengths (one per sample id); costs are the
     /// default cost model's. Packing needs every length to fit a pack.
-    pub fn with_lengths(mut self, lengths: &[u32], shaping: Shaping) -> Self {
+    pub fn with_lengths(mut self, lengths: Vec<u32>, shaping: Shaping) -> Self {
         assert_eq!(
             lengths.len() as u64,
             self.num_samples,
             "a length per sample"
         );
-        let lengths: Vec<u64> = lengths.iter().map(|&t| t.into()).collect();
         if let Some(max) = shaping.pack_max_tokens {
-            assert!(
-                lengths.iter().all(|&t| t <= max.into()),
-                "a sample over {max}"
-            );
+            assert!(lengths.iter().all(|&t| t <= max), "a sample over {max}");
         }
         let model = stoker_balance::CostModel::default();
-        let costs = lengths.iter().map(|&t| model.cost(t)).collect();
-        self.costs = Some((SampleCosts { lengths, costs }, shaping));
+        self.costs = Some((SampleCosts { lengths, model }, shaping));
         self
     }
 
@@ -129,56 +201,93 @@ impl Plan {
         self.costs.as_ref().map_or(Shaping::default(), |(_, s)| *s)
     }
 
+    fn bucketing(&self) -> Option<&SampleCosts> {
+        self.costs
+            .as_ref()
+            .filter(|(_, s)| s.bucket_by_length)
+            .map(|(c, _)| c)
+    }
+
     /// Batches per epoch; the last one is smaller when the sizes do not divide (nothing is
     /// dropped).
     pub fn batches_per_epoch(&self) -> u64 {
         self.num_samples.div_ceil(self.global_batch_size as u64)
     }
 
-    /// The epoch's sample order: a Fisher–Yates shuffle over ChaCha8's u32 stream seeded from
-    /// (seed, epoch). rand_chacha keeps that stream's values stable; the shuffle and its
-    /// bounded sampling are written out here (the values rand 0.8's `shuffle` gave, pinned by
-    /// a test), since rand may change `shuffle`'s values in any release: a dependency
-    /// upgrade never changes a plan under a stored resume state.
+    /// The epoch's sample order under `shuffle`: a Fisher–Yates shuffle over ChaCha8's u32
+    /// stream seeded from (seed, epoch). rand_chacha keeps that stream's values stable; the
+    /// shuffle and its bounded sampling are written out here (the values rand 0.8's
+    /// `shuffle` gave, pinned by a test), since rand may change `shuffle`'s values in any
+    /// release: a dependency upgrade never changes a plan under a stored resume state.
     pub fn permutation(&self, epoch: u64) -> Arc<Vec<u32>> {
-        let mut cache = self.perms.lock().expect("plan cache");
-        if let Some((_, p)) = cache.iter().find(|(e, _)| *e == epoch) {
-            return p.clone();
-        }
-        let mut rng = stream(self.seed, epoch, 0);
-        let mut perm = match &self.mix {
-            None => shuffled(self.num_samples, &mut rng),
-            Some(mix) => mix.order(self.seed, epoch, &mut rng),
-        };
-        if let Some((
-            sample,
-            Shaping {
-                bucket_by_length: true,
-                ..
-            },
-        )) = &self.costs
-        {
-            let batch = self.global_batch_size as usize;
-            perm = bucketed(&perm, &sample.costs, batch, &mut rng);
-        }
-        let perm = Arc::new(perm);
-        if cache.len() >= CACHED_EPOCHS {
-            cache.remove(0);
-        }
-        cache.push((epoch, perm.clone()));
-        perm
+        self.perms.get_or_build(epoch, || {
+            let mut rng = stream(SHUFFLE, self.seed, epoch, 0);
+            let mut perm = match &self.mix {
+                None => shuffled(self.num_samples, &mut rng),
+                Some(mix) => mix.order(self.seed, epoch, &mut rng),
+            };
+            if let Some(sample) = self.bucketing() {
+                let batch = self.global_batch_size as usize;
+                perm = bucketed(&perm, sample, batch, &mut rng);
+            }
+            Arc::new(perm)
+        })
     }
 
-    /// Rank `rank`'s share of global batch `g`: contiguous, near-equal slices; with costs the
-    /// same counts chosen by cost (`balance_ranks`), or the rank's packs. Either way the
-    /// global batch is the same for any world size.
-    pub fn rank_slice(
-        &self,
-        epoch: u64,
-        g: u64,
-        rank: u32,
-        world: u32,
-    ) -> Result<RankSlice, PlanError> {
+    /// The samples at positions `range` of epoch `epoch` under `feistel`, before bucketing.
+    fn feistel_ids(&self, epoch: u64, range: std::ops::Range<u64>) -> Vec<u32> {
+        let order = Feistel::new(self.num_samples, stream(FEISTEL, self.seed, epoch, 0));
+        match &self.mix {
+            None => range.map(|p| order.permute(p) as u32).collect(),
+            Some(mix) => range
+                .map(|p| mix.draw(self.seed, epoch, order.permute(p)))
+                .collect(),
+        }
+    }
+
+    /// `feistel` with bucketing: window `w` of epoch `epoch` (its positions' samples sorted
+    /// by cost, cut into global batches, and those shuffled, as `shuffle` does).
+    fn feistel_window(&self, epoch: u64, w: u64, sample: &SampleCosts) -> Arc<Vec<u32>> {
+        self.windows.get_or_build((epoch, w), || {
+            let batch = self.global_batch_size as u64;
+            let start = w * batch * BUCKET_WINDOW as u64;
+            let end = (start + batch * BUCKET_WINDOW as u64).min(self.num_samples);
+            let ids = self.feistel_ids(epoch, start..end);
+            let mut rng = stream(FEISTEL, self.seed, epoch, w + 1);
+            Arc::new(bucketed(&ids, sample, batch as usize, &mut rng))
+        })
+    }
+
+    /// The sample ids of global batch `g` (in range) of epoch `epoch`, in plan order.
+    fn global_batch(&self, epoch: u64, g: u64) -> Vec<u32> {
+        let batch = self.global_batch_size as u64;
+        let (start, end) = (g * batch, ((g + 1) * batch).min(self.num_samples));
+        match (self.order, self.bucketing()) {
+            (SampleOrder::Shuffle, _) => {
+                self.permutation(epoch)[start as usize..end as usize].to_vec()
+            }
+            (SampleOrder::Feistel, None) => self.feistel_ids(epoch, start..end),
+            (SampleOrder::Feistel, Some(sample)) => {
+                let w = g / BUCKET_WINDOW as u64;
+                let at = (start - w * batch * BUCKET_WINDOW as u64) as usize;
+                self.feistel_window(epoch, w, sample)[at..at + (end - start) as usize].to_vec()
+            }
+        }
+    }
+
+    /// Whether global batch `g` of `epoch` can be cut without building anything costly
+    /// (an epoch's permutation or a bucketing window).
+    fn order_built(&self, epoch: u64, g: u64) -> bool {
+        match (self.order, self.bucketing()) {
+            (SampleOrder::Shuffle, _) => self.perms.is_built(epoch),
+            (SampleOrder::Feistel, None) => true,
+            (SampleOrder::Feistel, Some(_)) => {
+                self.windows.is_built((epoch, g / BUCKET_WINDOW as u64))
+            }
+        }
+    }
+
+    fn check(&self, g: u64, world: u32) -> Result<(), PlanError> {
         let n = self.batches_per_epoch();
         if g >= n {
             return Err(PlanError::BatchOutOfRange { g, n });
@@ -189,12 +298,24 @@ impl Plan {
                 global: self.global_batch_size,
             });
         }
-        let perm = self.permutation(epoch);
-        let start = g * self.global_batch_size as u64;
-        let end = (start + self.global_batch_size as u64).min(self.num_samples);
-        let batch = &perm[start as usize..end as usize];
+        Ok(())
+    }
+
+    /// Rank `rank`'s share of global batch `g`: contiguous, near-equal slices; with costs the
+    /// same counts chosen by cost (`balance_ranks`), or the rank's packs. Either way the
+    /// global batch is the same for any world size. Builds what it needs on the calling
+    /// thread: a server calls [`Plan::serve_slice`].
+    pub fn rank_slice(
+        &self,
+        epoch: u64,
+        g: u64,
+        rank: u32,
+        world: u32,
+    ) -> Result<RankSlice, PlanError> {
+        self.check(g, world)?;
         let (rank, world) = (rank as usize, world as usize);
         let Some((sample, shaping)) = &self.costs else {
+            let batch = self.global_batch(epoch, g);
             let contiguous = stoker_balance::even_slice(batch.len(), world, rank);
             return Ok(RankSlice {
                 samples: batch[contiguous].iter().map(|&id| id as u64).collect(),
@@ -202,33 +323,87 @@ impl Plan {
             });
         };
         // Every rank of the batch asks: shape it once for all of them.
-        let key = (epoch, g, world);
-        if let Some((_, all)) = self
-            .shaped
-            .lock()
-            .expect("plan cache")
-            .iter()
-            .find(|(k, _)| *k == key)
-        {
-            return Ok(all[rank].clone());
-        }
-        let all = Arc::new(shape(batch, sample, *shaping, world));
-        let mut cache = self.shaped.lock().expect("plan cache");
-        if cache.len() >= CACHED_SHAPES {
-            cache.remove(0);
-        }
-        cache.push((key, all.clone()));
+        let all = self.shaped.get_or_build((epoch, g, world), || {
+            Arc::new(shape(&self.global_batch(epoch, g), sample, *shaping, world))
+        });
         Ok(all[rank].clone())
+    }
+
+    /// [`Plan::rank_slice`] for a server on tokio: anything costly (an epoch's order, a
+    /// window, shaping a batch) is built on the blocking pool, never on the calling thread;
+    /// a request in the last tenth of an epoch has the next epoch's order built ahead, so no
+    /// request waits for it at the boundary.
+    pub async fn serve_slice(
+        self: &Arc<Self>,
+        epoch: u64,
+        g: u64,
+        rank: u32,
+        world: u32,
+    ) -> Result<RankSlice, PlanError> {
+        self.check(g, world)?;
+        self.build_ahead(epoch, g);
+        let shaped = self.costs.is_none() || self.shaped.is_built((epoch, g, world as usize));
+        if self.order_built(epoch, g) && shaped {
+            return self.rank_slice(epoch, g, rank, world);
+        }
+        let plan = self.clone();
+        tokio::task::spawn_blocking(move || plan.rank_slice(epoch, g, rank, world))
+            .await
+            .expect("the plan never panics on a checked request")
+    }
+
+    /// Starts building, on the blocking pool, what requests after (epoch, g) will need:
+    /// `shuffle`, the next epoch's order once g is in the last tenth of the epoch; `feistel`
+    /// with bucketing, the next window.
+    fn build_ahead(self: &Arc<Self>, epoch: u64, g: u64) {
+        let n = self.batches_per_epoch();
+        let plan = self.clone();
+        match (self.order, self.bucketing()) {
+            (SampleOrder::Shuffle, _) => {
+                if g + n.div_ceil(AHEAD_FRACTION) >= n && !self.perms.has(epoch + 1) {
+                    tokio::task::spawn_blocking(move || plan.prepare(epoch + 1));
+                }
+            }
+            (SampleOrder::Feistel, None) => {}
+            (SampleOrder::Feistel, Some(_)) => {
+                let next = g / BUCKET_WINDOW as u64 + 1;
+                let (e, w) = match next * (BUCKET_WINDOW as u64) < n {
+                    true => (epoch, next),
+                    false => (epoch + 1, 0),
+                };
+                if !self.windows.has((e, w)) {
+                    tokio::task::spawn_blocking(move || {
+                        let sample = plan.bucketing().expect("bucketing");
+                        plan.feistel_window(e, w, sample);
+                    });
+                }
+            }
+        }
+    }
+
+    /// Builds what epoch `epoch` starts with: its permutation, or its first window.
+    pub fn prepare(&self, epoch: u64) {
+        match (self.order, self.bucketing()) {
+            (SampleOrder::Shuffle, _) => {
+                self.permutation(epoch);
+            }
+            (SampleOrder::Feistel, None) => {}
+            (SampleOrder::Feistel, Some(sample)) => {
+                self.feistel_window(epoch, 0, sample);
+            }
+        }
     }
 }
 
 /// Every rank's share of a global batch (`batch`: its sample ids) under `shaping`.
 fn shape(batch: &[u32], sample: &SampleCosts, shaping: Shaping, world: usize) -> Vec<RankSlice> {
     let ids = |positions: &[usize]| positions.iter().map(|&p| batch[p] as u64).collect();
-    let of_batch = |v: &[u64]| batch.iter().map(|&i| v[i as usize]).collect::<Vec<_>>();
-    let costs = of_batch(&sample.costs);
+    let costs: Vec<u64> = batch.iter().map(|&i| sample.cost(i)).collect();
     if let Some(max) = shaping.pack_max_tokens {
-        let lengths = of_batch(&sample.lengths);
+        let lengths: Vec<u64> = batch
+            .iter()
+            .map(|&i| sample.lengths[i as usize].into())
+            .collect();
         let ranks = stoker_balance::pack_ranks(&lengths, &costs, world, max.into());
         return ranks
             .iter()
@@ -259,14 +434,14 @@ fn shape(batch: &[u32], sample: &SampleCosts, shaping: Shaping, world: usize) ->
 /// stays last, so every global batch keeps its place in the epoch.
 fn bucketed(
     perm: &[u32],
-    costs: &[u64],
+    sample: &SampleCosts,
     batch: usize,
     rng: &mut rand_chacha::ChaCha8Rng,
 ) -> Vec<u32> {
     let mut out = Vec::with_capacity(perm.len());
     for window in perm.chunks(batch * BUCKET_WINDOW) {
         let mut sorted = window.to_vec();
-        sorted.sort_unstable_by_key(|&i| (costs[i as usize], i));
+        sorted.sort_unstable_by_key(|&i| (sample.cost(i), i));
         let full = sorted.len() / batch;
         let mut batches: Vec<&[u32]> = sorted.chunks(batch).collect();
         fisher_yates(&mut batches[..full], rng);
@@ -275,15 +450,73 @@ fn bucketed(
     out
 }
 
-/// The ChaCha8 stream of (seed, epoch, part): part 0 orders an epoch, part s + 1 shuffles
-/// mixed dataset s's own epoch `epoch`.
-fn stream(seed: u64, epoch: u64, part: u64) -> rand_chacha::ChaCha8Rng {
+/// The streams of the `shuffle` order (tag "stokerv1", its values pinned since the first
+/// release) and of the `feistel` order (round keys, and bucketing windows' shuffles).
+const SHUFFLE: &[u8; 8] = b"stokerv1";
+const FEISTEL: &[u8; 8] = b"feistel2";
+
+/// The ChaCha8 stream of (order, seed, epoch, part). `shuffle`: part 0 orders an epoch, part
+/// s + 1 shuffles mixed dataset s's own epoch `epoch`. `feistel`: part 0 keys an epoch's
+/// order, part w + 1 shuffles its bucketing window w; mixed dataset s's own epochs are keyed
+/// by part `MIXED_PART + s`.
+fn stream(order: &[u8; 8], seed: u64, epoch: u64, part: u64) -> rand_chacha::ChaCha8Rng {
     let mut bytes = [0u8; 32];
     bytes[..8].copy_from_slice(&seed.to_le_bytes());
     bytes[8..16].copy_from_slice(&epoch.to_le_bytes());
-    bytes[16..24].copy_from_slice(b"stokerv1");
+    bytes[16..24].copy_from_slice(order);
     bytes[24..].copy_from_slice(&part.to_le_bytes());
     rand_chacha::ChaCha8Rng::from_seed(bytes)
+}
+
+const MIXED_PART: u64 = 1 << 63;
+
+/// A keyed permutation of `0..n` computed per position: a balanced Feistel network on the
+/// smallest even number of bits that holds `n` (so under 4n values), walking the cycle until
+/// the value falls in range (a bijection of `0..n`, fewer than 4 steps expected).
+struct Feistel {
+    n: u64,
+    half: u32,
+    keys: [u64; FEISTEL_ROUNDS],
+}
+
+const FEISTEL_ROUNDS: usize = 6;
+
+impl Feistel {
+    fn new(n: u64, mut rng: rand_chacha::ChaCha8Rng) -> Self {
+        let bits = (64 - n.saturating_sub(1).leading_zeros())
+            .max(2)
+            .next_multiple_of(2);
+        let mut keys = [0; FEISTEL_ROUNDS];
+        keys.iter_mut().for_each(|k| *k = rng.next_u64());
+        Feistel {
+            n,
+            half: bits / 2,
+            keys,
+        }
+    }
+
+    fn permute(&self, mut x: u64) -> u64 {
+        debug_assert!(x < self.n);
+        let mask = (1u64 << self.half) - 1;
+        loop {
+            let (mut left, mut right) = (x >> self.half, x & mask);
+            for k in self.keys {
+                (left, right) = (right, left ^ (mix64(right ^ k) & mask));
+            }
+            x = (left << self.half) | right;
+            if x < self.n {
+                return x;
+            }
+        }
+    }
+}
+
+/// SplitMix64's finalizer: every input bit flips about half the output bits.
+fn mix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// `0..n` in Fisher–Yates order.
@@ -362,12 +595,34 @@ impl Mix {
                 taken[s] += 1;
                 let (own_epoch, at) = (k / self.sizes[s], k % self.sizes[s]);
                 if own[s].0 != own_epoch {
-                    let mut rng = stream(seed, own_epoch, s as u64 + 1);
+                    let mut rng = stream(SHUFFLE, seed, own_epoch, s as u64 + 1);
                     own[s] = (own_epoch, shuffled(self.sizes[s], &mut rng));
                 }
                 (offsets[s] + u64::from(own[s].1[at as usize])) as u32
             })
             .collect()
+    }
+}
+
+impl Mix {
+    /// `feistel`: the sample of draw slot `q` (of `0..num_samples`) of epoch `epoch`. Slots
+    /// are laid out dataset after dataset, `draws[s]` each; dataset s's j-th slot is its draw
+    /// `k = epoch · draws[s] + j` over the run: position `k mod n` of its own Feistel order
+    /// number `k div n`: every own epoch is whole, as under `shuffle` (though within one
+    /// epoch an oversampled dataset's own epochs interleave).
+    fn draw(&self, seed: u64, epoch: u64, q: u64) -> u32 {
+        let (mut first_slot, mut first_id) = (0, 0);
+        for (s, (&n, &draws)) in self.sizes.iter().zip(&self.draws).enumerate() {
+            if q < first_slot + draws {
+                let k = epoch * draws + (q - first_slot);
+                let part = MIXED_PART + s as u64;
+                let own = Feistel::new(n, stream(FEISTEL, seed, k / n, part));
+                return (first_id + own.permute(k % n)) as u32;
+            }
+            first_slot += draws;
+            first_id += n;
+        }
+        unreachable!("draw slot {q} is beyond the epoch")
     }
 }
 
@@ -449,7 +704,7 @@ mod tests {
             balance_ranks: true,
             ..Shaping::default()
         };
-        let balanced = Plan::new(203, 32, 5).with_lengths(&lengths, shaping);
+        let balanced = Plan::new(203, 32, 5).with_lengths(lengths.clone(), shaping);
         let heaviest = |plan: &Plan, g: u64, world: u32| {
             (0..world)
                 .map(|r| {
@@ -505,7 +760,7 @@ mod tests {
             ..Shaping::default()
         };
         let plain = Plan::new(1000, 16, 3);
-        let bucketed = Plan::new(1000, 16, 3).with_lengths(&lengths, shaping);
+        let bucketed = Plan::new(1000, 16, 3).with_lengths(lengths.clone(), shaping);
         let mut all = bucketed.permutation(0).to_vec();
         all.sort_unstable();
         assert_eq!(all, (0..1000).collect::<Vec<u32>>());
@@ -513,7 +768,7 @@ mod tests {
         assert_eq!(
             bucketed.permutation(0),
             Plan::new(1000, 16, 3)
-                .with_lengths(&lengths, shaping)
+                .with_lengths(lengths.clone(), shaping)
                 .permutation(0)
         );
         assert_ne!(bucketed.permutation(0), bucketed.permutation(1));
@@ -545,7 +800,7 @@ mod tests {
             ..Shaping::default()
         };
         let plain = Plan::new(203, 32, 5);
-        let packed = Plan::new(203, 32, 5).with_lengths(&lengths, shaping);
+        let packed = Plan::new(203, 32, 5).with_lengths(lengths.clone(), shaping);
         for g in 0..packed.batches_per_epoch() {
             for world in [1, 3, 4, 32] {
                 let slices: Vec<RankSlice> = (0..world)
@@ -576,7 +831,7 @@ mod tests {
             }
         }
         // A pure function of its inputs: another plan object answers the same.
-        let again = Plan::new(203, 32, 5).with_lengths(&lengths, shaping);
+        let again = Plan::new(203, 32, 5).with_lengths(lengths.clone(), shaping);
         assert_eq!(
             again.rank_slice(0, 3, 1, 4).unwrap(),
             packed.rank_slice(0, 3, 1, 4).unwrap()
@@ -630,5 +885,104 @@ mod tests {
         assert_eq!(Mix::new(&[10, 10, 10], &[1, 1, 1]).draws, [10, 10, 10]);
         assert_eq!(Mix::new(&[5, 5], &[2, 1]).draws, [7, 3]);
         assert_eq!(Mix::new(&[1, 1, 1, 1], &[1, 1, 1, 3]).draws, [1, 1, 0, 2]);
+    }
+
+    /// Every position's sample once: the order is a bijection of `0..n` for any n.
+    #[test]
+    fn a_feistel_order_is_a_permutation_for_any_size() {
+        for n in [1u64, 2, 3, 4, 5, 17, 1000, 4096, 4097, 65_537] {
+            let order = Feistel::new(n, stream(FEISTEL, 3, 1, 0));
+            let mut seen: Vec<u64> = (0..n).map(|p| order.permute(p)).collect();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..n).collect::<Vec<_>>(), "n = {n}");
+        }
+    }
+
+    fn epoch_ids(plan: &Plan, epoch: u64) -> Vec<u64> {
+        (0..plan.batches_per_epoch())
+            .flat_map(|g| plan.rank_slice(epoch, g, 0, 1).unwrap().samples)
+            .collect()
+    }
+
+    #[test]
+    fn feistel_plans_hold_every_sample_once_and_are_their_own_order() {
+        let lengths: Vec<u32> = (0..1000u32).map(|i| (i * 7919) % 5000 + 100).collect();
+        let bucketing = Shaping {
+            bucket_by_length: true,
+            ..Shaping::default()
+        };
+        let plans = [
+            Plan::new(1000, 16, 3),
+            Plan::new(1000, 16, 3).with_lengths(lengths.clone(), bucketing),
+            Plan::new(1000, 16, 3).with_mix(&[600, 300, 100], &[1, 1, 2]),
+        ];
+        for plan in plans {
+            let plan = plan.with_order(SampleOrder::Feistel);
+            let one = epoch_ids(&plan, 0);
+            assert_ne!(one, epoch_ids(&plan, 1), "another order per epoch");
+            if plan.mix.is_none() {
+                let mut sorted = one.clone();
+                sorted.sort_unstable();
+                assert_eq!(sorted, (0..1000).collect::<Vec<u64>>());
+            }
+            // The same global batches for any world size.
+            for world in [3, 16] {
+                let mut global = Vec::new();
+                for g in 0..plan.batches_per_epoch() {
+                    for r in 0..world {
+                        global.extend(plan.rank_slice(0, g, r, world).unwrap().samples);
+                    }
+                }
+                let mut a = global.clone();
+                let mut b = one.clone();
+                a.sort_unstable();
+                b.sort_unstable();
+                assert_eq!(a, b, "world {world}");
+            }
+        }
+        // A mix keeps its shares and each dataset's own epochs are whole: over 12 epochs
+        // the first dataset (250 draws an epoch of 600) came 5 times per sample, the third
+        // (500 of 100) 60 times. (Unlike `shuffle`, an epoch's draws of one dataset come in
+        // any order: an oversampled dataset's own epochs interleave within the epoch.)
+        let plan = Plan::new(1000, 16, 3)
+            .with_mix(&[600, 300, 100], &[1, 1, 2])
+            .with_order(SampleOrder::Feistel);
+        assert_eq!(plan.draws_per_epoch(), [250, 250, 500]);
+        let mut times = vec![0u32; 1000];
+        for e in 0..12 {
+            epoch_ids(&plan, e)
+                .iter()
+                .for_each(|&id| times[id as usize] += 1);
+        }
+        assert!(times[..600].iter().all(|&t| t == 5), "{:?}", &times[..600]);
+        assert!(times[900..].iter().all(|&t| t == 60), "{:?}", &times[900..]);
+        // Not the `shuffle` order; pinned (a change here breaks every stored resume state).
+        let feistel = Plan::new(10, 4, 0).with_order(SampleOrder::Feistel);
+        assert_ne!(epoch_ids(&feistel, 0), epoch_ids(&Plan::new(10, 4, 0), 0));
+        assert_eq!(epoch_ids(&feistel, 0), PINNED_FEISTEL);
+    }
+
+    const PINNED_FEISTEL: [u64; 10] = [1, 8, 3, 2, 9, 5, 7, 6, 4, 0];
+
+    /// A server's request near an epoch's end has the next epoch built ahead, off the
+    /// calling thread; what it answers is what `rank_slice` answers.
+    #[tokio::test]
+    async fn serve_slice_builds_the_next_epoch_ahead() {
+        let plan = Arc::new(Plan::new(10_000, 100, 1));
+        let first = plan.serve_slice(0, 0, 1, 4).await.unwrap();
+        assert_eq!(first, plan.rank_slice(0, 0, 1, 4).unwrap());
+        assert!(!plan.perms.has(1), "nothing ahead early in the epoch");
+        plan.serve_slice(0, 95, 0, 4).await.unwrap();
+        for _ in 0..200 {
+            if plan.perms.is_built(1) {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(plan.perms.is_built(1), "epoch 1 built ahead");
+        assert_eq!(
+            plan.serve_slice(0, 100, 0, 4).await,
+            Err(PlanError::BatchOutOfRange { g: 100, n: 100 })
+        );
     }
 }

@@ -643,12 +643,12 @@ impl Server {
                 ),
             );
         }
-        let slice = match self.pipeline.plan.rank_slice(
-            req.epoch,
-            req.global_batch,
-            req.rank,
-            req.world_size,
-        ) {
+        let slice = match self
+            .pipeline
+            .plan
+            .serve_slice(req.epoch, req.global_batch, req.rank, req.world_size)
+            .await
+        {
             Ok(slice) => slice,
             Err(e) => {
                 self.refuse("bad_request");
@@ -703,6 +703,10 @@ pub fn plan_id(p: &Pipeline) -> u64 {
     }
     if let Some(max) = shaping.pack_max_tokens {
         parts.push(format!("pack-max-tokens={max}").into_bytes());
+    }
+    // `shuffle` plans keep the ids they had before there was a choice.
+    if p.plan.order() != crate::plan::SampleOrder::Shuffle {
+        parts.push(format!("order={}", p.plan.order().as_str()).into_bytes());
     }
     // A mix's datasets are in the index version; their shares are here.
     let draws = p.plan.draws_per_epoch();

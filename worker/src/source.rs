@@ -318,6 +318,57 @@ impl Store {
         Ok(out)
     }
 
+    /// One object's size and version (one HEAD request): what the index's freshness check
+    /// compares, shard by shard, instead of listing the dataset.
+    pub async fn head(&self, key: &str) -> Result<ObjectInfo, FetchError> {
+        self.retrying(|| self.head_once(key)).await
+    }
+
+    async fn head_once(&self, key: &str) -> Result<ObjectInfo, FetchError> {
+        match self {
+            Store::Local { root } => match tokio::fs::metadata(root.join(key)).await {
+                Ok(meta) if meta.is_file() => Ok(local_info(key.to_string(), &meta)),
+                Ok(_) => Err(FetchError::NotFound(self.describe(key))),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    Err(FetchError::NotFound(self.describe(key)))
+                }
+                Err(e) => Err(self.io_error(key, e.to_string())),
+            },
+            Store::S3 {
+                client,
+                bucket,
+                prefix,
+                read_timeout,
+            } => {
+                let sent = client
+                    .head_object()
+                    .bucket(bucket)
+                    .key(format!("{prefix}{key}"))
+                    .send();
+                let stalled = || self.io_error(key, format!("no response within {read_timeout:?}"));
+                let head = tokio::time::timeout(*read_timeout, sent)
+                    .await
+                    .map_err(|_| stalled())?
+                    .map_err(|e| {
+                        let not_found = e
+                            .as_service_error()
+                            .is_some_and(|s| s.is_not_found() || s.code() == Some("NotFound"))
+                            || e.raw_response().is_some_and(|r| r.status().as_u16() == 404);
+                        if not_found {
+                            FetchError::NotFound(self.describe(key))
+                        } else {
+                            self.io_error(key, DisplayErrorContext(&e).to_string())
+                        }
+                    })?;
+                Ok(ObjectInfo {
+                    key: key.to_string(),
+                    size: head.content_length().unwrap_or(0).max(0) as u64,
+                    version: head.e_tag().unwrap_or_default().to_string(),
+                })
+            }
+        }
+    }
+
     /// A whole object, whatever its size (shards and the index are the operator's, not a
     /// sample's).
     pub async fn get(&self, key: &str) -> Result<Bytes, FetchError> {
@@ -529,20 +580,25 @@ fn list_local(root: &Path, dir: &Path, out: &mut Vec<ObjectInfo>) -> anyhow::Res
                 .strip_prefix(root)?
                 .to_string_lossy()
                 .replace('\\', "/");
-            let mtime = meta
-                .modified()
-                .ok()
-                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-                .map(|d| d.as_nanos())
-                .unwrap_or(0);
-            out.push(ObjectInfo {
-                key: rel,
-                size: meta.len(),
-                version: format!("{mtime}-{}", meta.len()),
-            });
+            out.push(local_info(rel, &meta));
         }
     }
     Ok(())
+}
+
+/// A local file's size and version (mtime and size: changes when the content does).
+fn local_info(key: String, meta: &std::fs::Metadata) -> ObjectInfo {
+    let mtime = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    ObjectInfo {
+        key,
+        size: meta.len(),
+        version: format!("{mtime}-{}", meta.len()),
+    }
 }
 
 #[cfg(test)]

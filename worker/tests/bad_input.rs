@@ -130,7 +130,7 @@ async fn bad_dataset() -> BadDataset {
         .await
         .unwrap();
     let idx = DatasetIndex::build(&store, &()).await.unwrap();
-    store.put(INDEX_KEY, idx.to_json()).await.unwrap();
+    store.put(INDEX_KEY, idx.to_bytes()).await.unwrap();
     // Missing object: present when indexed, gone when served.
     std::fs::remove_file(dir.join("img/deleted.png")).unwrap();
     let ds = Dataset {

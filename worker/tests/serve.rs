@@ -205,7 +205,7 @@ async fn a_slow_object_delays_only_its_own_batch() {
         .samples[0];
     let (shard, line) = probe.server.pipeline.index.locate(victim).unwrap();
     let text = std::fs::read(ds.dir().join(&shard.key)).unwrap();
-    let raw = &text[line.1 as usize..(line.1 + line.2 as u64) as usize];
+    let raw = &text[line.offset as usize..(line.offset + line.len) as usize];
     let conv = stoker_worker::dataset::sample::Conversation::parse(raw).unwrap();
     let slow = conv.image_paths().next().unwrap().to_string();
     let behaviour = StoreBehaviour {
@@ -400,7 +400,7 @@ async fn a_cancelled_request_is_not_answered_and_frees_its_slot_and_budget() {
     let victim = plan.rank_slice(0, 0, 0, 1).unwrap().samples[0];
     let (shard, line) = probe.server.pipeline.index.locate(victim).unwrap();
     let text = std::fs::read(ds.dir().join(&shard.key)).unwrap();
-    let raw = &text[line.1 as usize..(line.1 + line.2 as u64) as usize];
+    let raw = &text[line.offset as usize..(line.offset + line.len) as usize];
     let conv = stoker_worker::dataset::sample::Conversation::parse(raw).unwrap();
     let stalled = conv.image_paths().next().unwrap().to_string();
     // Batch 0 never completes on its own: its image is not answered for a day, and the
@@ -497,4 +497,44 @@ async fn cancelling_an_unknown_or_answered_request_is_harmless() {
         ),
         Some(0.0)
     );
+}
+
+/// `--order feistel` is its own plan (another plan id), served as its plan says, every
+/// sample once per epoch across epochs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_feistel_order_is_served_as_planned_under_its_own_plan_id() {
+    let ds = synth_dataset(24, SynthFormat::Llava).await;
+    let mut cfg = ds.config(8);
+    let shuffle = start_worker(&cfg).await;
+    cfg.sampling.order = stoker_config::SampleOrder::Feistel;
+    let w = start_worker(&cfg).await;
+    assert_ne!(w.server.welcome.plan_id, shuffle.server.welcome.plan_id);
+    let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+    let plan = &w.server.pipeline.plan;
+    for epoch in 0..2 {
+        let mut seen = Vec::new();
+        for g in 0..3 {
+            let (head, _) = c.get(request(&welcome, epoch, g, 0, 1)).await.batch();
+            assert_eq!(
+                head.sample_ids,
+                plan.rank_slice(epoch, g, 0, 1).unwrap().samples
+            );
+            seen.extend(head.sample_ids);
+        }
+        let order = seen.clone();
+        seen.sort();
+        assert_eq!(seen, (0..24).collect::<Vec<u64>>(), "epoch {epoch}");
+        let other: Vec<u64> = (0..3)
+            .flat_map(|g| {
+                shuffle
+                    .server
+                    .pipeline
+                    .plan
+                    .rank_slice(epoch, g, 0, 1)
+                    .unwrap()
+                    .samples
+            })
+            .collect();
+        assert_ne!(order, other, "not the shuffle order");
+    }
 }

@@ -5,21 +5,32 @@
 //! with the reason. Sample ids number the valid lines in (shard key, line) order. Memory is a
 //! chunk and one line per shard being read, whatever the shards' sizes: a line longer than
 //! [`MAX_INDEXED_LINE_BYTES`] is a bad line, never held whole.
+//!
+//! Stored compact (`stoker-index.bin`): 4 bytes per sample (its line's offset in its shard),
+//! the line's length implied by the next sample's offset and its number by the lines skipped
+//! before it, both kept sparsely for the few lines where they are not. The shards' keys, sizes
+//! and versions are in it, so a worker checks it is fresh with one HEAD per shard: it never
+//! lists the dataset (whose images may be 10^8 objects).
 
 use super::sample::Conversation;
 use crate::source::{resolve_relative, ObjectInfo, Store};
 use futures::{StreamExt, TryStreamExt};
-use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
+use std::sync::Arc;
 
 /// Where `stoker dataset index` writes the index, at the dataset root.
-pub const INDEX_KEY: &str = "stoker-index.json";
-const FORMAT: u32 = 1;
-/// Shards read at once while indexing.
+pub const INDEX_KEY: &str = "stoker-index.bin";
+const MAGIC: &[u8; 8] = b"STKIDX\0\x02";
+/// Shards read at once while indexing (each parsed on its own thread).
 const SHARD_FETCH_CONCURRENCY: usize = 8;
+/// Shards whose freshness is checked (one HEAD each) at once.
+const SHARD_HEAD_CONCURRENCY: usize = 32;
 /// The longest line the index takes; a worker's `max-line-bytes` (default 4 MiB) may only
 /// lower it.
 pub const MAX_INDEXED_LINE_BYTES: u64 = 16 << 20;
+/// Bad lines listed with their reason (all are counted): a hostile or broken dataset's
+/// report stays bounded.
+pub const MAX_LISTED_BAD_LINES: usize = 10_000;
 
 /// Where a long index build reports how far it got (the CLI draws a bar; `()` ignores it).
 pub trait Progress: Sync {
@@ -31,19 +42,51 @@ pub trait Progress: Sync {
 
 impl Progress for () {}
 
-/// A valid line: 1-based line number, byte offset and length (without the newline).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LineRef(pub u32, pub u64, pub u32);
+/// Where a sample's line is: its 1-based number, byte offset and length (without the
+/// newline; a CRLF line's `\r` is in it, which JSON reads as whitespace).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SampleLine {
+    pub line: u32,
+    pub offset: u64,
+    pub len: u64,
+}
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ShardIndex {
+/// One indexed shard: what the freshness check compares, and what its samples' lines need
+/// beyond their offsets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shard {
     pub key: String,
     pub size: u64,
     pub version: String,
-    pub lines: Vec<LineRef>,
+    samples: u32,
+    /// (sample index in the shard, lines skipped before it in all): where a run of blank or
+    /// bad lines ends. Empty for a clean shard.
+    skipped: Vec<(u32, u32)>,
+    /// (sample index, length) of lines whose length is not the next sample's offset − 1 (a
+    /// bad or blank line follows, or the shard ends without a newline).
+    lengths: Vec<(u32, u32)>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+impl Shard {
+    pub fn samples(&self) -> u32 {
+        self.samples
+    }
+
+    fn line_number(&self, i: u32) -> u32 {
+        let after = self.skipped.partition_point(|&(at, _)| at <= i);
+        let skipped = after.checked_sub(1).map_or(0, |k| self.skipped[k].1);
+        i + 1 + skipped
+    }
+
+    fn length(&self, i: u32, implied: u64) -> u64 {
+        match self.lengths.binary_search_by_key(&i, |&(at, _)| at) {
+            Ok(k) => self.lengths[k].1.into(),
+            Err(_) => implied,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BadLine {
     pub shard: String,
     pub line: u32,
@@ -56,14 +99,18 @@ impl std::fmt::Display for BadLine {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone)]
 pub struct DatasetIndex {
-    pub format: u32,
     /// Fingerprint of the shards (keys, sizes, versions): changes when the data does.
     pub version: u64,
-    pub shards: Vec<ShardIndex>,
+    pub shards: Vec<Shard>,
+    /// The first [`MAX_LISTED_BAD_LINES`] bad lines, in shard order.
     pub bad_lines: Vec<BadLine>,
-    #[serde(skip)]
+    /// Bad lines in all (listed or not).
+    pub bad_line_count: u64,
+    /// Each sample's line offset in its shard, by sample id.
+    offsets: Vec<u32>,
+    /// Each shard's first sample id.
     starts: Vec<u64>,
 }
 
@@ -79,148 +126,315 @@ pub fn fingerprint<P: AsRef<[u8]>>(parts: &[P]) -> u64 {
     h
 }
 
+/// One shard's part of an index, as its build gives it.
+struct ShardPart {
+    shard: Shard,
+    offsets: Vec<u32>,
+    bad: Vec<BadLine>,
+    bad_count: u64,
+}
+
 impl DatasetIndex {
-    fn finish(mut self) -> Self {
-        let mut acc = 0;
-        self.starts = self
-            .shards
-            .iter()
-            .map(|s| {
-                let start = acc;
-                acc += s.lines.len() as u64;
-                start
-            })
-            .collect();
-        self
+    fn assemble(parts: Vec<ShardPart>, version: u64) -> Self {
+        let mut idx = DatasetIndex {
+            version,
+            shards: Vec::with_capacity(parts.len()),
+            bad_lines: Vec::new(),
+            bad_line_count: 0,
+            offsets: Vec::with_capacity(parts.iter().map(|p| p.offsets.len()).sum()),
+            starts: Vec::with_capacity(parts.len()),
+        };
+        for part in parts {
+            idx.starts.push(idx.offsets.len() as u64);
+            idx.offsets.extend_from_slice(&part.offsets);
+            idx.shards.push(part.shard);
+            idx.bad_line_count += part.bad_count;
+            let room = MAX_LISTED_BAD_LINES - idx.bad_lines.len();
+            idx.bad_lines.extend(part.bad.into_iter().take(room));
+        }
+        idx
     }
 
     /// Several datasets' indexes as one, for a store rooted at their common folder: each
     /// part's shard keys get its folder relative to that root (`prefix`, empty or ending in
     /// '/'), its sample ids follow the previous part's.
     pub fn concat(parts: Vec<(String, DatasetIndex)>) -> DatasetIndex {
-        let (mut versions, mut shards, mut bad_lines) = (Vec::new(), Vec::new(), Vec::new());
+        let versions: Vec<Vec<u8>> = parts
+            .iter()
+            .map(|(prefix, part)| format!("{prefix}\0{}", part.version).into_bytes())
+            .collect();
+        let mut idx = Self::assemble(Vec::new(), fingerprint(&versions));
         for (prefix, part) in parts {
-            versions.push(format!("{prefix}\0{}", part.version).into_bytes());
-            shards.extend(part.shards.into_iter().map(|s| ShardIndex {
+            let first = idx.num_samples();
+            idx.starts.extend(part.starts.iter().map(|s| first + s));
+            idx.offsets.extend_from_slice(&part.offsets);
+            idx.shards.extend(part.shards.into_iter().map(|s| Shard {
                 key: format!("{prefix}{}", s.key),
                 ..s
             }));
-            bad_lines.extend(part.bad_lines.into_iter().map(|b| BadLine {
-                shard: format!("{prefix}{}", b.shard),
-                ..b
-            }));
+            idx.bad_line_count += part.bad_line_count;
+            let room = MAX_LISTED_BAD_LINES - idx.bad_lines.len();
+            idx.bad_lines
+                .extend(part.bad_lines.into_iter().take(room).map(|b| BadLine {
+                    shard: format!("{prefix}{}", b.shard),
+                    ..b
+                }));
         }
-        Self::assemble(shards, bad_lines, &versions)
-    }
-
-    /// An index of these shards, its version the fingerprint of `parts`.
-    fn assemble(shards: Vec<ShardIndex>, bad_lines: Vec<BadLine>, parts: &[Vec<u8>]) -> Self {
-        DatasetIndex {
-            format: FORMAT,
-            version: fingerprint(parts),
-            shards,
-            bad_lines,
-            starts: Vec::new(),
-        }
-        .finish()
+        idx
     }
 
     pub fn num_samples(&self) -> u64 {
-        self.shards.iter().map(|s| s.lines.len() as u64).sum()
+        self.offsets.len() as u64
+    }
+
+    /// The index's memory: what a worker holds per sample (4 bytes) and per shard.
+    pub fn resident_bytes(&self) -> u64 {
+        let shards: usize = self
+            .shards
+            .iter()
+            .map(|s| {
+                std::mem::size_of::<Shard>()
+                    + s.key.len()
+                    + s.version.len()
+                    + 8 * (s.skipped.len() + s.lengths.len())
+            })
+            .sum();
+        (self.offsets.len() * 4 + self.starts.len() * 8 + shards) as u64
     }
 
     /// The shard and line of a sample id.
-    pub fn locate(&self, sample_id: u64) -> Option<(&ShardIndex, LineRef)> {
+    pub fn locate(&self, sample_id: u64) -> Option<(&Shard, SampleLine)> {
         let i = self
             .starts
             .partition_point(|&s| s <= sample_id)
             .checked_sub(1)?;
         let shard = &self.shards[i];
-        let line = *shard.lines.get((sample_id - self.starts[i]) as usize)?;
-        Some((shard, line))
+        let j = sample_id - self.starts[i];
+        if j >= shard.samples.into() {
+            return None;
+        }
+        let (id, j) = (sample_id as usize, j as u32);
+        let offset = u64::from(self.offsets[id]);
+        let next = match j + 1 < shard.samples {
+            true => u64::from(self.offsets[id + 1]),
+            false => shard.size,
+        };
+        Some((
+            shard,
+            SampleLine {
+                line: shard.line_number(j),
+                offset,
+                len: shard.length(j, next.saturating_sub(offset + 1)),
+            },
+        ))
     }
 
-    pub fn to_json(&self) -> Vec<u8> {
-        serde_json::to_vec(self).expect("index serializes")
+    /// The stored form: little endian, the offsets as one run of u32.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut w = Writer(Vec::with_capacity(self.offsets.len() * 4 + 4096));
+        w.0.extend_from_slice(MAGIC);
+        w.u64(self.version);
+        w.u32(self.shards.len() as u32);
+        for s in &self.shards {
+            w.str(&s.key);
+            w.u64(s.size);
+            w.str(&s.version);
+            w.u32(s.samples);
+            w.pairs(&s.skipped);
+            w.pairs(&s.lengths);
+        }
+        w.u64(self.bad_line_count);
+        w.u32(self.bad_lines.len() as u32);
+        for b in &self.bad_lines {
+            w.str(&b.shard);
+            w.u32(b.line);
+            w.str(&b.reason);
+        }
+        for &o in &self.offsets {
+            w.u32(o);
+        }
+        w.0
     }
 
-    pub fn from_json(data: &[u8]) -> anyhow::Result<Self> {
-        let idx: DatasetIndex = serde_json::from_slice(data)?;
+    /// Reads the stored form; a truncated or foreign file is an error naming what is wrong,
+    /// never a panic or an allocation its length does not back.
+    pub fn from_bytes(data: &[u8]) -> anyhow::Result<Self> {
+        let mut r = Reader { data, at: 0 };
         anyhow::ensure!(
-            idx.format == FORMAT,
-            "index format {} is not {FORMAT}",
-            idx.format
+            r.take(MAGIC.len())? == MAGIC,
+            "not a stoker index of this format (rebuild it with `stoker dataset index`)"
         );
-        Ok(idx.finish())
+        let version = r.u64()?;
+        let n = r.u32()? as usize;
+        let mut shards = Vec::with_capacity(n.min(r.left() / 28));
+        let mut starts = Vec::with_capacity(shards.capacity());
+        let mut total = 0u64;
+        for _ in 0..n {
+            let shard = Shard {
+                key: r.str()?,
+                size: r.u64()?,
+                version: r.str()?,
+                samples: r.u32()?,
+                skipped: r.pairs()?,
+                lengths: r.pairs()?,
+            };
+            starts.push(total);
+            total += u64::from(shard.samples);
+            shards.push(shard);
+        }
+        let bad_line_count = r.u64()?;
+        let listed = r.u32()? as usize;
+        let mut bad_lines = Vec::with_capacity(listed.min(r.left() / 12));
+        for _ in 0..listed {
+            bad_lines.push(BadLine {
+                shard: r.str()?,
+                line: r.u32()?,
+                reason: r.str()?,
+            });
+        }
+        let body = r.take(r.left())?;
+        anyhow::ensure!(
+            body.len() as u64 == total * 4,
+            "the index's shards hold {total} samples but it has {} bytes of offsets",
+            body.len()
+        );
+        let offsets = body
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect();
+        Ok(DatasetIndex {
+            version,
+            shards,
+            bad_lines,
+            bad_line_count,
+            offsets,
+            starts,
+        })
     }
 
     /// Reads and validates every shard of the store, telling `progress` how many shard bytes
-    /// there are and each shard's size once it is read.
+    /// there are and each shard's size once it is read. Shards are parsed in parallel, each
+    /// on a blocking thread (a worker indexing at start keeps answering its probes).
     pub async fn build(store: &Store, progress: &dyn Progress) -> anyhow::Result<Self> {
         let objects = store.list().await?;
-        let keys: HashSet<&str> = objects.iter().map(|o| o.key.as_str()).collect();
-        let shards: Vec<&ObjectInfo> = objects
-            .iter()
-            .filter(|o| o.key.ends_with(".jsonl"))
-            .collect();
+        let (shards, others): (Vec<ObjectInfo>, Vec<ObjectInfo>) = objects
+            .into_iter()
+            .filter(|o| o.key != INDEX_KEY)
+            .partition(|o| o.key.ends_with(".jsonl"));
         anyhow::ensure!(
             !shards.is_empty(),
             "no .jsonl shards under {}",
             store.describe("")
         );
+        let keys: Arc<HashSet<Box<str>>> =
+            Arc::new(others.into_iter().map(|o| o.key.into()).collect());
         progress.total(shards.iter().map(|s| s.size).sum());
-        let keys = &keys;
-        let results: Vec<(ShardIndex, Vec<BadLine>)> = futures::stream::iter(shards)
-            .map(|obj| async move {
-                let lines = store
-                    .fold_chunks(
-                        &obj.key,
-                        || ShardLines::new(obj, keys),
-                        |lines, chunk| lines.feed(chunk),
-                    )
-                    .await?;
-                progress.advance(obj.size);
-                lines.finish()
+        let handle = tokio::runtime::Handle::current();
+        let parts: Vec<ShardPart> = futures::stream::iter(shards)
+            .map(|obj| {
+                let (store, keys, handle) = (store.clone(), keys.clone(), handle.clone());
+                async move {
+                    let size = obj.size;
+                    let part = tokio::task::spawn_blocking(move || {
+                        handle.block_on(index_shard(&store, obj, &keys))
+                    })
+                    .await??;
+                    progress.advance(size);
+                    anyhow::Ok(part)
+                }
             })
             .buffered(SHARD_FETCH_CONCURRENCY)
             .try_collect()
             .await?;
-        let (mut parts, mut shards, mut bad_lines) = (Vec::new(), Vec::new(), Vec::new());
-        for (shard, bad) in results {
-            parts.push(format!("{}\0{}\0{}", shard.key, shard.size, shard.version).into_bytes());
-            shards.push(shard);
-            bad_lines.extend(bad);
-        }
-        Ok(Self::assemble(shards, bad_lines, &parts))
+        let versions: Vec<Vec<u8>> = parts
+            .iter()
+            .map(|p| {
+                let s = &p.shard;
+                format!("{}\0{}\0{}", s.key, s.size, s.version).into_bytes()
+            })
+            .collect();
+        Ok(Self::assemble(parts, fingerprint(&versions)))
     }
 
-    /// The stored index if it still describes the store's shards, else a fresh one.
-    pub async fn load_or_build(store: &Store) -> anyhow::Result<Self> {
-        if let Ok(data) = store.get(INDEX_KEY).await {
-            let idx = Self::from_json(&data)?;
-            let current: Vec<ObjectInfo> = store.list().await?;
-            let fresh = idx.shards.iter().all(|s| {
-                current
-                    .iter()
-                    .any(|o| o.key == s.key && o.size == s.size && o.version == s.version)
-            }) && current.iter().filter(|o| o.key.ends_with(".jsonl")).count()
-                == idx.shards.len();
-            if fresh {
-                return Ok(idx);
+    /// The first shard that is no longer as indexed (size or version changed, or gone), by
+    /// one HEAD per shard; `None` when all are as they were.
+    pub async fn stale_shard(&self, store: &Store) -> anyhow::Result<Option<String>> {
+        let mut checks = futures::stream::iter(&self.shards)
+            .map(|s| async move {
+                match store.head(&s.key).await {
+                    Ok(now) if now.size == s.size && now.version == s.version => Ok(None),
+                    Ok(now) => Ok(Some(format!(
+                        "{} is {} bytes, version {} (indexed: {} bytes, version {})",
+                        s.key, now.size, now.version, s.size, s.version
+                    ))),
+                    Err(crate::source::FetchError::NotFound(_)) => {
+                        Ok(Some(format!("{} is gone", s.key)))
+                    }
+                    Err(e) => Err(anyhow::Error::from(e)),
+                }
+            })
+            .buffer_unordered(SHARD_HEAD_CONCURRENCY);
+        while let Some(check) = checks.next().await {
+            if let Some(stale) = check? {
+                return Ok(Some(stale));
             }
-            tracing::warn!(
-                "{} is stale (shards changed); re-indexing",
+        }
+        Ok(None)
+    }
+
+    /// The stored index if its shards are still as indexed (checked shard by shard: the
+    /// dataset is never listed), else a fresh one. Shards added after indexing are served
+    /// once `stoker dataset index` runs again.
+    pub async fn load_or_build(store: &Store) -> anyhow::Result<Self> {
+        match store.get(INDEX_KEY).await {
+            Ok(data) => {
+                let idx = Self::from_bytes(&data)
+                    .map_err(|e| e.context(store.describe(INDEX_KEY)))?;
+                drop(data);
+                match idx.stale_shard(store).await? {
+                    None => return Ok(idx),
+                    Some(why) => tracing::warn!(
+                        "{} is stale ({why}); re-indexing",
+                        store.describe(INDEX_KEY)
+                    ),
+                }
+            }
+            Err(crate::source::FetchError::NotFound(_)) => tracing::warn!(
+                "{} does not exist; indexing (run `stoker dataset index` once, so that workers start without reading every shard)",
                 store.describe(INDEX_KEY)
-            );
+            ),
+            Err(e) => return Err(e.into()),
         }
         Self::build(store, &()).await
     }
 }
 
+/// Streams one shard through [`ShardLines`].
+async fn index_shard(
+    store: &Store,
+    obj: ObjectInfo,
+    keys: &HashSet<Box<str>>,
+) -> anyhow::Result<ShardPart> {
+    anyhow::ensure!(
+        obj.size <= u32::MAX as u64,
+        "{}: {} bytes, over the index's 4 GiB per shard; split it",
+        store.describe(&obj.key),
+        obj.size
+    );
+    let lines = store
+        .fold_chunks(
+            &obj.key,
+            || ShardLines::new(&obj, keys),
+            |lines, chunk| lines.feed(chunk),
+        )
+        .await?;
+    lines.finish()
+}
+
 /// Splits a shard, fed chunk by chunk, into lines and validates each.
 struct ShardLines<'a> {
     obj: &'a ObjectInfo,
-    keys: &'a HashSet<&'a str>,
+    keys: &'a HashSet<Box<str>>,
     /// The current line so far; empty while `over_limit`.
     line: Vec<u8>,
     over_limit: bool,
@@ -229,12 +443,17 @@ struct ShardLines<'a> {
     offset: u64,
     /// 1-based number of the current line.
     line_no: u64,
-    lines: Vec<LineRef>,
+    offsets: Vec<u32>,
+    /// The last valid line's length, until the next one tells whether it is implied.
+    last_len: u64,
+    skipped: Vec<(u32, u32)>,
+    lengths: Vec<(u32, u32)>,
     bad: Vec<BadLine>,
+    bad_count: u64,
 }
 
 impl<'a> ShardLines<'a> {
-    fn new(obj: &'a ObjectInfo, keys: &'a HashSet<&'a str>) -> Self {
+    fn new(obj: &'a ObjectInfo, keys: &'a HashSet<Box<str>>) -> Self {
         ShardLines {
             obj,
             keys,
@@ -243,8 +462,12 @@ impl<'a> ShardLines<'a> {
             line_start: 0,
             offset: 0,
             line_no: 1,
-            lines: Vec::new(),
+            offsets: Vec::new(),
+            last_len: 0,
+            skipped: Vec::new(),
+            lengths: Vec::new(),
             bad: Vec::new(),
+            bad_count: 0,
         }
     }
 
@@ -273,7 +496,6 @@ impl<'a> ShardLines<'a> {
     }
 
     fn end_line(&mut self) {
-        let line_no = self.line_no as u32;
         let verdict = if self.over_limit {
             Err(format!(
                 "line of {} bytes is over the index's limit of {MAX_INDEXED_LINE_BYTES}",
@@ -282,28 +504,55 @@ impl<'a> ShardLines<'a> {
         } else {
             let line = self.line.strip_suffix(b"\r").unwrap_or(&self.line);
             if line.iter().all(u8::is_ascii_whitespace) {
-                Ok(None)
+                Ok(false)
             } else {
-                validate_line(&self.obj.key, line, self.keys)
-                    .map(|()| Some(LineRef(line_no, self.line_start, line.len() as u32)))
+                validate_line(&self.obj.key, line, self.keys).map(|()| true)
             }
         };
         match verdict {
-            Ok(Some(line)) => self.lines.push(line),
-            Ok(None) => {}
-            Err(reason) => self.bad.push(BadLine {
-                shard: self.obj.key.clone(),
-                line: line_no,
-                reason,
-            }),
+            Ok(true) => self.push_sample(),
+            Ok(false) => {}
+            Err(reason) => {
+                self.bad_count += 1;
+                if self.bad.len() < MAX_LISTED_BAD_LINES {
+                    self.bad.push(BadLine {
+                        shard: self.obj.key.clone(),
+                        line: self.line_no as u32,
+                        reason,
+                    });
+                }
+            }
         }
         self.line.clear();
         self.over_limit = false;
         self.line_no += 1;
     }
 
+    /// The current line is a sample.
+    fn push_sample(&mut self) {
+        let i = self.offsets.len() as u32;
+        let skipped = (self.line_no - 1 - u64::from(i)) as u32;
+        if self.skipped.last().map_or(0, |&(_, s)| s) != skipped {
+            self.skipped.push((i, skipped));
+        }
+        self.close_previous(self.line_start);
+        self.offsets.push(self.line_start as u32);
+        self.last_len = self.offset - self.line_start;
+    }
+
+    /// Records the previous sample's length unless `next_start` implies it.
+    fn close_previous(&mut self, next_start: u64) {
+        if let Some(&start) = self.offsets.last() {
+            let implied = next_start.saturating_sub(u64::from(start) + 1);
+            if self.last_len != implied {
+                let i = self.offsets.len() as u32 - 1;
+                self.lengths.push((i, self.last_len as u32));
+            }
+        }
+    }
+
     /// The valid lines and the bad ones, once the last chunk is fed.
-    fn finish(mut self) -> anyhow::Result<(ShardIndex, Vec<BadLine>)> {
+    fn finish(mut self) -> anyhow::Result<ShardPart> {
         if self.over_limit || !self.line.is_empty() {
             self.end_line();
         }
@@ -313,17 +562,31 @@ impl<'a> ShardLines<'a> {
             self.obj.key,
             u32::MAX
         );
-        let shard = ShardIndex {
-            key: self.obj.key.clone(),
-            size: self.obj.size,
-            version: self.obj.version.clone(),
-            lines: self.lines,
-        };
-        Ok((shard, self.bad))
+        anyhow::ensure!(
+            self.offset == self.obj.size,
+            "{}: read {} bytes, listed as {}: it changed while being indexed; index again",
+            self.obj.key,
+            self.offset,
+            self.obj.size
+        );
+        self.close_previous(self.obj.size);
+        Ok(ShardPart {
+            shard: Shard {
+                key: self.obj.key.clone(),
+                size: self.obj.size,
+                version: self.obj.version.clone(),
+                samples: self.offsets.len() as u32,
+                skipped: self.skipped,
+                lengths: self.lengths,
+            },
+            offsets: self.offsets,
+            bad: self.bad,
+            bad_count: self.bad_count,
+        })
     }
 }
 
-fn validate_line(shard: &str, line: &[u8], keys: &HashSet<&str>) -> Result<(), String> {
+fn validate_line(shard: &str, line: &[u8], keys: &HashSet<Box<str>>) -> Result<(), String> {
     let conv = Conversation::parse(line).map_err(|e| e.to_string())?;
     for path in conv.image_paths() {
         let key = resolve_relative(shard, path).map_err(|e| e.to_string())?;
@@ -334,9 +597,100 @@ fn validate_line(shard: &str, line: &[u8], keys: &HashSet<&str>) -> Result<(), S
     Ok(())
 }
 
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn str(&mut self, s: &str) {
+        self.u32(s.len() as u32);
+        self.0.extend_from_slice(s.as_bytes());
+    }
+    fn pairs(&mut self, v: &[(u32, u32)]) {
+        self.u32(v.len() as u32);
+        for &(a, b) in v {
+            self.u32(a);
+            self.u32(b);
+        }
+    }
+}
+
+struct Reader<'a> {
+    data: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn left(&self) -> usize {
+        self.data.len() - self.at
+    }
+    fn take(&mut self, n: usize) -> anyhow::Result<&'a [u8]> {
+        anyhow::ensure!(
+            n <= self.left(),
+            "the index is cut short at byte {}",
+            self.at
+        );
+        self.at += n;
+        Ok(&self.data[self.at - n..self.at])
+    }
+    fn u32(&mut self) -> anyhow::Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into()?))
+    }
+    fn u64(&mut self) -> anyhow::Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into()?))
+    }
+    fn str(&mut self) -> anyhow::Result<String> {
+        let n = self.u32()? as usize;
+        Ok(String::from_utf8(self.take(n)?.to_vec())?)
+    }
+    fn pairs(&mut self) -> anyhow::Result<Vec<(u32, u32)>> {
+        let n = self.u32()? as usize;
+        let bytes = self.take(n.saturating_mul(8))?;
+        Ok(bytes
+            .chunks_exact(8)
+            .map(|p| {
+                let (a, b) = p.split_at(4);
+                (
+                    u32::from_le_bytes(a.try_into().expect("4 bytes")),
+                    u32::from_le_bytes(b.try_into().expect("4 bytes")),
+                )
+            })
+            .collect())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn object(key: &str, data: &[u8]) -> ObjectInfo {
+        ObjectInfo {
+            key: key.into(),
+            size: data.len() as u64,
+            version: "1".into(),
+        }
+    }
+
+    /// An index of one shard holding `data`, fed in chunks of `chunk` bytes.
+    fn index_of(data: &[u8], chunk: usize) -> DatasetIndex {
+        let (obj, keys) = (object("s.jsonl", data), HashSet::new());
+        let mut lines = ShardLines::new(&obj, &keys);
+        data.chunks(chunk).for_each(|c| lines.feed(c));
+        DatasetIndex::assemble(vec![lines.finish().unwrap()], 0)
+    }
+
+    fn lines(idx: &DatasetIndex) -> Vec<SampleLine> {
+        (0..idx.num_samples())
+            .map(|id| idx.locate(id).unwrap().1)
+            .collect()
+    }
+
+    const GOOD: &[u8] =
+        br#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo"}]}"#;
 
     #[test]
     fn shard_lines_are_indexed_and_bad_ones_reported() {
@@ -345,17 +699,10 @@ not json\n\
 \n\
 {\"image\":\"../x.jpg\",\"conversations\":[{\"from\":\"human\",\"value\":\"<image>\"},{\"from\":\"gpt\",\"value\":\"a\"}]}\n\
 {\"image\":\"gone.jpg\",\"conversations\":[{\"from\":\"human\",\"value\":\"<image>\"},{\"from\":\"gpt\",\"value\":\"a\"}]}\n";
-        let obj = ObjectInfo {
-            key: "s.jsonl".into(),
-            size: data.len() as u64,
-            version: "1".into(),
-        };
-        let keys = HashSet::new();
-        let mut lines = ShardLines::new(&obj, &keys);
-        lines.feed(data);
-        let (shard, bad) = lines.finish().unwrap();
-        assert_eq!(shard.lines.len(), 1);
-        assert_eq!(shard.lines[0].0, 1);
+        let idx = index_of(data, data.len());
+        assert_eq!(idx.num_samples(), 1);
+        assert_eq!(idx.locate(0).unwrap().1.line, 1);
+        let bad = &idx.bad_lines;
         let where_: Vec<(u32, bool)> = bad
             .iter()
             .map(|b| {
@@ -366,80 +713,120 @@ not json\n\
             })
             .collect();
         assert_eq!(where_, vec![(2, true), (4, true), (5, true)]);
+        assert_eq!(idx.bad_line_count, 3);
         assert!(bad[1].reason.contains("escapes the dataset root"));
         assert!(bad[2].reason.contains("does not exist"));
     }
 
     /// How a shard arrives in chunks changes nothing; a line over the index's limit is a bad
-    /// line named with its length, and the lines after it keep their offsets.
+    /// line named with its length, and the lines after it keep their offsets, numbers and
+    /// lengths (a CRLF line keeps its `\r`).
     #[test]
     fn chunking_changes_nothing_and_long_lines_are_named() {
-        let good =
-            br#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo"}]}"#;
         let long = vec![b' '; MAX_INDEXED_LINE_BYTES as usize + 1];
         let mut data = Vec::new();
-        for part in [&good[..], b"\r\n", &long, b"\n\n", good, b"\n", good] {
+        for part in [GOOD, b"\r\n", &long, b"\n\n", GOOD, b"\n", GOOD] {
             data.extend_from_slice(part);
         }
-        let obj = ObjectInfo {
-            key: "s.jsonl".into(),
-            size: data.len() as u64,
-            version: "1".into(),
-        };
-        let keys = HashSet::new();
-        let index_in = |chunk: usize| {
-            let mut lines = ShardLines::new(&obj, &keys);
-            data.chunks(chunk).for_each(|c| lines.feed(c));
-            let (shard, bad) = lines.finish().unwrap();
-            (shard.lines, bad)
-        };
-        let (lines, bad) = index_in(data.len());
-        let g = good.len() as u64;
+        let idx = index_of(&data, data.len());
+        let g = GOOD.len() as u64;
         let long_end = g + 2 + long.len() as u64 + 1;
+        let at = |line, offset, len| SampleLine { line, offset, len };
         assert_eq!(
-            lines,
+            lines(&idx),
             vec![
-                LineRef(1, 0, g as u32),
-                LineRef(4, long_end + 1, g as u32),
-                LineRef(5, long_end + 1 + g + 1, g as u32)
+                at(1, 0, g + 1),
+                at(4, long_end + 1, g),
+                at(5, long_end + 1 + g + 1, g)
             ]
         );
-        assert_eq!(bad.len(), 1);
-        assert_eq!(bad[0].line, 2);
+        assert_eq!(idx.bad_lines.len(), 1);
+        assert_eq!(idx.bad_lines[0].line, 2);
         assert!(
-            bad[0].reason.contains("line of 16777217 bytes is over"),
+            idx.bad_lines[0]
+                .reason
+                .contains("line of 16777217 bytes is over"),
             "{}",
-            bad[0]
+            idx.bad_lines[0]
         );
         for chunk in [1 << 20, 4096, 7] {
-            assert_eq!(
-                index_in(chunk),
-                (lines.clone(), bad.clone()),
-                "chunks of {chunk}"
+            let again = index_of(&data, chunk);
+            assert_eq!(lines(&again), lines(&idx), "chunks of {chunk}");
+            assert_eq!(again.bad_lines, idx.bad_lines, "chunks of {chunk}");
+        }
+        // Two exceptions only: the line before the long one, and the last (no newline).
+        assert_eq!(idx.shards[0].lengths.len(), 2);
+        assert_eq!(idx.shards[0].skipped, vec![(1, 2)]);
+    }
+
+    /// Every sample's line read back through `locate` is exactly the valid line, whatever
+    /// mix of blank, bad and CRLF lines surrounds it; the stored form reads back the same.
+    #[test]
+    fn locate_gives_each_line_exactly_and_the_stored_form_round_trips() {
+        let mut data = Vec::new();
+        let mut want = Vec::new();
+        for i in 0..200u32 {
+            let start = data.len() as u64;
+            match i % 7 {
+                0 => data.extend_from_slice(b"\n"),
+                1 => data.extend_from_slice(b"{broken\n"),
+                _ => {
+                    data.extend_from_slice(GOOD);
+                    let crlf = i % 5 == 0;
+                    want.push((i, start, GOOD.len() as u64 + u64::from(crlf)));
+                    data.extend_from_slice(if crlf { b"\r\n" } else { b"\n" });
+                }
+            }
+        }
+        let idx = index_of(&data, 13);
+        let got: Vec<(u32, u64, u64)> = lines(&idx)
+            .iter()
+            .map(|l| (l.line - 1, l.offset, l.len))
+            .collect();
+        assert_eq!(got, want);
+        for l in lines(&idx) {
+            let text = &data[l.offset as usize..(l.offset + l.len) as usize];
+            assert!(Conversation::parse(text).is_ok());
+        }
+        let back = DatasetIndex::from_bytes(&idx.to_bytes()).unwrap();
+        assert_eq!(lines(&back), lines(&idx));
+        assert_eq!(back.bad_lines, idx.bad_lines);
+        assert_eq!(back.bad_line_count, idx.bad_line_count);
+        assert_eq!(back.shards, idx.shards);
+        // About 4 bytes per sample: the sparse exceptions are a few per shard.
+        assert!(idx.resident_bytes() < idx.num_samples() * 4 + 1024);
+        // A cut or foreign file is an error, not a panic.
+        let bytes = idx.to_bytes();
+        for cut in [0, 5, 20, bytes.len() - 1] {
+            assert!(
+                DatasetIndex::from_bytes(&bytes[..cut]).is_err(),
+                "cut at {cut}"
             );
         }
+        let e = DatasetIndex::from_bytes(b"{\"format\":1}").unwrap_err();
+        assert!(e.to_string().contains("not a stoker index"), "{e}");
     }
 
     #[test]
-    fn locate_maps_ids_across_shards() {
-        let shard = |key: &str, n: u32| ShardIndex {
-            key: key.into(),
-            size: 0,
-            version: String::new(),
-            lines: (0..n).map(|i| LineRef(i + 1, i as u64 * 10, 9)).collect(),
+    fn locate_maps_ids_across_shards_and_concat_prefixes_keys() {
+        let shard = |key: &str, n: usize| {
+            let data: Vec<u8> = std::iter::repeat_n([GOOD, b"\n"].concat(), n)
+                .flatten()
+                .collect();
+            let (obj, keys) = (object(key, &data), HashSet::new());
+            let mut lines = ShardLines::new(&obj, &keys);
+            lines.feed(&data);
+            lines.finish().unwrap()
         };
-        let idx = DatasetIndex {
-            format: FORMAT,
-            version: 0,
-            shards: vec![shard("a", 3), shard("b", 0), shard("c", 2)],
-            bad_lines: vec![],
-            starts: vec![],
-        }
-        .finish();
+        let idx = DatasetIndex::assemble(vec![shard("a", 3), shard("b", 0), shard("c", 2)], 0);
         assert_eq!(idx.num_samples(), 5);
         assert_eq!(idx.locate(2).unwrap().0.key, "a");
         let (s, l) = idx.locate(3).unwrap();
-        assert_eq!((s.key.as_str(), l.0), ("c", 1));
+        assert_eq!((s.key.as_str(), l.line), ("c", 1));
         assert!(idx.locate(5).is_none());
+        let both = DatasetIndex::concat(vec![("x/".into(), idx.clone()), ("y/".into(), idx)]);
+        assert_eq!(both.num_samples(), 10);
+        let (s, l) = both.locate(8).unwrap();
+        assert_eq!((s.key.as_str(), l.line), ("y/c", 1));
     }
 }

@@ -1,0 +1,220 @@
+//! `stoker bench dataset-scale`: what indexing a large text dataset and starting a worker on
+//! it cost — time, peak memory and (behind the embedded S3 server) store requests — for this
+//! binary and, side by side, a baseline binary (e.g. the previous release). The dataset is
+//! text-only shards whose lines reference a few hundred images, generated once and reused.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+use stoker_config::WorkerConfig;
+use stoker_testkit::embedded_s3::EmbeddedS3;
+use stoker_testkit::local_worker::LocalWorker;
+
+#[derive(clap::Args)]
+pub struct DatasetScaleArgs {
+    /// Samples (JSONL lines) in the dataset.
+    #[arg(long, default_value_t = 10_000_000)]
+    samples: u64,
+    #[arg(long, default_value_t = 100_000)]
+    samples_per_shard: u64,
+    /// Image objects the lines reference (each line one of them).
+    #[arg(long, default_value_t = 300)]
+    images: u64,
+    /// Another `stoker` binary measured the same way, first (a before/after table).
+    #[arg(long)]
+    baseline: Option<PathBuf>,
+    /// Where the dataset is generated [default: ~/.cache/stoker/bench/text-SAMPLES].
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Measure behind the embedded S3 server only (skip the local folder).
+    #[arg(long)]
+    s3_only: bool,
+}
+
+/// One binary's figures on one store.
+struct Row {
+    binary: String,
+    store: &'static str,
+    index_s: f64,
+    index_peak_mib: f64,
+    ready_s: f64,
+    ready_peak_mib: f64,
+    ready_rss_mib: f64,
+    /// Store requests from start to ready (S3 only).
+    requests: Option<u64>,
+}
+
+pub async fn run(a: DatasetScaleArgs) -> anyhow::Result<()> {
+    let dir = match &a.dir {
+        Some(d) => d.clone(),
+        None => PathBuf::from(std::env::var("HOME")?)
+            .join(format!(".cache/stoker/bench/text-{}", a.samples)),
+    };
+    let data = dir.join("bucket/data");
+    generate(&data, &a)?;
+    let this = std::env::current_exe()?;
+    let mut binaries: Vec<(String, PathBuf)> = Vec::new();
+    if let Some(b) = &a.baseline {
+        binaries.push(("baseline".into(), b.clone()));
+    }
+    binaries.push(("this".into(), this));
+    let s3 = EmbeddedS3::start(&dir, "127.0.0.1:0", Duration::ZERO).await?;
+    let mut rows = Vec::new();
+    for (name, exe) in &binaries {
+        if !a.s3_only {
+            let uri = data.display().to_string();
+            rows.push(measure(name, exe, "local", &uri, &[], None).await?);
+        }
+        rows.push(measure(name, exe, "s3", "s3://bucket/data", &s3.env(), Some(&s3)).await?);
+    }
+    println!(
+        "\n{} samples in {} shards, {} images",
+        a.samples,
+        a.samples.div_ceil(a.samples_per_shard),
+        a.images
+    );
+    println!(
+        "{:<9} {:<6} {:>9} {:>11} {:>12} {:>9} {:>14} {:>13} {:>9}",
+        "binary",
+        "store",
+        "index s",
+        "lines/s",
+        "index MiB",
+        "ready s",
+        "ready peak MiB",
+        "ready RSS MiB",
+        "requests"
+    );
+    for r in &rows {
+        println!(
+            "{:<9} {:<6} {:>9.1} {:>11.0} {:>12.0} {:>9.2} {:>14.0} {:>13.0} {:>9}",
+            r.binary,
+            r.store,
+            r.index_s,
+            a.samples as f64 / r.index_s,
+            r.index_peak_mib,
+            r.ready_s,
+            r.ready_peak_mib,
+            r.ready_rss_mib,
+            r.requests.map_or("-".into(), |n| n.to_string())
+        );
+    }
+    Ok(())
+}
+
+/// Indexes the dataset with `exe`, then starts a worker on it and waits until it is ready.
+async fn measure(
+    binary: &str,
+    exe: &Path,
+    store: &'static str,
+    uri: &str,
+    env: &[(&'static str, String)],
+    s3: Option<&EmbeddedS3>,
+) -> anyhow::Result<Row> {
+    eprintln!("{binary} on {store}: indexing {uri}");
+    let mut index = Command::new(exe);
+    index
+        .args(["dataset", "index", uri, "--allow-bad"])
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdout(std::process::Stdio::null());
+    let (index_s, index_peak_kib) = run_measured(index)?;
+    eprintln!("{binary} on {store}: starting a worker");
+    let config = WorkerConfig {
+        data: uri.into(),
+        ..WorkerConfig::default()
+    };
+    let before = s3.map(EmbeddedS3::requests_received);
+    let t = Instant::now();
+    let worker = tokio::task::spawn_blocking({
+        let (exe, mut env) = (exe.to_path_buf(), env.to_vec());
+        env.push(("STOKER_TOKEN", "bench".into()));
+        move || -> anyhow::Result<LocalWorker> {
+            let w = LocalWorker::spawn(&exe, &config, &env)?;
+            w.wait_ready(Duration::from_secs(3600))?;
+            Ok(w)
+        }
+    })
+    .await??;
+    let ready_s = t.elapsed().as_secs_f64();
+    let requests = s3.zip(before).map(|(s, b)| s.requests_received() - b);
+    let status = std::fs::read_to_string(format!("/proc/{}/status", worker.pid()))?;
+    let kib = |field: &str| -> f64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    Ok(Row {
+        binary: binary.into(),
+        store,
+        index_s,
+        index_peak_mib: index_peak_kib / 1024.0,
+        ready_s,
+        ready_peak_mib: kib("VmHWM:") / 1024.0,
+        ready_rss_mib: kib("VmRSS:") / 1024.0,
+        requests,
+    })
+}
+
+/// Runs a command to its end: wall seconds and its peak resident KiB (from `wait4`).
+fn run_measured(mut cmd: Command) -> anyhow::Result<(f64, f64)> {
+    let t = Instant::now();
+    let child = cmd.spawn()?;
+    let pid = child.id() as libc::pid_t;
+    let mut status = 0;
+    // SAFETY: a plain wait4 on our own child, with valid out-pointers; `child` is not waited
+    // on elsewhere (std's Child does not reap on drop).
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    anyhow::ensure!(r == pid, "wait4: {}", std::io::Error::last_os_error());
+    anyhow::ensure!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "{cmd:?} failed (status {status})"
+    );
+    Ok((t.elapsed().as_secs_f64(), usage.ru_maxrss as f64))
+}
+
+/// Writes the dataset unless it is there: shards of llava-style lines, each referencing one
+/// of the images (a tiny PNG each; nothing decodes them here).
+fn generate(data: &Path, a: &DatasetScaleArgs) -> anyhow::Result<()> {
+    let done = data.join(".complete");
+    let want = format!("{} {} {}", a.samples, a.samples_per_shard, a.images);
+    if std::fs::read_to_string(&done).ok().as_deref() == Some(want.as_str()) {
+        return Ok(());
+    }
+    if data.exists() {
+        std::fs::remove_dir_all(data)?;
+    }
+    std::fs::create_dir_all(data.join("images"))?;
+    eprintln!("generating {} samples in {}", a.samples, data.display());
+    for i in 0..a.images {
+        std::fs::write(data.join(format!("images/{i:05}.png")), TINY_PNG)?;
+    }
+    let shards = a.samples.div_ceil(a.samples_per_shard);
+    for s in 0..shards {
+        let path = data.join(format!("shard-{s:05}.jsonl"));
+        let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+        let first = s * a.samples_per_shard;
+        for id in first..(first + a.samples_per_shard).min(a.samples) {
+            writeln!(
+                out,
+                r#"{{"id":{id},"image":"images/{:05}.png","conversations":[{{"from":"human","value":"<image>\nWhat is in picture {id}?"}},{{"from":"gpt","value":"A small square, number {id}, on a plain background."}}]}}"#,
+                id % a.images
+            )?;
+        }
+        out.flush()?;
+    }
+    std::fs::write(done, want)?;
+    Ok(())
+}
+
+/// A 1x1 grey PNG.
+const TINY_PNG: &[u8] = &[
+    0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a, 0x00, 0x00, 0x00, 0x0d, 0x49, 0x48, 0x44, 0x52,
+    0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x01, 0x08, 0x00, 0x00, 0x00, 0x00, 0x3a, 0x7e, 0x9b,
+    0x55, 0x00, 0x00, 0x00, 0x0a, 0x49, 0x44, 0x41, 0x54, 0x08, 0xd7, 0x63, 0x68, 0x00, 0x00, 0x00,
+    0x82, 0x00, 0x81, 0xdd, 0x43, 0x6a, 0xf4, 0x00, 0x00, 0x00, 0x00, 0x49, 0x45, 0x4e, 0x44, 0xae,
+    0x42, 0x60, 0x82,
+];
