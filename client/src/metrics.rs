@@ -219,3 +219,54 @@ pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<ClientMetrics
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A rank's page is the same size whatever the workers it used: what the operator reads
+    /// per round at 4,096 ranks. Beside it the layout before (the latency histogram per
+    /// worker) at 1,024 workers, rendered by the same library.
+    #[test]
+    fn a_ranks_page_does_not_grow_with_the_workers() {
+        let m = ClientMetrics::new("train", 4095);
+        for i in 0..10_000 {
+            m.request_latency.observe(0.01 * (i % 300) as f64);
+            m.next_wait.observe(0.001);
+        }
+        let page = m.render().len();
+        let before = prometheus::HistogramVec::new(
+            HistogramOpts::new("stoker_trainer_request_seconds", "per worker")
+                .buckets(prometheus::exponential_buckets(0.005, 2.0, 14).unwrap()),
+            &["worker"],
+        )
+        .unwrap();
+        let r = Registry::new_custom(
+            None,
+            Some(
+                [
+                    ("pipeline".into(), "train".into()),
+                    ("rank".into(), "4095".into()),
+                ]
+                .into(),
+            ),
+        )
+        .unwrap();
+        r.register(Box::new(before.clone())).unwrap();
+        for w in 0..1024 {
+            before
+                .with_label_values(&[&format!("10.1.{}.{}:7700", w / 256, w % 256)])
+                .observe(0.1);
+        }
+        let mut out = Vec::new();
+        TextEncoder::new().encode(&r.gather(), &mut out).unwrap();
+        eprintln!(
+            "page {page} B (x 4,096 ranks: {:.1} MiB a round); per-worker histogram at 1,024 workers: {} B more (x 4,096: {:.2} GiB)",
+            (page * 4096) as f64 / (1 << 20) as f64,
+            out.len(),
+            (out.len() * 4096) as f64 / (1u64 << 30) as f64
+        );
+        assert!(page < 16 << 10, "{page} bytes");
+        assert!(out.len() > 100 * page, "{} vs {page}", out.len());
+    }
+}

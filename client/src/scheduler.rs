@@ -321,12 +321,14 @@ impl Scheduler {
         if let Some(since) = self.no_worker_since {
             at(since + self.cfg.no_worker_timeout);
         }
-        if let Some((when, _)) = self
-            .gates
-            .iter()
-            .find(|(_, a)| !self.by_addr.contains_key(a) && self.wants_link(a))
-        {
-            at(*when);
+        // Every backoff still running for a worker this rank wants a link to: a spare's gate
+        // leaves `gates` once due even if no spare was dialled then, and the first gate may
+        // lie in the past while a later one is what wakes the rank (a rank refused by every
+        // worker otherwise slept forever, and lock-step ranks with it).
+        for (addr, (when, _)) in &self.reconnect_at {
+            if !self.by_addr.contains_key(addr) && self.wants_link(addr) {
+                at(*when);
+            }
         }
         if self.identity.is_some() {
             if let Some(f) = self.in_flight.values().map(|f| f.sent).min() {

@@ -142,14 +142,32 @@ impl Observation {
             consumed += (a.samples - b.samples) / wall;
             seen += 1;
         }
-        let ranks = before.len() as u32;
-        if (seen as f64) < (MIN_RANK_COVERAGE * ranks as f64).ceil() {
+        Self::of_ranks(
+            worst,
+            sum / seen.max(1) as f64,
+            consumed,
+            (seen, before.len() as u32),
+            ready_workers,
+        )
+    }
+
+    /// The observation from aggregates over the ranks that reported (`seen` of `ranks`):
+    /// worst and mean wait ratio, and what those ranks consumed; `None` below
+    /// [`MIN_RANK_COVERAGE`]. The consumed rate counts the unseen at the seen ones' mean.
+    pub fn of_ranks(
+        worst_wait_ratio: f64,
+        mean_wait_ratio: f64,
+        consumed_per_s: f64,
+        (seen, ranks): (u32, u32),
+        ready_workers: u32,
+    ) -> Option<Observation> {
+        if ranks == 0 || seen > ranks || (seen as f64) < (MIN_RANK_COVERAGE * ranks as f64).ceil() {
             return None;
         }
         Some(Observation {
-            worst_wait_ratio: worst,
-            mean_wait_ratio: sum / seen as f64,
-            consumed_per_s: consumed * ranks as f64 / seen as f64,
+            worst_wait_ratio,
+            mean_wait_ratio,
+            consumed_per_s: consumed_per_s * ranks as f64 / seen as f64,
             ready_workers,
             ranks_reporting: seen,
             ranks,

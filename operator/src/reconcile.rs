@@ -169,13 +169,11 @@ async fn decide(dp: &DataPipeline, ctx: &Context, current: i32, ready: i32) -> S
     let mut scalers = ctx.scalers.lock().expect("scaler state");
     let state = scalers.entry(key(dp)).or_default();
     let started = *state.started.get_or_insert(now);
-    let obs = match (&reading, &state.last_reading) {
-        (Ok(after), Some((_, before))) => {
-            let (b, a) = scrape::paired(before, after);
-            Observation::between(&b, &a, ready.max(0) as u32)
-        }
-        _ => None,
-    };
+    let before = state.last_reading.as_ref().map(|(_, r)| r);
+    let obs = reading
+        .as_ref()
+        .ok()
+        .and_then(|r| r.observation(before, ready.max(0) as u32));
     state.last_reading = reading.ok().map(|r| (now, r));
     state.last_observation = obs;
     let d = state.autoscaler.evaluate(

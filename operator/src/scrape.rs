@@ -7,7 +7,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 use kube::ResourceExt;
 use std::time::Duration;
-use stoker_control::autoscale::RankCounters;
+use stoker_control::autoscale::{Observation, RankCounters};
 use stoker_control::exposition::rank_counters;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -54,7 +54,49 @@ pub async fn http_get(url: &str) -> anyhow::Result<String> {
 
 /// One reading of every rank: keyed by where it came from, so consecutive readings pair up
 /// even when trainer pods come and go.
-pub type Reading = Vec<(String, Option<RankCounters>)>;
+pub type RankReading = Vec<(String, Option<RankCounters>)>;
+
+/// What a metric source gives: every rank's counters (the direct scrape; two readings make
+/// an observation), or the observation itself, aggregated by Prometheus.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reading {
+    Ranks(RankReading),
+    /// Over the last interval: (worst wait ratio, mean, samples/s consumed, ranks reporting,
+    /// ranks), or `None` when Prometheus has no trainer series for the pipeline.
+    Aggregated(Option<Aggregate>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Aggregate {
+    pub worst_wait_ratio: f64,
+    pub mean_wait_ratio: f64,
+    pub consumed_per_s: f64,
+    pub ranks_reporting: u32,
+    pub ranks: u32,
+}
+
+impl Reading {
+    /// The observation from this reading and the one before (if the source needs two).
+    pub fn observation(&self, before: Option<&Reading>, ready: u32) -> Option<Observation> {
+        match (self, before) {
+            (Reading::Aggregated(a), _) => {
+                let a = (*a)?;
+                Observation::of_ranks(
+                    a.worst_wait_ratio,
+                    a.mean_wait_ratio,
+                    a.consumed_per_s,
+                    (a.ranks_reporting, a.ranks),
+                    ready,
+                )
+            }
+            (Reading::Ranks(after), Some(Reading::Ranks(before))) => {
+                let (b, a) = paired(before, after);
+                Observation::between(&b, &a, ready)
+            }
+            _ => None,
+        }
+    }
+}
 
 /// Reads the ranks' counters from the pipeline's metric source.
 pub async fn read(
@@ -78,16 +120,22 @@ pub async fn read(
             .collect()
     } else if let Some(prom) = &source.prometheus {
         let ns = dp.namespace().unwrap_or_default();
-        return read_prometheus(&prom.url, &ns, &dp.name_any()).await;
+        let window = dp
+            .spec
+            .autoscaling
+            .as_ref()
+            .map_or(60, |a| a.interval_seconds.max(30));
+        let agg = read_prometheus(&prom.url, &ns, &dp.name_any(), window).await?;
+        return Ok(Reading::Aggregated(agg));
     } else {
         anyhow::bail!("no metric source (rejected at admission)")
     };
-    Ok(scrape_all(urls, ROUND_DEADLINE).await)
+    Ok(Reading::Ranks(scrape_all(urls, ROUND_DEADLINE).await))
 }
 
 /// Every URL's counters, [`SCRAPE_CONCURRENCY`] at a time, within `round` (unread by then:
 /// unreadable); in the order of `urls`.
-async fn scrape_all(urls: Vec<String>, round: Duration) -> Reading {
+async fn scrape_all(urls: Vec<String>, round: Duration) -> RankReading {
     use futures::StreamExt;
     let deadline = tokio::time::Instant::now() + round;
     // Unordered: a rank that never answers holds one of the slots, not the ones behind it.
@@ -115,44 +163,56 @@ async fn scrape_all(urls: Vec<String>, round: Duration) -> Reading {
     reading.into_iter().map(|(_, r)| r).collect()
 }
 
-/// The same counters per rank from Prometheus (instant query; the series' own values). The
-/// pipeline label is unique only within a namespace, so both select.
-async fn read_prometheus(base: &str, namespace: &str, pipeline: &str) -> anyhow::Result<Reading> {
-    let mut per_rank: std::collections::BTreeMap<String, [Option<f64>; 3]> = Default::default();
-    let series = [
-        "stoker_trainer_wait_seconds_total",
-        "stoker_trainer_step_seconds_total",
-        "stoker_trainer_samples_total",
+/// The observation, aggregated by Prometheus over the last `window_s` seconds: five
+/// instant queries of one number each, whatever the ranks (rates per rank summed over their
+/// other labels, ranks that neither stepped nor waited left out). The pipeline label is
+/// unique only within a namespace, so both select.
+async fn read_prometheus(
+    base: &str,
+    namespace: &str,
+    pipeline: &str,
+    window_s: i32,
+) -> anyhow::Result<Option<Aggregate>> {
+    let sel = format!("{{namespace=\"{namespace}\",pipeline=\"{pipeline}\"}}");
+    let rate = |name: &str| format!("sum by (rank) (rate({name}{sel}[{window_s}s]))");
+    let (wait, step) = (
+        rate("stoker_trainer_wait_seconds_total"),
+        rate("stoker_trainer_step_seconds_total"),
+    );
+    let ratio = format!("(({wait}) / ((({wait}) + ({step})) > 0))");
+    let queries = [
+        format!("max({ratio})"),
+        format!("avg({ratio})"),
+        format!("sum({})", rate("stoker_trainer_samples_total")),
+        format!("count({ratio})"),
+        format!("count(count by (rank) (stoker_trainer_wait_seconds_total{sel}))"),
     ];
-    for (i, name) in series.iter().enumerate() {
-        let query =
-            format!("sum by (rank) ({name}{{namespace=\"{namespace}\",pipeline=\"{pipeline}\"}})");
+    let mut values = [0.0f64; 5];
+    for (v, query) in values.iter_mut().zip(&queries) {
         let url = format!(
             "{}/api/v1/query?query={}",
             base.trim_end_matches('/'),
-            percent_encode(&query)
+            percent_encode(query)
         );
         let body: serde_json::Value = serde_json::from_str(&http_get(&url).await?)?;
-        for r in body["data"]["result"].as_array().into_iter().flatten() {
-            let rank = r["metric"]["rank"].as_str().unwrap_or("").to_string();
-            let v = r["value"][1].as_str().and_then(|v| v.parse::<f64>().ok());
-            per_rank.entry(rank).or_default()[i] = v;
-        }
+        let result = body["data"]["result"].as_array();
+        // An empty vector: no such series (no trainer has reported yet).
+        let Some(first) = result.and_then(|r| r.first()) else {
+            return Ok(None);
+        };
+        *v = first["value"][1]
+            .as_str()
+            .and_then(|v| v.parse::<f64>().ok())
+            .ok_or_else(|| anyhow::anyhow!("{url}: no number in {first}"))?;
     }
-    Ok(per_rank
-        .into_iter()
-        .map(|(rank, [w, s, n])| {
-            let c = match (w, s, n) {
-                (Some(wait_s), Some(step_s), Some(samples)) => Some(RankCounters {
-                    wait_s,
-                    step_s,
-                    samples,
-                }),
-                _ => None,
-            };
-            (format!("rank {rank}"), c)
-        })
-        .collect())
+    let [worst, mean, consumed, seen, ranks] = values;
+    Ok(Some(Aggregate {
+        worst_wait_ratio: worst,
+        mean_wait_ratio: mean,
+        consumed_per_s: consumed,
+        ranks_reporting: seen as u32,
+        ranks: ranks as u32,
+    }))
 }
 
 fn percent_encode(s: &str) -> String {
@@ -169,8 +229,8 @@ fn percent_encode(s: &str) -> String {
 /// Pairs two readings by source; sources present in only one are unreadable for this
 /// interval (a new or vanished rank).
 pub fn paired(
-    before: &Reading,
-    after: &Reading,
+    before: &RankReading,
+    after: &RankReading,
 ) -> (Vec<Option<RankCounters>>, Vec<Option<RankCounters>>) {
     after
         .iter()
@@ -264,60 +324,59 @@ mod tests {
         assert!(e.to_string().contains("only http://"), "{e}");
     }
 
-    /// A stand-in for the Prometheus HTTP API: answers the three instant queries.
+    /// A stand-in for the Prometheus HTTP API: answers the five instant queries with one
+    /// number each; the observation follows (97 of 100 ranks reporting is enough).
     #[tokio::test]
-    async fn reads_per_rank_counters_from_prometheus() {
+    async fn reads_an_aggregated_observation_from_prometheus() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move {
             loop {
                 let (mut s, _) = listener.accept().await.unwrap();
-                let mut buf = vec![0u8; 4096];
+                let mut buf = vec![0u8; 8192];
                 let n = s.read(&mut buf).await.unwrap();
                 let req = String::from_utf8_lossy(&buf[..n]).to_string();
                 assert!(
                     req.contains("namespace%3D%22ml%22%2Cpipeline%3D%22sft%22"),
                     "{req}"
                 );
-                let (r0, r1) = if req.contains("wait_seconds") {
-                    ("3", "1")
-                } else if req.contains("step_seconds") {
-                    ("7", "9")
+                assert!(
+                    req.contains("%5B60s%5D") || req.contains("count%28count"),
+                    "{req}"
+                );
+                let v = if req.contains("query=max") {
+                    "0.25"
+                } else if req.contains("query=avg") {
+                    "0.1"
+                } else if req.contains("query=sum") {
+                    "970"
+                } else if req.contains("query=count%28count") {
+                    "100"
                 } else {
-                    ("400", "500")
+                    "97"
                 };
                 let body = format!(
-                    r#"{{"status":"success","data":{{"resultType":"vector","result":[{{"metric":{{"rank":"0"}},"value":[1,"{r0}"]}},{{"metric":{{"rank":"1"}},"value":[1,"{r1}"]}}]}}}}"#
+                    r#"{{"status":"success","data":{{"resultType":"vector","result":[{{"metric":{{}},"value":[1,"{v}"]}}]}}}}"#
                 );
                 s.write_all(format!("HTTP/1.0 200 OK\r\n\r\n{body}").as_bytes())
                     .await
                     .unwrap();
             }
         });
-        let got = read_prometheus(&format!("http://{addr}/"), "ml", "sft")
+        let got = read_prometheus(&format!("http://{addr}/"), "ml", "sft", 60)
             .await
             .unwrap();
-        assert_eq!(
-            got,
-            vec![
-                (
-                    "rank 0".to_string(),
-                    Some(RankCounters {
-                        wait_s: 3.0,
-                        step_s: 7.0,
-                        samples: 400.0
-                    })
-                ),
-                (
-                    "rank 1".to_string(),
-                    Some(RankCounters {
-                        wait_s: 1.0,
-                        step_s: 9.0,
-                        samples: 500.0
-                    })
-                ),
-            ]
-        );
+        let reading = Reading::Aggregated(got);
+        let o = reading.observation(None, 4).unwrap();
+        assert_eq!((o.ranks_reporting, o.ranks, o.ready_workers), (97, 100, 4));
+        assert_eq!((o.worst_wait_ratio, o.mean_wait_ratio), (0.25, 0.1));
+        assert!((o.consumed_per_s - 1000.0).abs() < 1e-9);
+        // 94 of 100: hold.
+        let few = Reading::Aggregated(got.map(|a| Aggregate {
+            ranks_reporting: 94,
+            ..a
+        }));
+        assert_eq!(few.observation(None, 4), None);
     }
 
     #[test]
