@@ -23,11 +23,10 @@ fn write_dataset(root: &Path, shards: usize, images: usize) {
     }
 }
 
-/// Requests the embedded S3 server answered while a worker's index loaded, and the index.
-async fn requests_to_load(shards: usize, images: usize) -> (u64, DatasetIndex) {
-    let root = tempfile::tempdir().unwrap();
-    write_dataset(root.path(), shards, images);
-    let s3 = EmbeddedS3::start(root.path(), "127.0.0.1:0", Duration::ZERO)
+/// The dataset in `root` behind an embedded S3 server, indexed as `stoker dataset index`
+/// does: the server, the store and the index built.
+async fn indexed(root: &Path) -> (EmbeddedS3, Store, DatasetIndex) {
+    let s3 = EmbeddedS3::start(root, "127.0.0.1:0", Duration::ZERO)
         .await
         .unwrap();
     let store = Store::open("s3://bucket/data", &s3.s3_options())
@@ -35,6 +34,14 @@ async fn requests_to_load(shards: usize, images: usize) -> (u64, DatasetIndex) {
         .unwrap();
     let built = DatasetIndex::build(&store, &()).await.unwrap();
     store.put(INDEX_KEY, built.to_bytes()).await.unwrap();
+    (s3, store, built)
+}
+
+/// Requests the embedded S3 server answered while a worker's index loaded, and the index.
+async fn requests_to_load(shards: usize, images: usize) -> (u64, DatasetIndex) {
+    let root = tempfile::tempdir().unwrap();
+    write_dataset(root.path(), shards, images);
+    let (s3, store, _) = indexed(root.path()).await;
     let before = s3.requests_received();
     let idx = DatasetIndex::load_or_build(&store).await.unwrap();
     (s3.requests_received() - before, idx)
@@ -58,14 +65,7 @@ async fn ready_takes_one_request_per_shard_whatever_the_objects() {
 async fn a_changed_or_removed_shard_is_noticed_and_the_index_rebuilt() {
     let root = tempfile::tempdir().unwrap();
     write_dataset(root.path(), 3, 1);
-    let s3 = EmbeddedS3::start(root.path(), "127.0.0.1:0", Duration::ZERO)
-        .await
-        .unwrap();
-    let store = Store::open("s3://bucket/data", &s3.s3_options())
-        .await
-        .unwrap();
-    let built = DatasetIndex::build(&store, &()).await.unwrap();
-    store.put(INDEX_KEY, built.to_bytes()).await.unwrap();
+    let (_s3, store, built) = indexed(root.path()).await;
     assert_eq!(built.stale_shard(&store).await.unwrap(), None);
 
     let shard = root.path().join("bucket/data/s001.jsonl");
