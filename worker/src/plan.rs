@@ -602,9 +602,7 @@ impl Mix {
             })
             .collect()
     }
-}
 
-impl Mix {
     /// `feistel`: the sample of draw slot `q` (of `0..num_samples`) of epoch `epoch`. Slots
     /// are laid out dataset after dataset, `draws[s]` each; dataset s's j-th slot is its draw
     /// `k = epoch · draws[s] + j` over the run: position `k mod n` of its own Feistel order
