@@ -431,17 +431,25 @@ async fn a_seek_restarts_delivery_and_drops_answers_for_the_old_window() {
     assert_eq!(cancelled, old.iter().map(|r| r.0).collect::<Vec<_>>());
 }
 
-#[tokio::test]
-async fn a_straggler_at_the_head_is_hedged_on_another_worker_and_the_first_answer_wins() {
+/// Depth 1, hedging from the first observation, workers `a` and `b` up and one 1 ms answer
+/// recorded: the hedge tests' start (`tweak` adjusts the configuration).
+fn hedging_on_two_workers(tweak: impl FnOnce(&mut LoaderConfig)) -> (Machine, LinkId, LinkId) {
     let mut cfg = config(1);
     cfg.hedge = Some(HedgePolicy {
         min_observations: 1,
         ..HedgePolicy::default()
     });
+    tweak(&mut cfg);
     let mut m = Machine::new(cfg);
     let a = m.worker_up("a", plan(7));
     let b = m.worker_up("b", plan(7));
     m.s.latencies.record(Duration::from_millis(1));
+    (m, a, b)
+}
+
+#[tokio::test]
+async fn a_straggler_at_the_head_is_hedged_on_another_worker_and_the_first_answer_wins() {
+    let (mut m, a, b) = hedging_on_two_workers(|_| {});
     m.step();
     let (slow, other) = if m.asked(a).is_empty() {
         (b, a)
@@ -801,16 +809,7 @@ async fn the_auto_depth_stays_at_two_until_the_trainer_s_pace_is_known() {
 
 #[tokio::test]
 async fn the_loser_of_a_hedge_and_an_expired_request_are_cancelled() {
-    let mut cfg = config(1);
-    cfg.hedge = Some(HedgePolicy {
-        min_observations: 1,
-        ..HedgePolicy::default()
-    });
-    cfg.request_timeout = Duration::from_secs(10);
-    let mut m = Machine::new(cfg);
-    let a = m.worker_up("a", plan(7));
-    let b = m.worker_up("b", plan(7));
-    m.s.latencies.record(Duration::from_millis(1));
+    let (mut m, a, b) = hedging_on_two_workers(|c| c.request_timeout = Duration::from_secs(10));
     m.step();
     let (slow, other) = if m.asked(a).is_empty() {
         (b, a)
@@ -861,15 +860,7 @@ async fn hedges_stop_at_their_budget() {
 
 #[tokio::test]
 async fn a_straggler_with_time_to_spare_is_hedged_only_once_the_trainer_would_wait_for_it() {
-    let mut cfg = config(1);
-    cfg.hedge = Some(HedgePolicy {
-        min_observations: 1,
-        ..HedgePolicy::default()
-    });
-    let mut m = Machine::new(cfg);
-    let a = m.worker_up("a", plan(7));
-    let b = m.worker_up("b", plan(7));
-    m.s.latencies.record(Duration::from_millis(1));
+    let (mut m, a, b) = hedging_on_two_workers(|_| {});
     // The trainer takes a batch every 100 ms: position 0 is needed 100 ms from now.
     m.s.shared.took(0, Some(Duration::from_millis(100)));
     m.step();
