@@ -239,9 +239,13 @@ impl Plan {
         let order = Feistel::new(self.num_samples, stream(FEISTEL, self.seed, epoch, 0));
         match &self.mix {
             None => range.map(|p| order.permute(p) as u32).collect(),
-            Some(mix) => range
-                .map(|p| mix.draw(self.seed, epoch, order.permute(p)))
-                .collect(),
+            Some(mix) => {
+                // Each dataset's own order keyed once per batch, not once per sample.
+                let mut own = vec![None; mix.sizes.len()];
+                range
+                    .map(|p| mix.draw(self.seed, epoch, order.permute(p), &mut own))
+                    .collect()
+            }
         }
     }
 
@@ -275,15 +279,35 @@ impl Plan {
         }
     }
 
-    /// Whether global batch `g` of `epoch` can be cut without building anything costly
-    /// (an epoch's permutation or a bucketing window).
-    fn order_built(&self, epoch: u64, g: u64) -> bool {
+    /// What cutting global batch `g` of `epoch` needs built first.
+    fn needs(&self, epoch: u64, g: u64) -> Needs {
         match (self.order, self.bucketing()) {
-            (SampleOrder::Shuffle, _) => self.perms.is_built(epoch),
-            (SampleOrder::Feistel, None) => true,
-            (SampleOrder::Feistel, Some(_)) => {
-                self.windows.is_built((epoch, g / BUCKET_WINDOW as u64))
+            (SampleOrder::Shuffle, _) => Needs::Epoch(epoch),
+            (SampleOrder::Feistel, None) => Needs::Nothing,
+            (SampleOrder::Feistel, Some(_)) => Needs::Window(epoch, g / BUCKET_WINDOW as u64),
+        }
+    }
+
+    /// Built (`started`: built or being built).
+    fn has_built(&self, needs: Needs, started: bool) -> bool {
+        match needs {
+            Needs::Nothing => true,
+            Needs::Epoch(e) if started => self.perms.has(e),
+            Needs::Epoch(e) => self.perms.is_built(e),
+            Needs::Window(e, w) if started => self.windows.has((e, w)),
+            Needs::Window(e, w) => self.windows.is_built((e, w)),
+        }
+    }
+
+    fn build(&self, needs: Needs) {
+        match (needs, self.bucketing()) {
+            (Needs::Epoch(e), _) => {
+                self.permutation(e);
             }
+            (Needs::Window(e, w), Some(sample)) => {
+                self.feistel_window(e, w, sample);
+            }
+            _ => {}
         }
     }
 
@@ -343,7 +367,7 @@ impl Plan {
         self.check(g, world)?;
         self.build_ahead(epoch, g);
         let shaped = self.costs.is_none() || self.shaped.is_built((epoch, g, world as usize));
-        if self.order_built(epoch, g) && shaped {
+        if self.has_built(self.needs(epoch, g), false) && shaped {
             return self.rank_slice(epoch, g, rank, world);
         }
         let plan = self.clone();
@@ -357,42 +381,31 @@ impl Plan {
     /// with bucketing, the next window.
     fn build_ahead(self: &Arc<Self>, epoch: u64, g: u64) {
         let n = self.batches_per_epoch();
-        let plan = self.clone();
-        match (self.order, self.bucketing()) {
-            (SampleOrder::Shuffle, _) => {
-                if g + n.div_ceil(AHEAD_FRACTION) >= n && !self.perms.has(epoch + 1) {
-                    tokio::task::spawn_blocking(move || plan.prepare(epoch + 1));
-                }
-            }
-            (SampleOrder::Feistel, None) => {}
-            (SampleOrder::Feistel, Some(_)) => {
-                let next = g / BUCKET_WINDOW as u64 + 1;
-                let (e, w) = match next * (BUCKET_WINDOW as u64) < n {
-                    true => (epoch, next),
-                    false => (epoch + 1, 0),
-                };
-                if !self.windows.has((e, w)) {
-                    tokio::task::spawn_blocking(move || {
-                        let sample = plan.bucketing().expect("bucketing");
-                        plan.feistel_window(e, w, sample);
-                    });
-                }
-            }
+        let next = match self.needs(epoch, g) {
+            Needs::Epoch(e) if g + n.div_ceil(AHEAD_FRACTION) >= n => Needs::Epoch(e + 1),
+            Needs::Window(e, w) if (w + 1) * (BUCKET_WINDOW as u64) < n => Needs::Window(e, w + 1),
+            Needs::Window(e, _) => Needs::Window(e + 1, 0),
+            _ => return,
+        };
+        if !self.has_built(next, true) {
+            let plan = self.clone();
+            tokio::task::spawn_blocking(move || plan.build(next));
         }
     }
 
     /// Builds what epoch `epoch` starts with: its permutation, or its first window.
     pub fn prepare(&self, epoch: u64) {
-        match (self.order, self.bucketing()) {
-            (SampleOrder::Shuffle, _) => {
-                self.permutation(epoch);
-            }
-            (SampleOrder::Feistel, None) => {}
-            (SampleOrder::Feistel, Some(sample)) => {
-                self.feistel_window(epoch, 0, sample);
-            }
-        }
+        self.build(self.needs(epoch, 0));
     }
+}
+
+/// What cutting a global batch needs built before it: nothing (`feistel`), an epoch's
+/// permutation (`shuffle`), or a bucketing window of `feistel` (epoch, window).
+#[derive(Debug, Clone, Copy)]
+enum Needs {
+    Nothing,
+    Epoch(u64),
+    Window(u64, u64),
 }
 
 /// Every rank's share of a global batch (`batch`: its sample ids) under `shaping`.
@@ -473,6 +486,7 @@ const MIXED_PART: u64 = 1 << 63;
 /// A keyed permutation of `0..n` computed per position: a balanced Feistel network on the
 /// smallest even number of bits that holds `n` (so under 4n values), walking the cycle until
 /// the value falls in range (a bijection of `0..n`, fewer than 4 steps expected).
+#[derive(Clone)]
 struct Feistel {
     n: u64,
     half: u32,
@@ -608,14 +622,22 @@ impl Mix {
     /// `k = epoch · draws[s] + j` over the run: position `k mod n` of its own Feistel order
     /// number `k div n`: every own epoch is whole, as under `shuffle` (though within one
     /// epoch an oversampled dataset's own epochs interleave).
-    fn draw(&self, seed: u64, epoch: u64, q: u64) -> u32 {
+    /// `own` keeps each dataset's last own order (its own epoch and the permutation).
+    fn draw(&self, seed: u64, epoch: u64, q: u64, own: &mut [Option<(u64, Feistel)>]) -> u32 {
         let (mut first_slot, mut first_id) = (0, 0);
         for (s, (&n, &draws)) in self.sizes.iter().zip(&self.draws).enumerate() {
             if q < first_slot + draws {
                 let k = epoch * draws + (q - first_slot);
-                let part = MIXED_PART + s as u64;
-                let own = Feistel::new(n, stream(FEISTEL, seed, k / n, part));
-                return (first_id + own.permute(k % n)) as u32;
+                let own_epoch = k / n;
+                let order = match &own[s] {
+                    Some((e, order)) if *e == own_epoch => order,
+                    _ => {
+                        let part = MIXED_PART + s as u64;
+                        let order = Feistel::new(n, stream(FEISTEL, seed, own_epoch, part));
+                        &own[s].insert((own_epoch, order)).1
+                    }
+                };
+                return (first_id + order.permute(k % n)) as u32;
             }
             first_slot += draws;
             first_id += n;
