@@ -228,7 +228,7 @@ fn percent_encode(s: &str) -> String {
 
 /// Pairs two readings by source; sources present in only one are unreadable for this
 /// interval (a new or vanished rank).
-pub fn paired(
+fn paired(
     before: &RankReading,
     after: &RankReading,
 ) -> (Vec<Option<RankCounters>>, Vec<Option<RankCounters>>) {
