@@ -13,6 +13,11 @@
 # Settings (environment): STOKER_CLUSTER_DIR (state; default $STOKER_CACHE/cluster),
 # STOKER_CLUSTER_NODES (fake nodes, default 4), STOKER_CLUSTER_PORT_BASE (default 16400:
 # apiserver +43, etcd +79/+80).
+#
+# The API server writes an audit log of every request made with a ServiceAccount token (the
+# operator's; the admin, the controllers and kwok use the admin token and are not logged) to
+# $STOKER_CLUSTER_DIR/logs/audit.log: the tests and `benches/operator_scale.py` count the
+# operator's API requests from it.
 set -euo pipefail
 CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
 BIN="$CACHE/bin"
@@ -113,8 +118,24 @@ start_etcd() {
   wait_for etcd 60 curl -sf "http://127.0.0.1:$ETCD_PORT/health"
 }
 
+# One JSON line per request from a ServiceAccount, at its end (a watch: also when it starts).
+audit_policy() {
+  cat >"$DIR/audit-policy.yaml" <<EOF
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+- level: Metadata
+  userGroups: ["system:serviceaccounts"]
+- level: None
+EOF
+}
+
 start_apiserver() {
+  audit_policy
   start kube-apiserver \
+    --audit-policy-file "$DIR/audit-policy.yaml" --audit-log-path "$DIR/logs/audit.log" \
+    --audit-log-format json --audit-log-mode blocking \
     --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
     --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$API_PORT" \
     --tls-cert-file "$DIR/pki/apiserver.crt" --tls-private-key-file "$DIR/pki/apiserver.key" \

@@ -9,6 +9,7 @@ use stoker_testkit::embedded_s3::EmbeddedS3;
 use stoker_testkit::http;
 use stoker_testkit::local_worker::{write_sample_lengths, LocalWorker};
 use stoker_worker::connection::{Answer, Connection};
+use stoker_worker::dataset::lengths::SampleLengths;
 
 const STOKER: &str = env!("CARGO_BIN_EXE_stoker");
 
@@ -265,8 +266,9 @@ async fn balanced_ranks_need_the_datasets_lengths_and_keep_every_global_batch() 
         "{why}"
     );
 
-    let tokens =
+    let stored =
         write_sample_lengths(STOKER.as_ref(), "s3://bucket/data", &s3.env(), &data).unwrap();
+    let tokens = SampleLengths::from_bytes(&stored).unwrap().tokens;
     assert_eq!(tokens.len(), 24);
     // Measured at index time from text and image headers (EXIF-rotated JPEGs among them):
     // the lengths the whole decoding pipeline gives.

@@ -16,6 +16,7 @@ use stoker_testkit::embedded_s3::EmbeddedS3;
 use stoker_testkit::http;
 use stoker_testkit::local_worker::{write_sample_lengths, LocalWorker};
 use stoker_testkit::synth::{generate, SynthFormat, SynthOptions};
+use stoker_worker::dataset::lengths::SampleLengths;
 use stoker_worker::plan::{Plan, Shaping};
 
 const STOKER: &str = env!("CARGO_BIN_EXE_stoker");
@@ -88,8 +89,9 @@ fn kills_lose_and_duplicate_no_sample(shaping: Shaping) {
     let mut plan = Plan::new(SAMPLES as u64, GLOBAL_BATCH, 0);
     if shaping != Shaping::default() {
         let dir = root.path().join("bucket/data");
-        let tokens = write_sample_lengths(STOKER.as_ref(), "s3://bucket/data", &s3.env(), &dir);
-        plan = plan.with_lengths(tokens.unwrap(), shaping);
+        let stored = write_sample_lengths(STOKER.as_ref(), "s3://bucket/data", &s3.env(), &dir);
+        let lengths = SampleLengths::from_bytes(&stored.unwrap()).unwrap();
+        plan = plan.with_lengths(lengths.tokens, shaping);
     }
     let env = s3.env();
     let spawn = move || LocalWorker::spawn(STOKER.as_ref(), &cfg, &env);

@@ -351,7 +351,7 @@ pub struct Sampling {
     /// lightest rank; equal sample counts), so no rank waits on a heavier slice. The global
     /// batches themselves do not change, so resume at another world size still holds. Needs
     /// the dataset's lengths for these preprocessing settings (`stoker dataset stats DATA
-    /// --write-lengths`, stoker-lengths.json at the dataset root).
+    /// --write-lengths`, stoker-lengths.bin at the dataset root).
     #[serde(default)]
     #[cfg_attr(feature = "clap", arg(long))]
     pub balance_ranks: bool,

@@ -1,17 +1,18 @@
-//! Pure resource builders: a DataPipeline (and a few decided numbers) in, the objects the
-//! operator applies out. No I/O here, so every builder is unit-tested on its own.
+//! Pure resource builders: a validated pipeline (and a few decided numbers) in, the objects
+//! the operator applies out. No I/O here, so every builder is unit-tested on its own.
 
-use crate::crd::{DataPipeline, PlacementMode};
+use crate::crd::{DataPipeline, S3Source};
+use crate::labels::{labels, names, selector_labels};
+use crate::placement::{affinity, spread};
+use crate::validate::{DataSource, Valid};
 use k8s_openapi::api::apps::v1::{
     Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment,
 };
 use k8s_openapi::api::core::v1::{
-    Affinity, Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction,
-    Lifecycle, LifecycleHandler, ObjectFieldSelector, PersistentVolumeClaimVolumeSource,
-    PodAffinity, PodAffinityTerm, PodAntiAffinity, PodSecurityContext, PodSpec, PodTemplateSpec,
-    Probe, SeccompProfile, SecretKeySelector, SecretVolumeSource, SecurityContext, Service,
-    ServicePort, ServiceSpec, SleepAction, TopologySpreadConstraint, Volume, VolumeMount,
-    WeightedPodAffinityTerm,
+    Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction, Lifecycle,
+    LifecycleHandler, ObjectFieldSelector, PersistentVolumeClaimVolumeSource, PodSecurityContext,
+    PodSpec, PodTemplateSpec, Probe, SeccompProfile, SecretKeySelector, SecretVolumeSource,
+    SecurityContext, Service, ServicePort, ServiceSpec, SleepAction, Volume, VolumeMount,
 };
 use k8s_openapi::api::core::v1::{EmptyDirVolumeSource, Secret};
 use k8s_openapi::api::networking::v1::{
@@ -34,56 +35,6 @@ const DRAIN_SECONDS: i64 = 30;
 const PRESTOP_SECONDS: i64 = 5;
 /// UID of the image's non-root user (distroless "nonroot").
 const RUN_AS_USER: i64 = 65532;
-pub const FIELD_MANAGER: &str = "stoker-operator";
-
-/// Names of everything a pipeline owns.
-pub struct Names {
-    pub workers: String,
-    pub service: String,
-    pub token_secret: String,
-}
-
-pub fn names(dp: &DataPipeline) -> Names {
-    let name = dp.name_any();
-    Names {
-        workers: format!("{name}-workers"),
-        service: format!("{name}-workers"),
-        token_secret: dp
-            .spec
-            .token_secret
-            .clone()
-            .unwrap_or_else(|| format!("{name}-token")),
-    }
-}
-
-/// Labels that select this pipeline's worker pods.
-pub fn selector_labels(dp: &DataPipeline) -> BTreeMap<String, String> {
-    BTreeMap::from([
-        ("app.kubernetes.io/name".into(), "stoker-worker".into()),
-        ("app.kubernetes.io/instance".into(), dp.name_any()),
-    ])
-}
-
-/// The selector as a string (status.selector, for the scale subresource).
-pub fn selector_string(dp: &DataPipeline) -> String {
-    label_selector_string(&selector_labels(dp))
-}
-
-/// `k=v,k=v`: a label selector for list calls.
-pub fn label_selector_string(labels: &BTreeMap<String, String>) -> String {
-    labels
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
-fn labels(dp: &DataPipeline) -> BTreeMap<String, String> {
-    let mut l = selector_labels(dp);
-    l.insert("app.kubernetes.io/managed-by".into(), FIELD_MANAGER.into());
-    l.insert("app.kubernetes.io/component".into(), "worker".into());
-    l
-}
 
 fn meta(dp: &DataPipeline, name: &str) -> ObjectMeta {
     ObjectMeta {
@@ -100,75 +51,20 @@ fn owner(dp: &DataPipeline) -> OwnerReference {
         .expect("a DataPipeline from the API server has a name and uid")
 }
 
-/// Workers per topology domain the placement allows: explicit, else what the per-node
-/// bandwidth budget fits, else unlimited.
-pub fn max_workers_per_node(dp: &DataPipeline) -> Option<u32> {
-    let p = &dp.spec.placement;
-    if let Some(n) = p.max_workers_per_node {
-        return Some(n.max(1) as u32);
-    }
-    match (p.node_bandwidth_gbps, p.worker_egress_gbps) {
-        (Some(node), Some(worker)) if worker > 0.0 => Some(((node / worker).floor() as u32).max(1)),
-        _ => None,
-    }
-}
-
-/// More workers than the eligible nodes can host within their bandwidth budget: some would
-/// share a NIC beyond it (or stay Pending under one-per-node anti-affinity).
-pub fn nic_saturation_risk(workers: u32, eligible_nodes: u32, per_node: u32) -> bool {
-    workers > eligible_nodes.saturating_mul(per_node)
-}
-
-/// CPU threads from the CPU limit (else request), rounded up; `None` = the worker's default.
-pub fn cpu_threads(dp: &DataPipeline) -> Option<u32> {
-    let r = dp.spec.worker.resources.as_ref()?;
-    let q = r
-        .limits
-        .as_ref()
-        .and_then(|l| l.get("cpu"))
-        .or_else(|| r.requests.as_ref().and_then(|l| l.get("cpu")))?;
-    Some((cpu_cores(&q.0)?.ceil() as u32).max(1))
-}
-
-/// Cores in a Kubernetes CPU quantity ("4", "500m", "1.5").
-pub fn cpu_cores(quantity: &str) -> Option<f64> {
-    let s = quantity.trim();
-    match s.strip_suffix('m') {
-        Some(milli) => milli.parse::<f64>().ok().map(|m| m / 1000.0),
-        None => s.parse::<f64>().ok(),
-    }
-    .filter(|c| c.is_finite() && *c > 0.0)
-}
-
-/// The most workers the placement can host without exceeding `max_workers_per_node` on any
-/// node: with Spread's hard constraint (max skew 1 over the eligible nodes) no node gets more
-/// than ceil(workers / nodes), so capping workers at nodes x per-node enforces the limit for
-/// every value. `None`: no limit.
-/// Pack places by preference only, so it has no cap (the NICSaturationRisk condition says
-/// when its workers exceed the budget).
-pub fn replica_cap(dp: &DataPipeline, eligible_nodes: u32) -> Option<i32> {
-    if dp.spec.placement.mode != PlacementMode::Spread {
-        return None;
-    }
-    let per_node = max_workers_per_node(dp)?;
-    Some(eligible_nodes.saturating_mul(per_node).min(i32::MAX as u32) as i32)
-}
-
 /// What each worker is told: the dataset, its preprocessing and sampling exactly as the spec
 /// says (the same types), the pod's ports, token and CPU budget.
-pub fn worker_config(dp: &DataPipeline) -> WorkerConfig {
-    let s = &dp.spec;
+pub fn worker_config(p: &Valid) -> WorkerConfig {
+    let (dp, s) = (p.dp, &p.dp.spec);
     let mut sampling = s.plan.sampling.clone();
-    let (data, s3) = match (&s.source.s3, &s.source.volume) {
-        (Some(s3), _) => (s3.uri.trim_end_matches('/').into(), s3.connection.clone()),
-        (None, Some(v)) => {
+    let (data, s3) = match p.source {
+        DataSource::S3(s3) => (s3.uri.trim_end_matches('/').into(), s3.connection.clone()),
+        DataSource::Volume(v) => {
             // Mixed datasets are folders in the mounted claim, as the source's path is.
             for m in &mut sampling.mix {
                 m.data = in_volume(&m.data);
             }
             (in_volume(&v.path), S3Connection::default())
         }
-        (None, None) => Default::default(), // rejected at admission
     };
     WorkerConfig {
         data,
@@ -176,7 +72,7 @@ pub fn worker_config(dp: &DataPipeline) -> WorkerConfig {
         preprocessing: s.preprocessing.clone(),
         sampling,
         concurrency: Concurrency {
-            cpu_threads: cpu_threads(dp).map(|n| n as usize),
+            cpu_threads: p.cpu_threads.map(|n| n as usize),
             ..Concurrency::default()
         },
         serving: Serving {
@@ -199,9 +95,9 @@ fn in_volume(path: &str) -> String {
 }
 
 /// The worker container's arguments.
-pub fn worker_args(dp: &DataPipeline) -> Vec<String> {
+pub fn worker_args(p: &Valid) -> Vec<String> {
     std::iter::once("worker".to_string())
-        .chain(worker_config(dp).to_args())
+        .chain(worker_config(p).to_args())
         .collect()
 }
 
@@ -233,65 +129,9 @@ fn http_probe(path: &str, period: i32, failures: i32) -> Probe {
     }
 }
 
-fn affinity(dp: &DataPipeline) -> Option<Affinity> {
-    let p = &dp.spec.placement;
-    let term = PodAffinityTerm {
-        label_selector: Some(LabelSelector {
-            match_labels: Some(selector_labels(dp)),
-            ..LabelSelector::default()
-        }),
-        topology_key: p.topology_key.clone(),
-        ..PodAffinityTerm::default()
-    };
-    match p.mode {
-        // One per domain is the only per-node cap the scheduler enforces by itself.
-        PlacementMode::Spread if max_workers_per_node(dp) == Some(1) => Some(Affinity {
-            pod_anti_affinity: Some(PodAntiAffinity {
-                required_during_scheduling_ignored_during_execution: Some(vec![term]),
-                ..PodAntiAffinity::default()
-            }),
-            ..Affinity::default()
-        }),
-        PlacementMode::Spread => None,
-        PlacementMode::Pack => Some(Affinity {
-            pod_affinity: Some(PodAffinity {
-                preferred_during_scheduling_ignored_during_execution: Some(vec![
-                    WeightedPodAffinityTerm {
-                        weight: 100,
-                        pod_affinity_term: term,
-                    },
-                ]),
-                ..PodAffinity::default()
-            }),
-            ..Affinity::default()
-        }),
-    }
-}
-
-fn spread(dp: &DataPipeline) -> Option<Vec<TopologySpreadConstraint>> {
-    let p = &dp.spec.placement;
-    (p.mode == PlacementMode::Spread).then(|| {
-        vec![TopologySpreadConstraint {
-            max_skew: 1,
-            topology_key: p.topology_key.clone(),
-            // Hard: workers on one node would share (and saturate) its NIC.
-            when_unsatisfiable: "DoNotSchedule".into(),
-            // Count only nodes a worker may go to: tainted GPU nodes and nodes outside the
-            // affinity would otherwise hold the skew at 0 and leave workers Pending.
-            node_taints_policy: Some("Honor".into()),
-            node_affinity_policy: Some("Honor".into()),
-            label_selector: Some(LabelSelector {
-                match_labels: Some(selector_labels(dp)),
-                ..LabelSelector::default()
-            }),
-            ..TopologySpreadConstraint::default()
-        }]
-    })
-}
-
 /// The worker's environment: log filter, node name, store credentials, the user's extras.
-fn worker_env(dp: &DataPipeline) -> Vec<EnvVar> {
-    let s = &dp.spec;
+fn worker_env(p: &Valid) -> Vec<EnvVar> {
+    let s = &p.dp.spec;
     let mut env = vec![
         EnvVar {
             name: "RUST_LOG".into(),
@@ -311,11 +151,10 @@ fn worker_env(dp: &DataPipeline) -> Vec<EnvVar> {
             ..EnvVar::default()
         },
     ];
-    if let Some(secret) = s
-        .source
-        .s3
-        .as_ref()
-        .and_then(|s3| s3.credentials_secret.as_ref())
+    if let DataSource::S3(S3Source {
+        credentials_secret: Some(secret),
+        ..
+    }) = p.source
     {
         env.push(secret_env("AWS_ACCESS_KEY_ID", secret, "AWS_ACCESS_KEY_ID"));
         env.push(secret_env(
@@ -330,8 +169,8 @@ fn worker_env(dp: &DataPipeline) -> Vec<EnvVar> {
 
 /// The token (always), a scratch /tmp (the root filesystem is read-only) and the dataset
 /// volume (read-only) when the source is one: (mounts, volumes).
-fn worker_volumes(dp: &DataPipeline) -> (Vec<VolumeMount>, Vec<Volume>) {
-    let (n, s) = (names(dp), &dp.spec);
+fn worker_volumes(p: &Valid) -> (Vec<VolumeMount>, Vec<Volume>) {
+    let n = names(p.dp);
     let mut mounts = vec![
         VolumeMount {
             name: "token".into(),
@@ -361,7 +200,7 @@ fn worker_volumes(dp: &DataPipeline) -> (Vec<VolumeMount>, Vec<Volume>) {
             ..Volume::default()
         },
     ];
-    if let Some(v) = &s.source.volume {
+    if let DataSource::Volume(v) = p.source {
         mounts.push(VolumeMount {
             name: "data".into(),
             mount_path: DATA_DIR.into(),
@@ -381,12 +220,12 @@ fn worker_volumes(dp: &DataPipeline) -> (Vec<VolumeMount>, Vec<Volume>) {
 }
 
 /// The worker container: args from the spec, ports, probes, a drain on stop, least privilege.
-fn worker_container(dp: &DataPipeline, mounts: Vec<VolumeMount>) -> Container {
-    let s = &dp.spec;
+fn worker_container(p: &Valid, mounts: Vec<VolumeMount>) -> Container {
+    let s = &p.dp.spec;
     Container {
         name: "worker".into(),
         image: Some(s.worker.image.clone()),
-        args: Some(worker_args(dp)),
+        args: Some(worker_args(p)),
         ports: Some(vec![
             ContainerPort {
                 name: Some("batches".into()),
@@ -399,7 +238,7 @@ fn worker_container(dp: &DataPipeline, mounts: Vec<VolumeMount>) -> Container {
                 ..ContainerPort::default()
             },
         ]),
-        env: Some(worker_env(dp)),
+        env: Some(worker_env(p)),
         resources: s.worker.resources.clone(),
         readiness_probe: Some(http_probe("/readyz", 2, 1)),
         liveness_probe: Some(http_probe("/healthz", 10, 3)),
@@ -431,11 +270,11 @@ fn worker_container(dp: &DataPipeline, mounts: Vec<VolumeMount>) -> Container {
 
 /// The worker pod: restricted security context, a grace period covering the drain, and
 /// placement (node selector, tolerations, affinity, spread).
-fn worker_pod(dp: &DataPipeline) -> PodSpec {
-    let s = &dp.spec;
-    let (mounts, volumes) = worker_volumes(dp);
+fn worker_pod(p: &Valid) -> PodSpec {
+    let (dp, s) = (p.dp, &p.dp.spec);
+    let (mounts, volumes) = worker_volumes(p);
     PodSpec {
-        containers: vec![worker_container(dp, mounts)],
+        containers: vec![worker_container(p, mounts)],
         volumes: Some(volumes),
         security_context: Some(PodSecurityContext {
             run_as_non_root: Some(true),
@@ -459,8 +298,8 @@ fn worker_pod(dp: &DataPipeline) -> PodSpec {
 }
 
 /// The worker Deployment at `replicas`.
-pub fn deployment(dp: &DataPipeline, replicas: i32) -> Deployment {
-    let n = names(dp);
+pub fn deployment(p: &Valid, replicas: i32) -> Deployment {
+    let (dp, n) = (p.dp, names(p.dp));
     Deployment {
         metadata: meta(dp, &n.workers),
         spec: Some(DeploymentSpec {
@@ -484,7 +323,7 @@ pub fn deployment(dp: &DataPipeline, replicas: i32) -> Deployment {
                     labels: Some(labels(dp)),
                     ..ObjectMeta::default()
                 }),
-                spec: Some(worker_pod(dp)),
+                spec: Some(worker_pod(p)),
             },
             ..DeploymentSpec::default()
         }),
@@ -494,7 +333,8 @@ pub fn deployment(dp: &DataPipeline, replicas: i32) -> Deployment {
 
 /// The headless Service clients resolve (`dns:<name>-workers.<ns>.svc:7700`): one A record per
 /// ready worker pod.
-pub fn service(dp: &DataPipeline) -> Service {
+pub fn service(p: &Valid) -> Service {
+    let dp = p.dp;
     let port = |name: &str, port: i32| ServicePort {
         name: Some(name.into()),
         port,
@@ -523,7 +363,8 @@ const DISRUPTION_SHARE: &str = "10%";
 
 /// At most a tenth of the workers (rounded up: at least one) down by voluntary disruption at
 /// a time.
-pub fn pod_disruption_budget(dp: &DataPipeline) -> PodDisruptionBudget {
+pub fn pod_disruption_budget(p: &Valid) -> PodDisruptionBudget {
+    let dp = p.dp;
     PodDisruptionBudget {
         metadata: meta(dp, &names(dp).workers),
         spec: Some(PodDisruptionBudgetSpec {
@@ -539,7 +380,8 @@ pub fn pod_disruption_budget(dp: &DataPipeline) -> PodDisruptionBudget {
 }
 
 /// Batches only to the trainer pods; metrics to anyone in the cluster (Prometheus).
-pub fn network_policy(dp: &DataPipeline) -> NetworkPolicy {
+pub fn network_policy(p: &Valid) -> NetworkPolicy {
+    let dp = p.dp;
     let port = |p: i32| NetworkPolicyPort {
         port: Some(IntOrString::Int(p)),
         protocol: Some("TCP".into()),
@@ -578,7 +420,8 @@ pub fn network_policy(dp: &DataPipeline) -> NetworkPolicy {
 }
 
 /// The generated pipeline token (created once; the operator never overwrites it).
-pub fn token_secret(dp: &DataPipeline, token: &str) -> Secret {
+pub fn token_secret(p: &Valid, token: &str) -> Secret {
+    let dp = p.dp;
     Secret {
         metadata: meta(dp, &names(dp).token_secret),
         string_data: Some(BTreeMap::from([("token".into(), token.into())])),
@@ -590,14 +433,13 @@ pub fn token_secret(dp: &DataPipeline, token: &str) -> Secret {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::DataPipeline;
+    use crate::crd::{example, DataPipeline, PlacementMode};
+    use crate::labels::selector_string;
+    use crate::placement::{max_workers_per_node, room};
+    use k8s_openapi::api::core::v1::Node;
 
-    fn example() -> DataPipeline {
-        let mut dp: DataPipeline =
-            serde_yaml::from_str(include_str!("../../examples/datapipeline.yaml")).unwrap();
-        dp.metadata.namespace = Some("ml".into());
-        dp.metadata.uid = Some("0000-1111".into());
-        dp
+    fn valid(dp: &DataPipeline) -> Valid<'_> {
+        crate::validate::validate(dp).unwrap()
     }
 
     fn pod(d: &Deployment) -> &PodSpec {
@@ -612,7 +454,7 @@ mod tests {
     #[test]
     fn deployment_runs_the_worker_with_the_plan_and_preprocessing() {
         let dp = example();
-        let d = deployment(&dp, 3);
+        let d = deployment(&valid(&dp), 3);
         assert_eq!(d.metadata.name.as_deref(), Some("qwen-sft-workers"));
         assert_eq!(d.spec.as_ref().unwrap().replicas, Some(3));
         let owner = &d.metadata.owner_references.as_ref().unwrap()[0];
@@ -697,7 +539,7 @@ mod tests {
             links_per_rank: 2,
             idle_timeout_s: 120,
         };
-        let d = deployment(&dp, 1);
+        let d = deployment(&valid(&dp), 1);
         let args = pod(&d).containers[0].args.clone().unwrap();
         assert_eq!(args[0], "worker");
         let joined = args.join(" ");
@@ -717,12 +559,12 @@ mod tests {
         assert_eq!(parsed.sampling, dp.spec.plan.sampling);
         assert_eq!(parsed.s3, dp.spec.source.s3.as_ref().unwrap().connection);
         assert_eq!(parsed.serving.limits, dp.spec.serving);
-        assert_eq!(parsed, worker_config(&dp));
+        assert_eq!(parsed, worker_config(&valid(&dp)));
     }
 
     #[test]
     fn pods_meet_the_restricted_pod_security_standard() {
-        let d = deployment(&example(), 1);
+        let d = deployment(&valid(&example()), 1);
         let p = pod(&d);
         let psc = p.security_context.as_ref().unwrap();
         assert_eq!(psc.run_as_non_root, Some(true));
@@ -759,7 +601,7 @@ mod tests {
         // expresses; the hard spread constraint keeps them even across nodes.
         let mut dp = example();
         assert_eq!(max_workers_per_node(&dp), Some(5));
-        let p = deployment(&dp, 4);
+        let p = deployment(&valid(&dp), 4);
         let tsc = &pod(&p).topology_spread_constraints.as_ref().unwrap()[0];
         assert_eq!(
             (
@@ -789,14 +631,14 @@ mod tests {
         // A budget for one worker per node: required anti-affinity.
         dp.spec.placement.worker_egress_gbps = Some(15.0);
         assert_eq!(max_workers_per_node(&dp), Some(1));
-        let p = deployment(&dp, 4);
+        let p = deployment(&valid(&dp), 4);
         let anti = anti_affinity(&p);
         assert!(anti
             .required_during_scheduling_ignored_during_execution
             .is_some());
         // Pack: preferred co-location, no spread constraint.
         dp.spec.placement.mode = PlacementMode::Pack;
-        let p = deployment(&dp, 4);
+        let p = deployment(&valid(&dp), 4);
         assert!(pod(&p).topology_spread_constraints.is_none());
         let aff = pod(&p)
             .affinity
@@ -846,17 +688,28 @@ mod tests {
         assert_eq!(per_node, 1, "one busy worker fills a node's link");
         // One worker per node: required anti-affinity plus the spread constraint, which is
         // the experiment's spread placement (worker i on node i).
-        let d = deployment(&dp, number("workers") as i32);
+        let d = deployment(&valid(&dp), number("workers") as i32);
         let anti = anti_affinity(&d);
         let term = &anti
             .required_during_scheduling_ignored_during_execution
             .as_ref()
             .unwrap()[0];
         assert_eq!(term.topology_key, "kubernetes.io/hostname");
-        // Enough nodes: no risk. The packed layout (all on one node): the condition says so.
+        // Enough nodes: room for every worker. The packed layout (all on one node): room for
+        // one, which the condition reports.
         let w = number("workers") as u32;
-        assert!(!nic_saturation_risk(w, number("nodes") as u32, per_node));
-        assert!(nic_saturation_risk(w, 1, per_node));
+        let nodes: Vec<Node> = (0..number("nodes") as usize)
+            .map(|i| {
+                serde_json::from_value(serde_json::json!({"metadata": {"name": format!("n{i}")}}))
+                    .unwrap()
+            })
+            .collect();
+        let room_on = |n: usize| {
+            let nodes: Vec<&Node> = nodes.iter().take(n).collect();
+            room(&dp, &nodes, &[], |_, _| None).unwrap().workers
+        };
+        assert!(room_on(nodes.len()) >= w);
+        assert!(room_on(1) < w);
     }
 
     #[test]
@@ -868,7 +721,8 @@ mod tests {
             path: "/llava".into(),
         });
         dp.spec.plan.sampling.mix = vec!["vqa/=2".parse().unwrap()];
-        let d = deployment(&dp, 1);
+        dp.spec.preprocessing.tokenizer = None; // the fixture's is on S3
+        let d = deployment(&valid(&dp), 1);
         let args = pod(&d).containers[0].args.as_ref().unwrap().join(" ");
         assert!(args.contains("--data /data/llava"), "{args}");
         assert!(args.contains("--mix /data/vqa=2"), "{args}");
@@ -892,16 +746,16 @@ mod tests {
     #[test]
     fn service_pdb_policy_and_secret() {
         let dp = example();
-        let s = service(&dp);
+        let s = service(&valid(&dp));
         let spec = s.spec.as_ref().unwrap();
         assert_eq!(spec.cluster_ip.as_deref(), Some("None"));
         assert_eq!(spec.selector.as_ref(), Some(&selector_labels(&dp)));
-        let pdb = pod_disruption_budget(&dp);
+        let pdb = pod_disruption_budget(&valid(&dp));
         assert_eq!(
             pdb.spec.as_ref().unwrap().max_unavailable,
             Some(IntOrString::String("10%".into()))
         );
-        let np = network_policy(&dp);
+        let np = network_policy(&valid(&dp));
         let rules = np.spec.as_ref().unwrap().ingress.as_ref().unwrap();
         let batches = &rules[0];
         assert_eq!(
@@ -920,7 +774,7 @@ mod tests {
             batches.ports.as_ref().unwrap()[0].port,
             Some(IntOrString::Int(BATCH_PORT))
         );
-        let secret = token_secret(&dp, "abc");
+        let secret = token_secret(&valid(&dp), "abc");
         assert_eq!(secret.metadata.name.as_deref(), Some("qwen-sft-token"));
         assert_eq!(secret.string_data.unwrap()["token"], "abc");
         for owner in [

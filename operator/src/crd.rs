@@ -366,16 +366,24 @@ pub struct WaitRatio {
     pub mean: f64,
 }
 
+/// The example pipeline (examples/datapipeline.yaml) as the API server hands it over: in
+/// namespace `ml`, with a uid. The unit tests' fixture.
+#[cfg(test)]
+pub fn example() -> DataPipeline {
+    let mut dp: DataPipeline =
+        serde_yaml::from_str(include_str!("../../examples/datapipeline.yaml"))
+            .expect("the example parses");
+    dp.metadata.namespace = Some("ml".into());
+    dp.metadata.uid = Some("uid-1".into());
+    dp
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use kube::CustomResourceExt;
 
     const EXAMPLE: &str = include_str!("../../examples/datapipeline.yaml");
-
-    fn example() -> DataPipeline {
-        serde_yaml::from_str(EXAMPLE).expect("the example parses")
-    }
 
     /// The CEL rules as the API server would run them at admission (kube's client-side
     /// evaluator); `Err` holds the messages.

@@ -4,10 +4,15 @@
 //! policy is `stoker-control`, free of Kubernetes types. The operator reaches the data plane
 //! only through the worker's command line and Prometheus text: it does not link it.
 
+pub mod apply;
 pub mod build;
+pub mod cache;
 pub mod crd;
+pub mod labels;
 pub mod leader;
 pub mod metrics;
+pub mod placement;
+pub mod quantity;
 pub mod reconcile;
 pub mod scrape;
 pub mod status;
@@ -15,7 +20,6 @@ pub mod validate;
 
 use crd::DataPipeline;
 use futures::StreamExt;
-use k8s_openapi::api::apps::v1::Deployment;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{watcher, Controller};
 use kube::{Api, CustomResourceExt};
@@ -102,15 +106,45 @@ async fn lead(election: leader::LeaderElection, namespace: &str) {
     });
 }
 
-/// The controller: DataPipelines and the Deployments they own, plus a sweep that forgets
-/// deleted pipelines (no finalizer: their objects go by garbage collection).
+/// The controller: DataPipelines (a reconcile on a change of their spec, not of the status it
+/// writes itself), the objects they own (watched by our label), the reflectors of Nodes and
+/// worker pods placement reads, plus a sweep that forgets deleted pipelines (no finalizer:
+/// their objects go by garbage collection).
 async fn control(client: kube::Client, cfg: Config, metrics: Arc<metrics::OperatorMetrics>) {
-    let (dps, deployments): (Api<DataPipeline>, Api<Deployment>) = match &cfg.namespace {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
+    use apply::{Changes, Owned};
+    use kube::runtime::{predicates, reflector, WatchStreamExt};
+    fn api<K>(client: &kube::Client, ns: &Option<String>) -> Api<K>
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+    {
+        match ns {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        }
+    }
+    let ns = &cfg.namespace;
+    let owned = || watcher::Config::default().labels(&labels::managed_selector());
+    let (deployments, deployment_events) =
+        cache::reflect(api(&client, ns), owned(), cache::keep_all);
+    let (services, service_events) = cache::reflect(api(&client, ns), owned(), cache::keep_all);
+    let (pdbs, pdb_events) = cache::reflect(api(&client, ns), owned(), cache::keep_all);
+    let (policies, policy_events) = cache::reflect(api(&client, ns), owned(), cache::keep_all);
+    let (nodes, node_events) = cache::reflect(
+        Api::all(client.clone()),
+        watcher::Config::default(),
+        cache::strip_node,
+    );
+    let (workers, worker_events) = cache::reflect(api(&client, ns), owned(), cache::strip_pod);
+    let (store, writer) = reflector::store();
+    let cluster = reconcile::Cluster {
+        pipelines: store.clone(),
+        deployments: Owned::new(deployments, Changes::Generation),
+        services: Owned::new(services, Changes::ResourceVersion),
+        disruption_budgets: Owned::new(pdbs, Changes::Generation),
+        network_policies: Owned::new(policies, Changes::Generation),
+        nodes,
+        workers,
+        trainers: cache::TrainerPods::new(client.clone()),
     };
     let recorder = Recorder::new(
         client.clone(),
@@ -119,10 +153,25 @@ async fn control(client: kube::Client, cfg: Config, metrics: Arc<metrics::Operat
             instance: Some(cfg.identity),
         },
     );
-    let ctx = Arc::new(reconcile::Context::new(client, recorder, metrics));
-    let controller = Controller::new(dps, watcher::Config::default())
-        .owns(deployments, watcher::Config::default());
-    let store = controller.store();
+    let pipelines = watcher(api::<DataPipeline>(&client, ns), watcher::Config::default())
+        .default_backoff()
+        .reflect(writer)
+        .applied_objects()
+        .predicate_filter(predicates::generation, Default::default());
+    let pipelines = cache::logged(pipelines);
+    let ctx = Arc::new(reconcile::Context::new(client, recorder, metrics, cluster));
+    // Nodes and pods trigger nothing (a pipeline's cap is re-read at its next reconcile):
+    // the controller only drives their reflectors.
+    fn nothing<K>(_: K) -> Option<kube::runtime::reflector::ObjectRef<DataPipeline>> {
+        None
+    }
+    let controller = Controller::for_stream(pipelines, store.clone())
+        .owns_stream(deployment_events)
+        .owns_stream(service_events)
+        .owns_stream(pdb_events)
+        .owns_stream(policy_events)
+        .watches_stream(node_events, nothing)
+        .watches_stream(worker_events, nothing);
     let sweeper = ctx.clone();
     tokio::spawn(async move {
         loop {
@@ -130,8 +179,13 @@ async fn control(client: kube::Client, cfg: Config, metrics: Arc<metrics::Operat
             // Only pipelines that were reconciled are tracked, and the controller reconciles
             // only once its cache is filled: the cache is complete whenever anything is
             // tracked. (Not `Store::wait_until_ready`: it wakes one waiter, the controller.)
-            let live = store.state().iter().map(|dp| reconcile::key(dp)).collect();
-            sweeper.forget_deleted(&live);
+            let pipelines = store.state();
+            let live = pipelines.iter().map(|dp| reconcile::key(dp)).collect();
+            let scraped = pipelines
+                .iter()
+                .filter_map(|dp| scrape::trainer_pods_of(dp))
+                .collect();
+            sweeper.forget_deleted(&live, &scraped);
         }
     });
     controller

@@ -32,9 +32,10 @@ impl OperatorMetrics {
         let reconcile_errors = IntCounterVec::new(
             Opts::new(
                 "stoker_operator_reconcile_errors_total",
-                "Failed reconciles by error kind (invalid_spec, kube_api, ...).",
+                "Failed reconciles by error kind (invalid_spec, kube_api, ...) and the step \
+                 that failed (validate, token, apply, status).",
             ),
-            &["kind"],
+            &["kind", "step"],
         )?;
         let reconcile_seconds = HistogramVec::new(
             HistogramOpts::new(
@@ -63,12 +64,12 @@ impl OperatorMetrics {
         })
     }
 
-    /// One reconcile's outcome: `Err(kind)` counts an error of that kind.
-    pub fn observe_reconcile(&self, took: Duration, result: Result<(), &str>) {
+    /// One reconcile's outcome: `Err((kind, step))` counts an error of that kind at that step.
+    pub fn observe_reconcile(&self, took: Duration, result: Result<(), (&str, &str)>) {
         let label = match result {
             Ok(()) => "ok",
-            Err(kind) => {
-                self.reconcile_errors.with_label_values(&[kind]).inc();
+            Err((kind, step)) => {
+                self.reconcile_errors.with_label_values(&[kind, step]).inc();
                 "error"
             }
         };

@@ -2,9 +2,8 @@
 //! fixed URLs), or a Prometheus server. Plain HTTP/1.0 over tokio: the endpoints are ours
 //! (or Prometheus), all speak it, and the operator needs no HTTP client stack for it.
 
+use crate::cache::TrainerPods;
 use crate::crd::{DataPipeline, MetricSource};
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams};
 use kube::ResourceExt;
 use std::time::Duration;
 use stoker_control::autoscale::{Observation, RankCounters};
@@ -100,23 +99,21 @@ impl Reading {
 
 /// Reads the ranks' counters from the pipeline's metric source.
 pub async fn read(
-    client: &kube::Client,
+    trainers: &TrainerPods,
     dp: &DataPipeline,
     source: &MetricSource,
 ) -> anyhow::Result<Reading> {
     let urls: Vec<String> = if let Some(urls) = &source.urls {
         urls.clone()
-    } else if let Some(pods) = &source.trainer_pods {
-        let ns = dp.namespace().unwrap_or_else(|| "default".into());
-        let selector = crate::build::label_selector_string(&pods.selector);
-        let list = Api::<Pod>::namespaced(client.clone(), &ns)
-            .list(&ListParams::default().labels(&selector))
-            .await?;
-        list.items
+    } else if let (Some(pods), Some((ns, selector))) = (&source.trainer_pods, trainer_pods_of(dp)) {
+        let port = pods.port;
+        let running = (trainers.running(&ns, &selector).await).ok_or_else(|| {
+            anyhow::anyhow!("the watch of trainer pods {selector} in {ns} has not listed yet")
+        })?;
+        running
             .iter()
-            .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
             .filter_map(|p| p.status.as_ref()?.pod_ip.clone())
-            .map(|ip| format!("http://{ip}:{}/metrics", pods.port))
+            .map(|ip| format!("http://{ip}:{port}/metrics"))
             .collect()
     } else if let Some(prom) = &source.prometheus {
         let ns = dp.namespace().unwrap_or_default();
@@ -131,6 +128,19 @@ pub async fn read(
         anyhow::bail!("no metric source (rejected at admission)")
     };
     Ok(Reading::Ranks(scrape_all(urls, ROUND_DEADLINE).await))
+}
+
+/// The (namespace, label selector) of the trainer pods `dp` scrapes, if it scrapes pods.
+pub fn trainer_pods_of(dp: &DataPipeline) -> Option<(String, String)> {
+    let pods = dp
+        .spec
+        .autoscaling
+        .as_ref()?
+        .metrics
+        .trainer_pods
+        .as_ref()?;
+    let ns = dp.namespace().unwrap_or_else(|| "default".into());
+    Some((ns, crate::labels::label_selector_string(&pods.selector)))
 }
 
 /// Every URL's counters, [`SCRAPE_CONCURRENCY`] at a time, within `round` (unread by then:

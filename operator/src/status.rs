@@ -1,8 +1,9 @@
 //! The DataPipeline status from what reconcile observed and decided: pure, so each condition
 //! is unit-tested without an API server.
 
-use crate::build;
 use crate::crd::{DataPipeline, DataPipelineStatus, WaitRatio};
+use crate::labels::selector_string;
+use crate::placement::Room;
 use crate::reconcile::Scale;
 use k8s_openapi::api::apps::v1::DeploymentStatus;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -11,8 +12,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 pub struct Observed {
     /// The worker Deployment's status after the apply.
     pub deployment: DeploymentStatus,
-    /// Nodes the workers may use, when a per-node limit applies.
-    pub eligible_nodes: Option<u32>,
+    /// What the nodes the workers may use can take, when a per-node limit applies.
+    pub room: Option<Room>,
     /// The count the autoscaler (or spec.replicas) asked for, before the per-node cap.
     pub wanted: i32,
     /// The Deployment's replicas before this reconcile (`None`: it did not exist).
@@ -38,15 +39,15 @@ pub fn compute(dp: &DataPipeline, scale: &Scale, seen: &Observed) -> DataPipelin
     if let Some(available) = scale.metrics_available {
         conditions.push(metrics_condition(available));
     }
-    if let (Some(per_node), Some(nodes)) = (build::max_workers_per_node(dp), seen.eligible_nodes) {
-        conditions.push(nic_condition(seen.wanted, scale.replicas, nodes, per_node));
+    if let Some(room) = &seen.room {
+        conditions.push(nic_condition(seen.wanted, scale.replicas, room));
     }
     let generation = dp.metadata.generation;
     DataPipelineStatus {
         replicas,
         desired_replicas: scale.replicas,
         ready_replicas: ready,
-        selector: build::selector_string(dp),
+        selector: selector_string(dp),
         wait_ratio: scale.observation.map(|o| WaitRatio {
             worst: round3(o.worst_wait_ratio),
             mean: round3(o.mean_wait_ratio),
@@ -86,7 +87,7 @@ pub fn invalid(dp: &DataPipeline, message: String) -> DataPipelineStatus {
         .stamp(generation, &prev.conditions),
     );
     DataPipelineStatus {
-        selector: build::selector_string(dp),
+        selector: selector_string(dp),
         observed_generation: generation,
         conditions,
         ..prev
@@ -165,20 +166,38 @@ fn metrics_condition(available: bool) -> Cond {
     }
 }
 
-fn nic_condition(wanted: i32, replicas: i32, nodes: u32, per_node: u32) -> Cond {
-    let risk = build::nic_saturation_risk(wanted.max(0) as u32, nodes, per_node);
+fn nic_condition(wanted: i32, replicas: i32, room: &Room) -> Cond {
+    let risk = wanted.max(0) as u32 > room.workers;
     let capped = if replicas < wanted {
         format!(" (capped at {replicas})")
     } else {
         String::new()
     };
+    let (nodes, per_node) = (room.nodes, room.per_node);
+    let mut message = format!(
+        "{wanted} workers wanted{capped}, {nodes} eligible nodes x {per_node} workers per node by the placement"
+    );
+    if room.shared > 0 {
+        let busiest: Vec<String> = (room.busiest.iter())
+            .map(|(node, gbps)| format!("{node} {gbps:.1} Gb/s"))
+            .collect();
+        let more = if room.shared as usize > busiest.len() {
+            ", ..."
+        } else {
+            ""
+        };
+        message += &format!(
+            "; other pipelines' workers use bandwidth on {} of them ({}{more}), leaving room for {}",
+            room.shared,
+            busiest.join(", "),
+            room.workers
+        );
+    }
     Cond {
         type_: "NICSaturationRisk",
         ok: risk,
         reason: if risk { "TooFewNodes" } else { "WithinBudget" },
-        message: format!(
-            "{wanted} workers wanted{capped}, {nodes} eligible nodes x {per_node} workers per node by the placement"
-        ),
+        message,
     }
 }
 
@@ -195,8 +214,7 @@ mod tests {
     use super::*;
 
     fn dp() -> DataPipeline {
-        let mut dp: DataPipeline =
-            serde_yaml::from_str(include_str!("../../examples/datapipeline.yaml")).unwrap();
+        let mut dp = crate::crd::example();
         dp.metadata.generation = Some(7);
         dp
     }
@@ -223,7 +241,13 @@ mod tests {
                 ready_replicas: Some(2),
                 ..Default::default()
             },
-            eligible_nodes: Some(2),
+            room: Some(Room {
+                nodes: 2,
+                per_node: 5,
+                workers: 10,
+                shared: 0,
+                busiest: vec![],
+            }),
             wanted: 12,
             previous_replicas: Some(2),
         };

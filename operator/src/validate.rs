@@ -3,11 +3,48 @@
 //! that fails gets a `Ready=False/InvalidSpec` condition and a Warning Event naming every
 //! problem; nothing is applied for it until it changes.
 
-use crate::crd::{DataPipelineSpec, MetricSource};
+use crate::crd::{DataPipeline, DataPipelineSpec, MetricSource, S3Source, VolumeSource};
+
+/// A pipeline the operator can honour, with what validation parsed kept: what the builders
+/// take (they never re-read what this decided, nor default what it rejected).
+pub struct Valid<'a> {
+    pub dp: &'a DataPipeline,
+    pub source: DataSource<'a>,
+    /// CPU threads from the CPU limit (else request), rounded up; `None`: the worker's default.
+    pub cpu_threads: Option<u32>,
+}
+
+/// Where the dataset is: exactly one (admission's CEL says so; validation makes sure).
+#[derive(Debug, Clone, Copy)]
+pub enum DataSource<'a> {
+    S3(&'a S3Source),
+    Volume(&'a VolumeSource),
+}
+
+/// `dp` as a [`Valid`] pipeline, or every problem it has (see [`problems`]).
+pub fn validate(dp: &DataPipeline) -> Result<Valid<'_>, Vec<String>> {
+    let problems = problems(&dp.spec);
+    let source = match (&dp.spec.source.s3, &dp.spec.source.volume) {
+        (Some(s3), None) => DataSource::S3(s3),
+        (None, Some(v)) => DataSource::Volume(v),
+        _ => return Err(problems),
+    };
+    if !problems.is_empty() {
+        return Err(problems);
+    }
+    Ok(Valid {
+        dp,
+        source,
+        cpu_threads: crate::quantity::cpu_threads(&dp.spec),
+    })
+}
 
 /// Every problem of `spec`, each naming its field; empty when the operator can honour it.
 pub fn problems(spec: &DataPipelineSpec) -> Vec<String> {
     let mut out = Vec::new();
+    if spec.source.s3.is_some() == spec.source.volume.is_some() {
+        out.push("source: set exactly one of source.s3 and source.volume".into());
+    }
     if spec.worker.image.trim().is_empty() {
         out.push("worker.image is empty".into());
     }
@@ -24,7 +61,7 @@ pub fn problems(spec: &DataPipelineSpec) -> Vec<String> {
     if let Some(r) = &spec.worker.resources {
         for (kind, list) in [("limits", &r.limits), ("requests", &r.requests)] {
             if let Some(cpu) = list.as_ref().and_then(|l| l.get("cpu")) {
-                if crate::build::cpu_cores(&cpu.0).is_none() {
+                if crate::quantity::cpu_cores(&cpu.0).is_none() {
                     out.push(format!(
                         "worker.resources.{kind}.cpu {:?} is not a CPU quantity",
                         cpu.0
@@ -112,17 +149,36 @@ fn tokenizer(t: &str, has_s3: bool, out: &mut Vec<String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::DataPipeline;
 
     fn spec() -> DataPipelineSpec {
-        let dp: DataPipeline =
-            serde_yaml::from_str(include_str!("../../examples/datapipeline.yaml")).unwrap();
-        dp.spec
+        crate::crd::example().spec
     }
 
     #[test]
     fn the_example_is_valid() {
         assert_eq!(problems(&spec()), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_valid_pipeline_carries_its_source_and_cpu_budget() {
+        let mut dp = crate::crd::example();
+        let v = validate(&dp).unwrap();
+        assert!(matches!(v.source, DataSource::S3(s3) if s3.uri == "s3://datasets/llava-sft"));
+        assert_eq!(v.cpu_threads, Some(4));
+        // Neither source, or both (a spec that skipped admission's CEL): named, never built.
+        let both = dp.spec.source.s3.clone();
+        dp.spec.source.s3 = None;
+        let neither = validate(&dp).err().unwrap();
+        assert!(
+            neither[0].contains("exactly one of source.s3 and source.volume"),
+            "{neither:?}"
+        );
+        dp.spec.source.s3 = both;
+        dp.spec.source.volume = Some(VolumeSource {
+            claim_name: "c".into(),
+            path: String::new(),
+        });
+        assert!(validate(&dp).is_err());
     }
 
     #[test]

@@ -35,7 +35,7 @@ pub enum DatasetCommand {
         #[arg(long)]
         allow_bad: bool,
         /// Also measure every sample's length from its text and image headers (no pixel is
-        /// decoded) and store them (stoker-lengths.json) for workers with `--balance-ranks`,
+        /// decoded) and store them (stoker-lengths.bin) for workers with `--balance-ranks`,
         /// `--bucket-by-length` or `--pack-max-tokens` and these preprocessing flags.
         #[arg(long, conflicts_with = "dry_run")]
         write_lengths: bool,
@@ -73,7 +73,7 @@ pub enum DatasetCommand {
         /// --lengths`.
         #[arg(long)]
         lengths_out: Option<PathBuf>,
-        /// Store every sample's length at the dataset root (stoker-lengths.json), for workers
+        /// Store every sample's length at the dataset root (stoker-lengths.bin), for workers
         /// with `--balance-ranks` and these preprocessing flags.
         #[arg(long, conflicts_with = "samples")]
         write_lengths: bool,
@@ -353,7 +353,7 @@ async fn sample_lengths(
         .collect()
 }
 
-/// Stores every sample's length (stoker-lengths.json) with the index version and
+/// Stores every sample's length (stoker-lengths.bin) with the index version and
 /// preprocessing they hold for.
 async fn store_lengths(p: &Pipeline, by_id: &[Option<SampleShape>]) -> anyhow::Result<()> {
     let stored = SampleLengths {
@@ -365,9 +365,7 @@ async fn store_lengths(p: &Pipeline, by_id: &[Option<SampleShape>]) -> anyhow::R
             .map(|l| l.as_ref().map_or(0, |l| l.tokens as u32))
             .collect(),
     };
-    p.store
-        .put(LENGTHS_KEY, serde_json::to_vec(&stored)?)
-        .await?;
+    p.store.put(LENGTHS_KEY, stored.to_bytes()).await?;
     eprintln!("wrote {}", p.store.describe(LENGTHS_KEY));
     Ok(())
 }

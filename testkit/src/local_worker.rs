@@ -144,15 +144,15 @@ impl Drop for LocalWorker {
 }
 
 /// Runs `EXE dataset index DATA --write-lengths` (with `env`, e.g. the embedded S3's) and
-/// returns the token counts it stored in `dir`/stoker-lengths.json (`dir`: the dataset's
-/// folder on disk): what workers with `--balance-ranks`, `--bucket-by-length` or
-/// `--pack-max-tokens` read.
+/// returns what it stored in `dir`/stoker-lengths.bin (`dir`: the dataset's folder on disk;
+/// `SampleLengths::from_bytes` reads it): what workers with `--balance-ranks`,
+/// `--bucket-by-length` or `--pack-max-tokens` read.
 pub fn write_sample_lengths(
     exe: &Path,
     data: &str,
     env: &[(&'static str, String)],
     dir: &Path,
-) -> anyhow::Result<Vec<u32>> {
+) -> anyhow::Result<Vec<u8>> {
     let out = Command::new(exe)
         .args([
             "dataset",
@@ -168,7 +168,5 @@ pub fn write_sample_lengths(
         "dataset index: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let stored: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("stoker-lengths.json"))?)?;
-    Ok(serde_json::from_value(stored["tokens"].clone())?)
+    Ok(std::fs::read(dir.join("stoker-lengths.bin"))?)
 }

@@ -4,6 +4,7 @@ loopback. The chart is installed with the real helm; the operator runs as a loca
 with the credentials of the chart's ServiceAccount (a TokenRequest token), so its RBAC is
 what the cluster enforces."""
 
+import collections
 import json
 import os
 import pathlib
@@ -69,6 +70,11 @@ class Cluster:
                              capture_output=True, text=True, timeout=600)
         self.kubeconfig = out.stdout.strip().splitlines()[-1]
 
+    @property
+    def audit_log(self) -> pathlib.Path:
+        """The API server's log of every ServiceAccount request (scripts/cluster.sh)."""
+        return pathlib.Path(self.env["STOKER_CLUSTER_DIR"]) / "logs" / "audit.log"
+
     def down(self) -> None:
         subprocess.run([self.script, "down"], env=self.env, capture_output=True, timeout=120)
 
@@ -101,6 +107,45 @@ class Cluster:
             "current-context": "c",
         }))
         return str(path)
+
+
+class Audit:
+    """The operator's API requests (made with the chart's ServiceAccount token), from the API
+    server's audit log, from a mark on."""
+
+    USER = f"system:serviceaccount:{RELEASE_NS}:{SA}"
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.path = cluster.audit_log
+        self.offset = 0
+
+    def mark(self) -> None:
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+
+    def since_mark(self, names: frozenset = frozenset()) -> collections.Counter:
+        """Requests by (verb, resource[/subresource]); only those on objects of `names`, if
+        given."""
+        counts = collections.Counter()
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            for line in f:
+                try:
+                    e = json.loads(line)
+                except ValueError:
+                    continue  # a line being written
+                if e.get("user", {}).get("username") != self.USER:
+                    continue
+                # One event per request: at its end, or a watch when it starts.
+                watch = e.get("verb") == "watch"
+                if e.get("stage") != ("ResponseStarted" if watch else "ResponseComplete"):
+                    continue
+                ref = e.get("objectRef", {})
+                if names and ref.get("name") not in names:
+                    continue
+                resource = ref.get("resource", "?") + ("/" + ref["subresource"]
+                                                       if ref.get("subresource") else "")
+                counts[(e["verb"], resource)] += 1
+        return counts
 
 
 @pytest.fixture(scope="session")

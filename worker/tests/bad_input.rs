@@ -238,8 +238,7 @@ async fn lengths_from_headers_and_a_packed_batch_without_its_skipped_samples() {
         preprocessing: stoker_worker::pipeline::preprocessing_id(&p.config, p.text.fingerprint),
         tokens: tokens.clone(),
     };
-    let json = serde_json::to_vec(&lengths).unwrap();
-    p.store.put(LENGTHS_KEY, json).await.unwrap();
+    p.store.put(LENGTHS_KEY, lengths.to_bytes()).await.unwrap();
 
     cfg.sampling.pack_max_tokens = Some(4096);
     let w = start_worker(&cfg).await;

@@ -1,0 +1,69 @@
+//! What identifies a pipeline's objects: their names, the labels they carry, the selectors
+//! that find them (one definition for the builders, the caches and the status).
+
+use crate::crd::DataPipeline;
+use kube::ResourceExt;
+use std::collections::BTreeMap;
+
+/// The field manager of every apply, and the `managed-by` label's value.
+pub const FIELD_MANAGER: &str = "stoker-operator";
+
+/// Names of everything a pipeline owns.
+pub struct Names {
+    pub workers: String,
+    pub service: String,
+    pub token_secret: String,
+}
+
+pub fn names(dp: &DataPipeline) -> Names {
+    let name = dp.name_any();
+    Names {
+        workers: format!("{name}-workers"),
+        service: format!("{name}-workers"),
+        token_secret: dp
+            .spec
+            .token_secret
+            .clone()
+            .unwrap_or_else(|| format!("{name}-token")),
+    }
+}
+
+/// The label naming the pipeline a worker pod belongs to.
+pub const INSTANCE: &str = "app.kubernetes.io/instance";
+
+/// Labels that select this pipeline's worker pods.
+pub fn selector_labels(dp: &DataPipeline) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("app.kubernetes.io/name".into(), "stoker-worker".into()),
+        (INSTANCE.into(), dp.name_any()),
+    ])
+}
+
+/// The selector as a string (status.selector, for the scale subresource).
+pub fn selector_string(dp: &DataPipeline) -> String {
+    label_selector_string(&selector_labels(dp))
+}
+
+/// `k=v,k=v`: a label selector for list calls.
+pub fn label_selector_string(labels: &BTreeMap<String, String>) -> String {
+    labels
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+
+/// Selects everything the operator applies (every object carries [`labels`]): the watches of
+/// owned objects and worker pods.
+pub fn managed_selector() -> String {
+    format!("{MANAGED_BY}={FIELD_MANAGER}")
+}
+
+pub fn labels(dp: &DataPipeline) -> BTreeMap<String, String> {
+    let mut l = selector_labels(dp);
+    l.insert(MANAGED_BY.into(), FIELD_MANAGER.into());
+    l.insert("app.kubernetes.io/component".into(), "worker".into());
+    l
+}
