@@ -3,7 +3,7 @@
 use crate::buffer::AlignedBuf;
 use std::ops::Range;
 use std::sync::Arc;
-use stoker_wire::{tensor, BatchHead, DType, ImageTokens, Skipped, TensorMeta};
+use stoker_wire::{tensor, BatchHead, DType, Skipped, TensorMeta};
 
 pub struct Batch {
     pub epoch: u64,
@@ -55,14 +55,11 @@ pub struct TensorView<'a> {
 
 impl Batch {
     /// The batch a worker answered, or why its tensors do not fit together (then it is
-    /// never delivered): a packed layout that points past its tensors or skips samples, image
-    /// tokens that are not `images`' tokens of the batch's grids, u8 pixels without a
-    /// `[3, 256]` float32 table to normalize them.
+    /// never delivered: a packed layout that points past its tensors or skips samples).
     pub(crate) fn new(
         head: BatchHead,
         payload: AlignedBuf,
         worker: String,
-        images: ImageTokens,
     ) -> std::result::Result<Self, String> {
         let mut batch = Batch {
             epoch: head.request.epoch,
@@ -79,30 +76,6 @@ impl Batch {
         if batch.tensor(tensor::CU_SEQLENS).is_some() {
             batch.packs = Some(packs(&batch).map_err(|e| format!("packed layout: {e}"))?);
         }
-        check_pixel_table(&batch)?;
-        let ids = batch
-            .tensor(tensor::INPUT_IDS)
-            .filter(|t| t.dtype == DType::I64 && t.shape.len() == 2)
-            .ok_or("no [rows, L] int64 input_ids")?;
-        let grid = match batch.tensor(tensor::IMAGE_GRID_THW) {
-            Some(_) => ints(&batch, tensor::IMAGE_GRID_THW, 2)?.0,
-            None => Vec::new(),
-        };
-        let pixel_rows = batch
-            .tensor(tensor::PIXEL_VALUES)
-            .map_or(0, |t| t.shape.first().copied().unwrap_or(0));
-        let pack_images: Option<Vec<i64>> = (batch.packs.as_ref())
-            .map(|packs| packs.iter().map(|p| p.images.len() as i64).collect());
-        let rows = ids.shape[0] as usize;
-        if batch.packs.is_none() && rows != batch.sample_ids.len() {
-            return Err(format!(
-                "input_ids has {rows} rows for {} samples",
-                batch.sample_ids.len()
-            ));
-        }
-        images
-            .check(ids.bytes, rows, &grid, pixel_rows, pack_images.as_deref())
-            .map_err(|e| format!("images and tokens disagree: {e}"))?;
         Ok(batch)
     }
 
@@ -131,21 +104,6 @@ impl Batch {
     /// Bytes of the frame payload (head and tensors).
     pub fn payload_bytes(&self) -> u64 {
         self.payload.len() as u64
-    }
-}
-
-/// u8 pixels come with the table that normalizes them, `[3, 256]` float32 (a lookup past it
-/// is a device-side assert on CUDA); other pixels come without one.
-fn check_pixel_table(batch: &Batch) -> std::result::Result<(), String> {
-    let pixels = batch.tensor(tensor::PIXEL_VALUES).map(|t| t.dtype);
-    let table = batch.tensor(tensor::PIXEL_LUT).map(|t| (t.dtype, t.shape));
-    match (pixels, table) {
-        (Some(DType::U8), Some((DType::F32, &[3, 256]))) => Ok(()),
-        (Some(DType::U8), table) => Err(format!(
-            "u8 pixel_values need a [3, 256] float32 pixel_lut, not {table:?}"
-        )),
-        (_, None) => Ok(()),
-        (pixels, Some(_)) => Err(format!("a pixel_lut with {pixels:?} pixel_values")),
     }
 }
 
@@ -287,28 +245,17 @@ mod tests {
         values.iter().flat_map(|&v| bytes(v)).collect()
     }
 
-    /// Image token 9, merged 1×1 (a token per patch).
-    const IMAGES: ImageTokens = ImageTokens {
-        image_token: 9,
-        merge_size: 1,
-    };
-
     /// A batch of two packs over a row width of 6: samples of 3 and 2 tokens with images of
-    /// 2 and 1 pixel rows (and tokens), then one sample of 4 tokens without images.
+    /// 4 and 2 pixel rows, then one sample of 4 tokens without images.
     fn tensors() -> Vec<(&'static str, DType, Vec<u64>, Vec<u8>)> {
         vec![
-            (
-                "input_ids",
-                DType::I64,
-                vec![2, 6],
-                le(&[9i64, 9, 1, 9, 1, 0, 1, 1, 1, 1, 0, 0], i64::to_le_bytes),
-            ),
-            ("pixel_values", DType::F32, vec![3, 4], vec![0; 48]),
+            ("input_ids", DType::I64, vec![2, 6], vec![0; 96]),
+            ("pixel_values", DType::U8, vec![6, 4], vec![0; 24]),
             (
                 "image_grid_thw",
                 DType::I64,
                 vec![2, 3],
-                le(&[1i64, 1, 2, 1, 1, 1], i64::to_le_bytes),
+                le(&[1i64, 2, 2, 1, 1, 2], i64::to_le_bytes),
             ),
             (
                 "cu_seqlens",
@@ -356,7 +303,7 @@ mod tests {
             tensors: metas,
             payload_len: payload.len() as u64,
         };
-        Batch::new(head, buf, "w".into(), IMAGES)
+        Batch::new(head, buf, "w".into())
     }
 
     #[test]
@@ -372,7 +319,7 @@ mod tests {
                     max_seqlen: 3,
                     samples: 0..2,
                     images: 0..2,
-                    pixel_rows: 0..3
+                    pixel_rows: 0..6
                 },
                 Pack {
                     row: 1,
@@ -381,7 +328,7 @@ mod tests {
                     max_seqlen: 4,
                     samples: 2..3,
                     images: 2..2,
-                    pixel_rows: 3..3
+                    pixel_rows: 6..6
                 },
             ]
         );
@@ -390,7 +337,7 @@ mod tests {
     #[test]
     fn a_plain_batch_has_no_packs() {
         let plain: Vec<_> = tensors().into_iter().take(3).collect();
-        assert_eq!(batch(2, &plain).unwrap().packs, None);
+        assert_eq!(batch(3, &plain).unwrap().packs, None);
     }
 
     #[test]
@@ -406,13 +353,6 @@ mod tests {
         let i64s = |v: &[i64]| le(v, i64::to_le_bytes);
         let mut float_bounds = tensors();
         float_bounds[3].1 = DType::F32;
-        let mut u8_pixels = with("pixel_values", vec![3, 4], vec![0; 12]);
-        u8_pixels[1].1 = DType::U8;
-        let mut short_table = u8_pixels.clone();
-        short_table.push(("pixel_lut", DType::F32, vec![3, 255], vec![0; 3 * 255 * 4]));
-        let mut table = u8_pixels.clone();
-        table.push(("pixel_lut", DType::F32, vec![3, 256], vec![0; 3 * 256 * 4]));
-        assert!(batch(3, &table).is_ok());
         let cases = [
             (
                 3,
@@ -452,22 +392,6 @@ mod tests {
                 "image_grid_thw holds",
             ),
             (3, float_bounds, "not an integer tensor"),
-            // A sample that kept its image's grid and pixel rows but lost its tokens.
-            (
-                3,
-                with(
-                    "input_ids",
-                    vec![2, 6],
-                    i64s(&[1, 1, 1, 9, 1, 0, 1, 1, 1, 1, 0, 0]),
-                ),
-                "images and tokens disagree: row 0 holds 1 image tokens, its images 3",
-            ),
-            (3, u8_pixels, "need a [3, 256] float32 pixel_lut, not None"),
-            (
-                3,
-                short_table,
-                "need a [3, 256] float32 pixel_lut, not Some",
-            ),
             (
                 3,
                 with("position_ids", vec![4, 1, 6], vec![0; 192]),

@@ -104,20 +104,6 @@ pub struct LoaderState {
     pub next_batch: u64,
 }
 
-impl LoaderState {
-    /// The global position it names in a plan of `batches_per_epoch`; `None` when it names
-    /// no batch of such a plan (a state from elsewhere, or forged).
-    pub fn position(&self, batches_per_epoch: u64) -> Option<u64> {
-        (self.next_batch < batches_per_epoch).then_some(())?;
-        let position = self.epoch.checked_mul(batches_per_epoch)?;
-        // Room left to count batches past it.
-        position
-            .checked_add(self.next_batch)?
-            .checked_add(1 << 62)?;
-        Some(position + self.next_batch)
-    }
-}
-
 /// Accumulated blocked vs. stepping time, for the wait ratio.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct WaitStats {
@@ -228,7 +214,8 @@ impl Loader {
         };
         if let Some(s) = state {
             // The scheduler already starts there; this validates and sets our side.
-            loader.position = loader.check_state(&s)?;
+            loader.check_state(&s)?;
+            loader.position = s.epoch * loader.identity.batches_per_epoch + s.next_batch;
             loader
                 .shared
                 .consumed
@@ -336,7 +323,9 @@ impl Loader {
 
     /// Continues from `state` (of this or any other world size: positions are global).
     pub fn load_state(&mut self, state: LoaderState) -> Result<()> {
-        self.position = self.check_state(&state)?;
+        self.check_state(&state)?;
+        let bpe = self.identity.batches_per_epoch;
+        self.position = state.epoch * bpe + state.next_batch;
         self.generation += 1;
         self.epoch_end_pending = false;
         self.shared.consumed.store(self.position, Ordering::Release);
@@ -348,8 +337,7 @@ impl Loader {
             .map_err(|_| Error::Internal("the loader's scheduler stopped".into()))
     }
 
-    /// The position `state` names in the workers' plan.
-    fn check_state(&self, state: &LoaderState) -> Result<u64> {
+    fn check_state(&self, state: &LoaderState) -> Result<()> {
         if state.plan_id != self.identity.plan_id {
             return Err(Error::PlanMismatch(format!(
                 "the state is for plan {:016x}, the workers serve plan {:016x} ({}): same dataset, seed, batch size and preprocessing are needed to resume",
@@ -357,12 +345,13 @@ impl Loader {
             )));
         }
         let bpe = self.identity.batches_per_epoch;
-        state.position(bpe).ok_or_else(|| {
-            Error::PlanMismatch(format!(
-                "the state names epoch {} batch {}, not a batch of this plan ({bpe} an epoch)",
-                state.epoch, state.next_batch
-            ))
-        })
+        if state.next_batch >= bpe {
+            return Err(Error::PlanMismatch(format!(
+                "the state names batch {} but an epoch has {bpe}",
+                state.next_batch
+            )));
+        }
+        Ok(())
     }
 
     pub fn stats(&self) -> WaitStats {

@@ -392,13 +392,9 @@ impl Scheduler {
                         reason: error.message,
                     };
                     self.problems.insert(addr, refusal.clone());
-                    // One address refusing may be stale (its IP now another pipeline's
-                    // worker) or not ours at all; when every worker refuses, retrying cannot
-                    // fix the token: say so at once.
-                    if self.every_worker_refuses_the_token() {
-                        self.fail_identity(refusal.clone());
-                        self.fail_trainer(refusal);
-                    }
+                    // Retrying cannot fix a token; say so at once.
+                    self.fail_identity(refusal.clone());
+                    self.fail_trainer(refusal);
                 } else {
                     // Full or draining: the connection closes next, and the rank finds
                     // capacity elsewhere meanwhile.
@@ -1085,15 +1081,6 @@ impl Scheduler {
         }
     }
 
-    /// No worker is up and every one known refused the token.
-    fn every_worker_refuses_the_token(&self) -> bool {
-        self.live == 0
-            && self
-                .links
-                .values()
-                .all(|l| matches!(self.problems.get(&l.addr), Some(Error::Unauthorized { .. })))
-    }
-
     fn fail_identity(&mut self, error: Error) {
         if !self.identity_taken && self.identity.is_none() && self.identity_result.is_none() {
             self.identity_result = Some(Err(error));
@@ -1140,9 +1127,8 @@ impl Scheduler {
             self.gates.remove(&(at, addr));
         }
         if self.identity.is_none() {
-            // A state that names no batch of the plan is the loader's to refuse.
-            let bpe = offered.batches_per_epoch;
-            self.next_issue = self.cfg.state.map_or(0, |s| s.position(bpe).unwrap_or(0));
+            let (epoch, batch) = self.cfg.state.map_or((0, 0), |s| (s.epoch, s.next_batch));
+            self.next_issue = epoch * offered.batches_per_epoch + batch;
             self.next_deliver = self.next_issue;
             self.shared
                 .consumed
@@ -1186,12 +1172,11 @@ impl Scheduler {
                         l.window += 1;
                     }
                 }
-                let images = self.identity.as_ref().map(|plan| plan.image_tokens);
-                let checked = match (self.wrong_answer(&head.request, f.position), images) {
-                    (Some(why), _) => Err(("wrong_batch", why)),
-                    (None, None) => Err(("wrong_batch", "an answer before any plan".into())),
-                    (None, Some(images)) => Batch::new(head, buf, addr.clone(), images)
-                        .map_err(|why| ("malformed_batch", why)),
+                let checked = match self.wrong_answer(&head.request, f.position) {
+                    Some(why) => Err(("wrong_batch", why)),
+                    None => {
+                        Batch::new(head, buf, addr.clone()).map_err(|why| ("malformed_batch", why))
+                    }
                 };
                 let batch = match checked {
                     Ok(batch) => batch,
@@ -1245,14 +1230,9 @@ impl Scheduler {
                     self.count_failure(f.position, request_id, &addr, &e.message);
                 }
                 ErrorCode::Unauthorized | ErrorCode::BadRequest | ErrorCode::Failed => {
-                    // Another worker would answer the same if the batch is at fault, but one
-                    // worker's word does not end a job (it may be stale, broken or not
-                    // ours): asked elsewhere, the trainer told once max_attempts said so.
+                    // Another worker would answer the same: tell the trainer.
                     self.metrics.errors.with_label_values(&["answer"]).inc();
-                    if e.code == ErrorCode::Unauthorized {
-                        self.stop_using(link);
-                    }
-                    self.count_failure(f.position, request_id, &addr, &e.message);
+                    self.give_up(f.position, &addr, &e.message);
                 }
             },
         }
@@ -1437,13 +1417,6 @@ impl Scheduler {
                 .problems
                 .values()
                 .all(|p| matches!(p, Error::PlanMismatch(_)));
-        let all_refused = self
-            .problems
-            .values()
-            .all(|p| matches!(p, Error::Unauthorized { .. }));
-        if let (true, Some(refusal)) = (all_refused, self.problems.values().next()) {
-            return refusal.clone();
-        }
         if all_mismatched {
             return Error::PlanMismatch(why(self
                 .problems

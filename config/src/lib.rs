@@ -26,7 +26,6 @@ pub const DEFAULT_MAX_INFLIGHT_PER_CONN: u32 = 8;
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 1024;
 pub const DEFAULT_LINKS_PER_RANK: u32 = 0;
 pub const DEFAULT_IDLE_TIMEOUT_S: u64 = 600;
-pub const DEFAULT_WRITE_TIMEOUT_S: u64 = 60;
 /// Bounds of the serving limits (the CRD schema, the worker's flags and the operator's check).
 pub const MAX_INFLIGHT_PER_CONN_LIMIT: u32 = 1024;
 pub const MAX_CONNECTIONS_LIMIT: u32 = 65_536;
@@ -499,9 +498,8 @@ pub struct ServingLimits {
         )
     )]
     pub max_inflight_per_conn: u32,
-    /// Authenticated connections open at once; one more is refused with an Error frame
-    /// (Unavailable) naming the limit (connections still in their handshake have a budget of
-    /// their own). A trainer rank holds one per worker it uses;
+    /// Connections open at once (authenticated or not); one more is refused with an Error
+    /// frame (Unavailable) naming the limit. A trainer rank holds one per worker it uses;
     /// clients are told the limit in the Welcome.
     #[serde(default = "default_max_connections")]
     #[schemars(range(min = 1, max = MAX_CONNECTIONS_LIMIT))]
@@ -540,23 +538,6 @@ pub struct ServingLimits {
         )
     )]
     pub idle_timeout_s: u64,
-    /// An answer not written within this many seconds (the peer stopped reading) closes the
-    /// connection: its answers would otherwise hold the worker's sample budget.
-    #[serde(default = "default_write_timeout_s")]
-    #[schemars(range(min = 1))]
-    #[cfg_attr(
-        feature = "clap",
-        arg(
-            long,
-            default_value_t = DEFAULT_WRITE_TIMEOUT_S,
-            value_parser = clap::value_parser!(u64).range(1..)
-        )
-    )]
-    pub write_timeout_s: u64,
-}
-
-fn default_write_timeout_s() -> u64 {
-    DEFAULT_WRITE_TIMEOUT_S
 }
 
 fn default_max_inflight_per_conn() -> u32 {
@@ -578,7 +559,6 @@ impl Default for ServingLimits {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             links_per_rank: DEFAULT_LINKS_PER_RANK,
             idle_timeout_s: DEFAULT_IDLE_TIMEOUT_S,
-            write_timeout_s: DEFAULT_WRITE_TIMEOUT_S,
         }
     }
 }
@@ -616,7 +596,6 @@ impl ServingLimits {
             limit(LINKS_PER_RANK_LIMIT),
         );
         check("idleTimeoutS", self.idle_timeout_s, 1, None);
-        check("writeTimeoutS", self.write_timeout_s, 1, None);
         out
     }
 }
@@ -781,7 +760,6 @@ impl ServingLimits {
         a.value("max-connections", self.max_connections);
         a.value("links-per-rank", self.links_per_rank);
         a.value("idle-timeout-s", self.idle_timeout_s);
-        a.value("write-timeout-s", self.write_timeout_s);
     }
 }
 
@@ -885,7 +863,6 @@ mod tests {
                     max_connections: 5,
                     links_per_rank: 2,
                     idle_timeout_s: 9,
-                    write_timeout_s: 4,
                 },
                 max_inflight_samples: Some(99),
                 pipeline: "llava".into(),
@@ -990,7 +967,6 @@ mod tests {
             max_connections: 70_000,
             links_per_rank: 2000,
             idle_timeout_s: 0,
-            write_timeout_s: 0,
         };
         assert_eq!(
             wrong.problems(),
@@ -999,7 +975,6 @@ mod tests {
                 "serving.maxConnections 70000 is outside 1..=65536",
                 "serving.linksPerRank 2000 is outside 0..=1024",
                 "serving.idleTimeoutS 0 is below 1",
-                "serving.writeTimeoutS 0 is below 1",
             ]
         );
     }

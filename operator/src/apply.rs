@@ -54,29 +54,6 @@ fn as_left<K: Resource>(changes: Changes, live: &K, answer: &K) -> bool {
         }
 }
 
-/// Why an owned object was not applied.
-#[derive(Debug, thiserror::Error)]
-pub enum ApplyError {
-    #[error(transparent)]
-    Kube(#[from] kube::Error),
-    /// An object of the name exists and the pipeline does not control it.
-    #[error("exists and is not this pipeline's ({owner}); not taken over")]
-    NotOurs { owner: String },
-}
-
-/// The uid of `obj`'s controller, if it has one.
-pub fn controller_uid<K: Resource>(obj: &K) -> Option<&str> {
-    let refs = obj.meta().owner_references.iter().flatten();
-    refs.filter(|r| r.controller == Some(true))
-        .map(|r| r.uid.as_str())
-        .next()
-}
-
-/// Whether `live` has the controller `wanted` names (the pipeline, by uid).
-fn controlled_alike<K: Resource>(live: &K, wanted: &K) -> bool {
-    controller_uid(live).is_some() && controller_uid(live) == controller_uid(wanted)
-}
-
 fn hash_of<K: Serialize>(obj: &K) -> u64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     serde_json::to_vec(obj)
@@ -120,36 +97,15 @@ where
     }
 
     /// Applies `obj` for `pipeline` unless it is already as wanted; the object as it now is.
-    /// An object of that name the pipeline does not control (created by someone else) is
-    /// never taken over: a forced apply would adopt it, and garbage collection would later
-    /// delete it with the pipeline.
     pub async fn apply(
         &self,
         client: &kube::Client,
         pipeline: &str,
         obj: &K,
-    ) -> Result<Arc<K>, ApplyError> {
+    ) -> Result<Arc<K>, kube::Error> {
         let (ns, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
-        let api = Api::<K>::namespaced(client.clone(), &ns);
         let wanted = hash_of(obj);
         let live = self.cache.get(&ns, &name);
-        // The cache holds only objects with the operator's labels: one it lacks may still
-        // exist (created by someone else), so it is read before it is created.
-        let existing = match &live {
-            Some(live) => Some(live.clone()),
-            None => api.get_opt(&name).await?.map(Arc::new),
-        };
-        if let Some(other) = existing.filter(|e| !controlled_alike(e.as_ref(), obj)) {
-            let owner = other
-                .owner_references()
-                .iter()
-                .find(|r| r.controller == Some(true));
-            return Err(ApplyError::NotOurs {
-                owner: owner.map_or("no controller".into(), |r| {
-                    format!("controlled by {} {}", r.kind, r.name)
-                }),
-            });
-        }
         let unchanged = live.as_ref().is_some_and(|live| {
             let applied = self.applied.lock().expect("applied objects");
             applied.get(pipeline).is_some_and(|a| {
@@ -171,7 +127,9 @@ where
             }
         );
         let pp = PatchParams::apply(FIELD_MANAGER).force();
-        let answer = api.patch(&name, &pp, &Patch::Apply(obj)).await?;
+        let answer = Api::<K>::namespaced(client.clone(), &ns)
+            .patch(&name, &pp, &Patch::Apply(obj))
+            .await?;
         let answer = Arc::new(answer);
         self.applied.lock().expect("applied objects").insert(
             pipeline.to_string(),

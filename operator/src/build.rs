@@ -287,7 +287,6 @@ fn worker_pod(p: &Valid) -> PodSpec {
             }),
             ..PodSecurityContext::default()
         }),
-        service_account_name: s.worker.service_account_name.clone(),
         automount_service_account_token: Some(false),
         termination_grace_period_seconds: Some(DRAIN_SECONDS + PRESTOP_SECONDS + 10),
         node_selector: (!s.worker.node_selector.is_empty()).then(|| s.worker.node_selector.clone()),
@@ -452,24 +451,6 @@ mod tests {
         affinity.pod_anti_affinity.as_ref().unwrap()
     }
 
-    /// Workers run as the namespace's default ServiceAccount, or the one the pipeline names
-    /// (a cloud role for the store), never with an API token mounted.
-    #[test]
-    fn workers_run_as_the_named_service_account_without_an_api_token() {
-        let mut dp = example();
-        let default = deployment(&valid(&dp), 1);
-        assert_eq!(pod(&default).service_account_name, None);
-        dp.spec.worker.service_account_name = Some("dataset-reader".into());
-        let named = deployment(&valid(&dp), 1);
-        assert_eq!(
-            pod(&named).service_account_name.as_deref(),
-            Some("dataset-reader")
-        );
-        for d in [default, named] {
-            assert_eq!(pod(&d).automount_service_account_token, Some(false));
-        }
-    }
-
     #[test]
     fn deployment_runs_the_worker_with_the_plan_and_preprocessing() {
         let dp = example();
@@ -557,7 +538,6 @@ mod tests {
             max_connections: 4096,
             links_per_rank: 2,
             idle_timeout_s: 120,
-            write_timeout_s: 30,
         };
         let d = deployment(&valid(&dp), 1);
         let args = pod(&d).containers[0].args.clone().unwrap();
@@ -567,7 +547,6 @@ mod tests {
             "--max-inflight-per-conn 3",
             "--max-connections 4096",
             "--links-per-rank 2",
-            "--write-timeout-s 30",
             "--idle-timeout-s 120",
         ] {
             assert!(joined.contains(want), "{want:?} not in {joined}");

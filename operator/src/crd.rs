@@ -32,8 +32,7 @@ pub use stoker_config::{
     printcolumn = r#"{"name":"Desired","type":"integer","jsonPath":".status.desiredReplicas"}"#,
     printcolumn = r#"{"name":"Wait","type":"number","jsonPath":".status.waitRatio.worst","description":"worst trainer rank's wait ratio"}"#,
     printcolumn = r#"{"name":"Rate","type":"number","jsonPath":".status.samplesPerSecond","description":"samples/s the trainers consume"}"#,
-    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
-    validation = Rule::new("size(self.metadata.name) <= 55").message("metadata.name may have at most 55 characters: its Service, <name>-workers, must be a DNS label (63)")
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("!has(self.autoscaling) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas) || self.replicas == 0").message("spec.replicas must lie within [autoscaling.minReplicas, autoscaling.maxReplicas]"))]
@@ -147,11 +146,6 @@ pub struct WorkerTemplate {
     /// Taints the workers tolerate.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<Toleration>,
-    /// The ServiceAccount worker pods run as, e.g. one bound to a cloud role for the store
-    /// (IRSA, Workload Identity) instead of credentials in a Secret; absent: the namespace's
-    /// default. Its API token is never mounted: workers do not talk to the API server.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub service_account_name: Option<String>,
 }
 
 pub fn default_image() -> String {
@@ -166,7 +160,6 @@ impl Default for WorkerTemplate {
             env: Vec::new(),
             node_selector: BTreeMap::new(),
             tolerations: Vec::new(),
-            service_account_name: None,
         }
     }
 }
@@ -267,7 +260,7 @@ pub struct MetricSource {
     pub trainer_pods: Option<TrainerPods>,
     /// Scrape these /metrics URLs (one per rank, or any subset).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 1024))]
+    #[schemars(length(min = 1))]
     pub urls: Option<Vec<String>>,
     /// Ask a Prometheus server.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -363,10 +356,6 @@ pub struct DataPipelineStatus {
     /// Ready, Scaling, MetricsAvailable, NICSaturationRisk.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
-    /// The token Secret the operator created for this pipeline: a Secret of that name that
-    /// it did not create (it cannot read Secrets to tell) is never used.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub token_secret: Option<String>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, KubeSchema)]
@@ -501,21 +490,6 @@ mod tests {
     #[test]
     fn the_example_is_admitted() {
         admit(&example()).unwrap();
-    }
-
-    /// `<name>-workers` must be a DNS label (63): a longer name would leave a Deployment
-    /// whose Service cannot exist.
-    #[test]
-    fn a_name_that_leaves_no_room_for_its_service_is_rejected_at_admission() {
-        let mut dp = example();
-        dp.metadata.name = Some("n".repeat(55));
-        admit(&dp).unwrap();
-        dp.metadata.name = Some("n".repeat(56));
-        let err = admit(&dp).unwrap_err();
-        assert!(
-            err.contains("metadata.name may have at most 55 characters"),
-            "{err}"
-        );
     }
 
     #[test]

@@ -8,9 +8,6 @@ use std::collections::BTreeMap;
 /// The field manager of every apply, and the `managed-by` label's value.
 pub const FIELD_MANAGER: &str = "stoker-operator";
 
-/// The longest pipeline name whose Service, `<name>-workers`, is still a DNS label (63).
-pub const MAX_NAME_LEN: usize = 63 - "-workers".len();
-
 /// Names of everything a pipeline owns.
 pub struct Names {
     pub workers: String,

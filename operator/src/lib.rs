@@ -24,7 +24,7 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{watcher, Controller};
 use kube::{Api, CustomResourceExt};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The DataPipeline CustomResourceDefinition as YAML (what `crds/` holds).
 pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
@@ -59,12 +59,12 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         listener.local_addr()?
     );
     tokio::spawn(metrics::serve(listener, metrics.clone()));
-    let election = leader::LeaderElection::new(
-        Api::namespaced(client.clone(), &cfg.lease_namespace),
-        LEASE_NAME.into(),
-        cfg.identity.clone(),
-        LEASE_DURATION,
-    );
+    let election = leader::LeaderElection {
+        api: Api::namespaced(client.clone(), &cfg.lease_namespace),
+        name: LEASE_NAME.into(),
+        identity: cfg.identity.clone(),
+        duration: LEASE_DURATION,
+    };
     lead(election, &cfg.lease_namespace).await;
     metrics.leader.set(1);
     control(client, cfg, metrics).await;
@@ -75,20 +75,34 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
 async fn lead(election: leader::LeaderElection, namespace: &str) {
     let identity = election.identity.clone();
     tracing::info!("{identity}: waiting for the {LEASE_NAME} Lease in {namespace}");
-    election.acquire(RENEW_EVERY).await;
+    loop {
+        match election.try_acquire().await {
+            Ok(true) => break,
+            Ok(false) => {}
+            Err(e) => tracing::warn!("leader election: {e}"),
+        }
+        tokio::time::sleep(RENEW_EVERY).await;
+    }
     tracing::info!("{identity}: leading");
     tokio::spawn(async move {
-        // Losing the Lease, or not renewing it in time, ends the process before anyone else
-        // can lead: the Deployment restarts it as a candidate, and nothing reconciles twice.
-        match election.hold(RENEW_EVERY).await {
-            leader::StepDown::Lost => {
-                tracing::error!("another replica holds the leader Lease; exiting")
-            }
-            leader::StepDown::NotRenewed(why) => {
-                tracing::error!("could not renew the leader Lease ({why}); stepping down")
+        // Losing the Lease (or failing to renew it for its whole duration) ends the process:
+        // the Deployment restarts it as a candidate, and nothing reconciles twice.
+        let mut last_ok = Instant::now();
+        loop {
+            tokio::time::sleep(RENEW_EVERY).await;
+            match election.try_acquire().await {
+                Ok(true) => last_ok = Instant::now(),
+                Ok(false) => {
+                    tracing::error!("another replica holds the leader Lease; exiting");
+                    std::process::exit(1);
+                }
+                Err(e) if last_ok.elapsed() > LEASE_DURATION => {
+                    tracing::error!("could not renew the leader Lease ({e}); exiting");
+                    std::process::exit(1);
+                }
+                Err(e) => tracing::warn!("renewing the leader Lease: {e}"),
             }
         }
-        std::process::exit(1);
     });
 }
 

@@ -4,11 +4,10 @@
 //! (`apply`: server-side apply, owner references) → report status (pure, `status`; patched
 //! only when it changed), conditions and Events.
 
-use crate::apply::{controller_uid, ApplyError, Owned, RESYNC};
+use crate::apply::{Owned, RESYNC};
 use crate::build;
 use crate::cache::{Cached, TrainerPods};
 use crate::crd::{Autoscaling, DataPipeline, DataPipelineStatus, ScalingRules};
-use crate::labels::names;
 use crate::placement;
 use crate::scrape::{self, Reading};
 use crate::status::{self, Observed};
@@ -58,10 +57,6 @@ pub enum Error {
     /// The operator cannot honour the spec; the status and an Event say why.
     #[error("invalid spec: {}", .0.join("; "))]
     InvalidSpec(Vec<String>),
-    /// An object the pipeline needs exists and is someone else's; the status and an Event
-    /// name it.
-    #[error("{object} {why}")]
-    NameTaken { object: String, why: String },
     #[error("DataPipeline without a namespace")]
     NoNamespace,
 }
@@ -76,7 +71,6 @@ impl Error {
             } => "kube_api",
             Error::Kube { .. } => "kube_client",
             Error::InvalidSpec(_) => "invalid_spec",
-            Error::NameTaken { .. } => "name_taken",
             Error::NoNamespace => "no_namespace",
         }
     }
@@ -85,43 +79,23 @@ impl Error {
     pub fn step_label(&self) -> &'static str {
         match self {
             Error::Kube { step, .. } => step.label(),
-            Error::NameTaken { .. } => Step::Apply.label(),
             Error::InvalidSpec(_) | Error::NoNamespace => "validate",
         }
     }
 }
 
-/// "Kind namespace/name".
-fn describe<K: Resource<DynamicType = ()>>(obj: &K) -> String {
-    format!(
+/// What failed, at which step, on which object.
+fn at<K: Resource<DynamicType = ()>>(step: Step, obj: &K) -> impl FnOnce(kube::Error) -> Error {
+    let object = format!(
         "{} {}/{}",
         K::kind(&()),
         obj.meta().namespace.as_deref().unwrap_or_default(),
         obj.meta().name.as_deref().unwrap_or_default()
-    )
-}
-
-/// What failed, at which step, on which object.
-fn at<K: Resource<DynamicType = ()>>(step: Step, obj: &K) -> impl FnOnce(kube::Error) -> Error {
-    let object = describe(obj);
+    );
     move |source| Error::Kube {
         step,
         object,
         source,
-    }
-}
-
-/// An apply's failure, naming the object.
-fn applying<K: Resource<DynamicType = ()>>(obj: &K) -> impl FnOnce(ApplyError) -> Error + '_ {
-    move |e| match e {
-        ApplyError::Kube(source) => at(Step::Apply, obj)(source),
-        ApplyError::NotOurs { owner } => Error::NameTaken {
-            object: describe(obj),
-            why: format!(
-                "exists and is not this pipeline's ({owner}); not taken over: delete or \
-                 rename it, or rename the pipeline"
-            ),
-        },
     }
 }
 
@@ -335,58 +309,19 @@ async fn ensure_token(valid: &Valid<'_>, ctx: &Context, ns: &str) -> Result<(), 
         return Ok(());
     }
     let secret = build::token_secret(valid, &random_token());
-    let name = secret.name_any();
-    let recorded = dp.status.as_ref().and_then(|s| s.token_secret.as_deref()) == Some(&name);
     match Api::<Secret>::namespaced(ctx.client.clone(), ns)
         .create(&PostParams::default(), &secret)
         .await
     {
-        // Recorded at once: a Secret of the name found later is then known to be ours.
-        Ok(_) => record_token_secret(dp, &ctx.client, ns, &name).await?,
-        // 409: it exists. Created by an earlier reconcile (recorded), or by an operator
-        // version that kept no record, with the workers it already controls: keep it.
-        // Anyone else's is not used: whoever made it knows the token.
-        Err(kube::Error::Api(e)) if e.code == 409 => {
-            let workers = ctx.cluster.deployments.cache.get(ns, &names(dp).workers);
-            let uid = dp.uid();
-            let ours = workers.is_some_and(|d| controller_uid(d.as_ref()) == uid.as_deref());
-            if !(recorded || ours) {
-                return Err(Error::NameTaken {
-                    object: format!("Secret {ns}/{name}"),
-                    why: "exists and was not created by the operator for this pipeline; not \
-                          used (its maker knows the token: set spec.tokenSecret to use it)"
-                        .into(),
-                });
-            }
-            if !recorded {
-                record_token_secret(dp, &ctx.client, ns, &name).await?;
-            }
-        }
+        // 409: it exists (created by an earlier reconcile, or another replica): keep it.
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
         Err(e) => return Err(at(Step::Token, &secret)(e)),
     }
     ctx.tokens
         .lock()
         .expect("tokens")
         .insert(key(dp), Instant::now());
-    Ok(())
-}
-
-/// Notes in the status that the operator made the token Secret `name`.
-async fn record_token_secret(
-    dp: &DataPipeline,
-    client: &kube::Client,
-    ns: &str,
-    name: &str,
-) -> Result<(), Error> {
-    let patch = serde_json::json!({ "status": { "tokenSecret": name } });
-    Api::<DataPipeline>::namespaced(client.clone(), ns)
-        .patch_status(
-            &dp.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
-        .await
-        .map_err(at(Step::Token, dp))?;
     Ok(())
 }
 
@@ -440,26 +375,16 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
     let valid = match crate::validate::validate(dp) {
         Ok(valid) => valid,
         Err(problems) => {
-            report_not_ready(dp, ctx, &ns, "InvalidSpec", &problems.join("; ")).await?;
+            report_invalid(dp, ctx, &ns, &problems).await?;
             return Err(Error::InvalidSpec(problems));
         }
     };
-    match serve(&valid, ctx, &ns).await {
-        Err(Error::NameTaken { object, why }) => {
-            let message = format!("{object} {why}");
-            report_not_ready(dp, ctx, &ns, "NameTaken", &message).await?;
-            Err(Error::NameTaken { object, why })
-        }
-        other => other,
-    }
-}
+    ensure_token(&valid, ctx, &ns).await?;
 
-/// A valid pipeline's token, owned objects and status.
-async fn serve(valid: &Valid<'_>, ctx: &Context, ns: &str) -> Result<Action, Error> {
-    let dp = valid.dp;
-    ensure_token(valid, ctx, ns).await?;
     let (pipeline, c) = (key(dp), &ctx.cluster);
-    let existing = c.deployments.current(&pipeline, ns, &names(dp).workers);
+    let existing = c
+        .deployments
+        .current(&pipeline, &ns, &crate::labels::names(dp).workers);
     let current = existing.as_ref().and_then(|d| d.spec.as_ref()?.replicas);
     let ready = existing
         .as_ref()
@@ -472,15 +397,15 @@ async fn serve(valid: &Valid<'_>, ctx: &Context, ns: &str) -> Result<Action, Err
         scale.replicas = scale.replicas.min(cap);
     }
 
-    let deployment = build::deployment(valid, scale.replicas);
+    let deployment = build::deployment(&valid, scale.replicas);
     let deployment = (c
         .deployments
         .apply(&ctx.client, &pipeline, &deployment)
         .await)
-        .map_err(applying(&deployment))?;
-    apply_owned(valid, ctx, &pipeline).await?;
+        .map_err(at(Step::Apply, &deployment))?;
+    apply_owned(&valid, ctx, &pipeline).await?;
     if let Some(from) = current.filter(|c| *c != scale.replicas) {
-        publish_scale(dp, ctx, ns, from, &scale).await;
+        publish_scale(dp, ctx, &ns, from, &scale).await;
     }
     let observed = Observed {
         deployment: deployment.status.clone().unwrap_or_default(),
@@ -489,8 +414,8 @@ async fn serve(valid: &Valid<'_>, ctx: &Context, ns: &str) -> Result<Action, Err
         previous_replicas: current,
     };
     let status = status::compute(dp, &scale, &observed);
-    record_gauges(dp, ctx, ns, &scale, status.ready_replicas);
-    patch_status(dp, &ctx.client, ns, &status).await?;
+    record_gauges(dp, ctx, &ns, &scale, status.ready_replicas);
+    patch_status(dp, &ctx.client, &ns, &status).await?;
     let requeue = dp
         .spec
         .autoscaling
@@ -503,11 +428,12 @@ async fn serve(valid: &Valid<'_>, ctx: &Context, ns: &str) -> Result<Action, Err
 async fn apply_owned(dp: &Valid<'_>, ctx: &Context, pipeline: &str) -> Result<(), Error> {
     let (c, client) = (&ctx.cluster, &ctx.client);
     let service = build::service(dp);
-    (c.services.apply(client, pipeline, &service).await).map_err(applying(&service))?;
+    (c.services.apply(client, pipeline, &service).await).map_err(at(Step::Apply, &service))?;
     let pdb = build::pod_disruption_budget(dp);
-    (c.disruption_budgets.apply(client, pipeline, &pdb).await).map_err(applying(&pdb))?;
+    (c.disruption_budgets.apply(client, pipeline, &pdb).await).map_err(at(Step::Apply, &pdb))?;
     let policy = build::network_policy(dp);
-    (c.network_policies.apply(client, pipeline, &policy).await).map_err(applying(&policy))?;
+    (c.network_policies.apply(client, pipeline, &policy).await)
+        .map_err(at(Step::Apply, &policy))?;
     Ok(())
 }
 
@@ -583,26 +509,24 @@ async fn patch_status(
 
 /// A spec the operator cannot honour: a Warning Event and a Ready=False condition naming
 /// every problem; nothing else changes.
-/// A pipeline the operator cannot serve (`reason`: its spec is invalid, or a name it needs
-/// is taken): a Warning Event and `Ready=False` say why.
-async fn report_not_ready(
+async fn report_invalid(
     dp: &DataPipeline,
     ctx: &Context,
     ns: &str,
-    reason: &'static str,
-    message: &str,
+    problems: &[String],
 ) -> Result<(), Error> {
+    let message = problems.join("; ");
     let event = Event {
         type_: EventType::Warning,
-        reason: reason.into(),
-        note: Some(message.to_string()),
-        action: "Reconcile".into(),
+        reason: "InvalidSpec".into(),
+        note: Some(message.clone()),
+        action: "Validate".into(),
         secondary: None,
     };
     if let Err(e) = ctx.recorder.publish(&event, &dp.object_ref(&())).await {
-        tracing::warn!("publishing a {reason} event: {e}");
+        tracing::warn!("publishing an InvalidSpec event: {e}");
     }
-    let status = status::not_ready(dp, reason, message.to_string());
+    let status = status::invalid(dp, message);
     patch_status(dp, &ctx.client, ns, &status).await
 }
 
@@ -611,8 +535,6 @@ pub fn error_policy(dp: Arc<DataPipeline>, e: &Error, _ctx: Arc<Context>) -> Act
     match e {
         // Nothing changes until the spec does (a new generation triggers a reconcile).
         Error::InvalidSpec(_) => Action::requeue(Duration::from_secs(300)),
-        // Someone has to remove the object; look again now and then.
-        Error::NameTaken { .. } => Action::requeue(Duration::from_secs(60)),
         _ => Action::requeue(Duration::from_secs(5)),
     }
 }
@@ -727,22 +649,11 @@ mod tests {
         "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/qwen-sft-workers",
     ];
 
-    /// A read of an object that is not there.
-    async fn serve_absent(h: &mut Handle, path: &str) {
-        let (_, send) = expect(h, Method::GET, path).await;
-        let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-            "reason": "NotFound", "code": 404, "message": "not found"});
-        let body = Body::from(serde_json::to_vec(&status).unwrap());
-        send.send_response(Response::builder().status(404).body(body).unwrap());
-    }
-
-    /// The Service, PDB and NetworkPolicy applies (each looked for first: the caches do not
-    /// hold them), each owned by the pipeline, answered as stored; what the API server
-    /// answered.
+    /// The Service, PDB and NetworkPolicy applies, each owned by the pipeline, answered as
+    /// stored; what the API server answered.
     async fn serve_owned_patches(h: &mut Handle) -> Vec<Value> {
         let mut answers = vec![];
         for path in OWNED_PATHS {
-            serve_absent(h, path).await;
             let (obj, send) = expect(h, Method::PATCH, path).await;
             assert_eq!(
                 obj["metadata"]["ownerReferences"][0]["kind"],
@@ -777,13 +688,8 @@ mod tests {
         assert_eq!(secret["metadata"]["name"], "qwen-sft-token");
         assert_eq!(secret["stringData"]["token"].as_str().unwrap().len(), 64);
         send.send_response(ok(&secret));
-        // ... and recorded as the operator's (it cannot read Secrets to tell later).
-        let record = serve_status_patch(h).await;
-        assert_eq!(record, json!({"status": {"tokenSecret": "qwen-sft-token"}}));
-        // No Deployment in the cache: spec.replicas (2) holds; one read that it is not
-        // someone else's, none for the nodes (the bandwidth budget allows 5 per node; 1 node
-        // fits 2 workers).
-        serve_absent(h, DEPLOYMENT_PATH).await;
+        // No Deployment in the cache: spec.replicas (2) holds; no read request for it or for
+        // the nodes (the bandwidth budget allows 5 per node; 1 node fits 2 workers).
         let (d, send) = expect(h, Method::PATCH, DEPLOYMENT_PATH).await;
         assert_eq!(d["spec"]["replicas"], 2);
         assert_eq!(d["metadata"]["ownerReferences"][0]["uid"], "uid-1");
@@ -886,7 +792,6 @@ mod tests {
             .network_policies
             .apply_watcher_event(&kube::runtime::watcher::Event::Delete(policy));
         let again = tokio::spawn(async move {
-            serve_absent(&mut h, OWNED_PATHS[2]).await;
             let (np, send) = expect(&mut h, Method::PATCH, OWNED_PATHS[2]).await;
             send.send_response(ok(&stored(np)));
             h
@@ -898,9 +803,7 @@ mod tests {
     #[tokio::test]
     async fn a_scale_change_is_applied_with_an_event_and_the_reason() {
         let existing: Deployment = serde_json::from_value(json!({"apiVersion": "apps/v1",
-            "kind": "Deployment", "metadata": {"name": "qwen-sft-workers", "namespace": "ml",
-                "ownerReferences": [{"apiVersion": "stoker.dev/v1alpha1", "kind": "DataPipeline",
-                    "name": "qwen-sft", "uid": "uid-1", "controller": true}]},
+            "kind": "Deployment", "metadata": {"name": "qwen-sft-workers", "namespace": "ml"},
             "spec": {"replicas": 2, "selector": {}, "template": {}},
             "status": {"replicas": 2, "readyReplicas": 2}}))
         .unwrap();
@@ -954,50 +857,5 @@ mod tests {
             .metrics
             .render()
             .contains("stoker_operator_scale_decisions_total{direction=\"up\",namespace=\"ml\",pipeline=\"qwen-sft\"} 1"));
-    }
-
-    /// A Service of the pipeline's name that someone else created is never taken over (a
-    /// forced apply would adopt it, and garbage collection delete it with the pipeline): the
-    /// reconcile stops before it, with a Warning Event and Ready=False naming it.
-    #[tokio::test]
-    async fn an_object_of_the_name_that_is_not_ours_is_not_taken_over() {
-        let (ctx, mut h, _watches) = context(vec![], &["n1"]);
-        let mut dp = example();
-        dp.spec.token_secret = Some("given".into());
-        let dp = Arc::new(dp);
-        let server = tokio::spawn(async move {
-            serve_absent(&mut h, DEPLOYMENT_PATH).await;
-            let (d, send) = expect(&mut h, Method::PATCH, DEPLOYMENT_PATH).await;
-            send.send_response(ok(&stored(d)));
-            let (_, send) = expect(&mut h, Method::GET, OWNED_PATHS[0]).await;
-            send.send_response(ok(&json!({"apiVersion": "v1", "kind": "Service",
-                "metadata": {"name": "qwen-sft-workers", "namespace": "ml", "uid": "theirs"},
-                "spec": {"ports": [{"port": 80}]}})));
-            let events = "/apis/events.k8s.io/v1/namespaces/ml/events";
-            let (event, send) = expect(&mut h, Method::POST, events).await;
-            send.send_response(ok(&event));
-            let status = serve_status_patch(&mut h).await;
-            (event, status)
-        });
-        let err = reconcile(dp, ctx.clone()).await.unwrap_err();
-        assert_eq!(
-            (err.metric_label(), err.step_label()),
-            ("name_taken", "apply")
-        );
-        let (event, status) = server.await.unwrap();
-        assert_eq!(
-            (&event["type"], &event["reason"]),
-            (&json!("Warning"), &json!("NameTaken"))
-        );
-        let note = event["note"].as_str().unwrap();
-        assert!(
-            note.starts_with("Service ml/qwen-sft-workers exists and is not this pipeline's (no controller); not taken over"),
-            "{note}"
-        );
-        let ready = &status["status"]["conditions"][0];
-        assert_eq!(
-            (&ready["status"], &ready["reason"]),
-            (&json!("False"), &json!("NameTaken"))
-        );
     }
 }

@@ -64,13 +64,11 @@ pub fn compute(dp: &DataPipeline, scale: &Scale, seen: &Observed) -> DataPipelin
             .into_iter()
             .map(|c| c.stamp(generation, &prev.conditions))
             .collect(),
-        token_secret: prev.token_secret,
     }
 }
 
-/// The previous status with Ready=False and `reason` (InvalidSpec, NameTaken): nothing was
-/// applied for this spec.
-pub fn not_ready(dp: &DataPipeline, reason: &'static str, message: String) -> DataPipelineStatus {
+/// The previous status with Ready=False/InvalidSpec: nothing was applied for this spec.
+pub fn invalid(dp: &DataPipeline, message: String) -> DataPipelineStatus {
     let prev = dp.status.clone().unwrap_or_default();
     let generation = dp.metadata.generation;
     let mut conditions: Vec<Condition> = prev
@@ -83,7 +81,7 @@ pub fn not_ready(dp: &DataPipeline, reason: &'static str, message: String) -> Da
         Cond {
             type_: "Ready",
             ok: false,
-            reason,
+            reason: "InvalidSpec",
             message,
         }
         .stamp(generation, &prev.conditions),
@@ -278,7 +276,7 @@ mod tests {
             ready_replicas: 3,
             ..Default::default()
         });
-        let s = not_ready(&d, "InvalidSpec", "worker.image is empty".into());
+        let s = invalid(&d, "worker.image is empty".into());
         assert_eq!(s.ready_replicas, 3);
         let ready = cond(&s, "Ready");
         assert_eq!(

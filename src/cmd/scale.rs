@@ -21,9 +21,7 @@ use std::time::{Duration, Instant};
 use stoker_client::scheduler::{Action, Event, LinkId, Policy, Scheduler, Shared};
 use stoker_client::{AlignedBuf, ClientMetrics, Depth, Discovery, LoaderConfig, WorkerSet};
 use stoker_config::{DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_INFLIGHT_PER_CONN};
-use stoker_wire::{
-    BatchHead, BatchRequest, DType, ErrorCode, ErrorFrame, ImageTokens, TensorMeta, Welcome,
-};
+use stoker_wire::{BatchHead, BatchRequest, ErrorCode, ErrorFrame, Welcome};
 use stoker_worker::plan::Plan;
 
 #[derive(clap::Args, Clone)]
@@ -439,10 +437,6 @@ impl Sim {
             global_batch_size: global,
             batches_per_epoch: plan.batches_per_epoch(),
             description: "simulated".into(),
-            image_tokens: ImageTokens {
-                image_token: 151_655,
-                merge_size: 2,
-            },
             max_connections: a.max_connections,
             links_per_rank: 0,
         };
@@ -925,19 +919,11 @@ impl Sim {
                     job.req.world_size,
                 )
                 .expect("a valid request");
-            // A row per sample and no tokens: the shape a client accepts, without bytes.
-            let no_tokens = TensorMeta {
-                name: stoker_wire::tensor::INPUT_IDS.into(),
-                dtype: DType::I64,
-                shape: vec![slice.samples.len() as u64, 0],
-                offset: 0,
-                nbytes: 0,
-            };
             let head = BatchHead {
                 request: job.req,
                 sample_ids: slice.samples,
                 skipped: Vec::new(),
-                tensors: vec![no_tokens],
+                tensors: Vec::new(),
                 payload_len: 0,
             };
             let (rank, link) = job.conn;

@@ -8,8 +8,7 @@
 use std::sync::Arc;
 use stoker_wire::io::{read_frame, write_frame};
 use stoker_wire::{
-    encode_batch, BatchRequest, DType, FrameHeader, ImageTokens, Kind, TensorRef, Welcome,
-    MAX_CONTROL_PAYLOAD,
+    encode_batch, BatchRequest, DType, FrameHeader, Kind, TensorRef, Welcome, MAX_CONTROL_PAYLOAD,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -24,33 +23,17 @@ pub struct TransportServerArgs {
 
 const PLAN_ID: u64 = 0x7472_616e_7370_6f72;
 
-/// How the benchmark's images become tokens (Qwen2-VL's).
-const IMAGES: ImageTokens = ImageTokens {
-    image_token: 151_655,
-    merge_size: 2,
-};
-
-/// One Qwen2-VL-shaped batch of about `mib` MiB: 8 samples of (at least) 1024 tokens, each
-/// with one image whose tokens it holds, the rest pixels — a batch a client accepts.
+/// One Qwen2-VL-shaped batch of about `mib` MiB (8 samples of 1024 tokens, the rest pixels).
 fn batch_payload(mib: u64) -> Vec<u8> {
-    let (b, dim) = (8u64, 3 * 2 * 14 * 14u64);
-    let rows_per_image = ((mib << 20) / (dim * 4) / b / 4).max(1) * 4;
-    let image_tokens = rows_per_image / 4;
-    let l = image_tokens.max(1024);
-    let rows = rows_per_image * b;
-    let ids: Vec<u8> = (0..b * l)
-        .map(|i| match i % l < image_tokens {
-            true => IMAGES.image_token as i64,
-            false => i as i64,
-        })
-        .flat_map(i64::to_le_bytes)
-        .collect();
+    let (b, l, dim) = (8u64, 1024u64, 3 * 2 * 14 * 14u64);
+    let rows = ((mib << 20) / (dim * 4)).max(1);
+    let ids: Vec<u8> = (0..b * l).flat_map(|i| (i as i64).to_le_bytes()).collect();
     let pixels: Vec<u8> = (0..rows * dim)
         .flat_map(|i| ((i % 251) as f32 / 251.0).to_le_bytes())
         .collect();
-    let grid: Vec<u8> = (0..b)
-        .flat_map(|_| [1i64, 2, (rows_per_image / 2) as i64])
-        .flat_map(i64::to_le_bytes)
+    let grid: Vec<u8> = [1i64, 2, (rows / 2) as i64]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
         .collect();
     let t = |name, dtype, shape: Vec<u64>, bytes| TensorRef {
         name,
@@ -63,7 +46,7 @@ fn batch_payload(mib: u64) -> Vec<u8> {
         t("labels", DType::I64, vec![b, l], &ids),
         t("attention_mask", DType::I64, vec![b, l], &ids),
         t("pixel_values", DType::F32, vec![rows, dim], &pixels),
-        t("image_grid_thw", DType::I64, vec![b, 3], &grid),
+        t("image_grid_thw", DType::I64, vec![1, 3], &grid),
     ];
     let request = BatchRequest {
         request_id: 0,
@@ -120,7 +103,6 @@ async fn serve(mut sock: tokio::net::TcpStream, payload: &[u8]) -> anyhow::Resul
         global_batch_size: 8,
         batches_per_epoch: 1 << 40,
         description: "transport benchmark".into(),
-        image_tokens: IMAGES,
         // No connection limit here.
         max_connections: u32::MAX,
         links_per_rank: 0,

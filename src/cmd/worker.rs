@@ -41,9 +41,12 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
         pipeline,
         ServerConfig {
             token,
+            max_inflight_per_conn: a.limits.max_inflight_per_conn as usize,
+            max_connections: a.limits.max_connections as usize,
+            idle_timeout: Duration::from_secs(a.limits.idle_timeout_s),
             max_inflight_samples: a.max_inflight_samples.unwrap_or(8 * cpu_threads).max(32),
             drain_timeout: Duration::from_secs(a.drain_timeout_s),
-            ..ServerConfig::with_limits(&a.limits)
+            links_per_rank: a.limits.links_per_rank,
         },
     );
     let listener = tokio::net::TcpListener::bind(&a.listen).await?;

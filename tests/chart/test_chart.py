@@ -50,23 +50,11 @@ def test_defaults_render_the_operator_with_least_privilege():
     docs = render()
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(["ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding",
-                            "ClusterRoleBinding", "Role", "RoleBinding", "Deployment", "Service",
-                            "ClusterRole", "ClusterRole"])
-    aggregated = lambda d: any(k.startswith("rbac.authorization.k8s.io/aggregate-to-")
-                               for k in d["metadata"].get("labels", {}))
+                            "ClusterRoleBinding", "Role", "RoleBinding", "Deployment", "Service"])
     for d in docs:
         for rule in d.get("rules", []):
             assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
-            if aggregated(d):
-                assert rule["apiGroups"] == ["stoker.dev"], f"users get DataPipelines only: {rule}"
-            else:
-                assert "delete" not in rule["verbs"], f"the operator never deletes: {rule}"
-    # The cluster's view and edit roles gain DataPipelines.
-    user_roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRole" and aggregated(d)}
-    assert user_roles["sp-stoker-view"]["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
-    edit = user_roles["sp-stoker-edit"]
-    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
-    assert "create" in edit["rules"][0]["verbs"]
+            assert "delete" not in rule["verbs"], f"the operator never deletes: {rule}"
     dep = next(d for d in docs if d["kind"] == "Deployment")
     pod = dep["spec"]["template"]["spec"]
     c = pod["containers"][0]

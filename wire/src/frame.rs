@@ -5,7 +5,7 @@ use crate::codec::{Reader, Writer};
 pub const MAGIC: [u8; 4] = *b"STKR";
 /// Bumped on any incompatible change; a peer refuses other versions with a clear error.
 /// 2: the Cancel frame, and the Welcome's connection hints.
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 2;
 pub const HEADER_LEN: usize = 16;
 /// Tensor data (and each tensor) starts at this alignment inside a batch payload.
 pub const ALIGN: usize = 64;
@@ -13,8 +13,6 @@ pub const ALIGN: usize = 64;
 pub const MAX_PAYLOAD: u64 = 8 << 30;
 /// Upper bound for control frames (everything but batches).
 pub const MAX_CONTROL_PAYLOAD: u64 = 1 << 20;
-/// Tensors one batch may have (ten today).
-pub const MAX_TENSORS: usize = 64;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum WireError {
@@ -135,8 +133,6 @@ pub struct Welcome {
     pub global_batch_size: u32,
     pub batches_per_epoch: u64,
     pub description: String,
-    /// How the plan's images become tokens: what a client checks every batch against.
-    pub image_tokens: crate::ImageTokens,
     /// Hint: the connections this worker holds open at once (`--max-connections`).
     pub max_connections: u32,
     /// Hint: the most workers one trainer rank should connect to (`--links-per-rank`);
@@ -153,37 +149,22 @@ impl Welcome {
         w.u32(self.global_batch_size);
         w.u64(self.batches_per_epoch);
         w.str16(&self.description);
-        w.u32(self.image_tokens.image_token);
-        w.u32(self.image_tokens.merge_size);
         w.u32(self.max_connections);
         w.u32(self.links_per_rank);
         w.buf
     }
     pub fn decode(p: &[u8]) -> Result<Self, WireError> {
         let mut r = Reader::new(p);
-        let welcome = Welcome {
+        Ok(Welcome {
             plan_id: r.u64()?,
             dataset_version: r.u64()?,
             num_samples: r.u64()?,
             global_batch_size: r.u32()?,
             batches_per_epoch: r.u64()?,
             description: r.str16()?,
-            image_tokens: crate::ImageTokens {
-                image_token: r.u32()?,
-                merge_size: r.u32()?,
-            },
             max_connections: r.u32()?,
             links_per_rank: r.u32()?,
-        };
-        // A plan of no batches is no plan: a client would divide by it.
-        let batches = welcome.batches_per_epoch;
-        if welcome.global_batch_size == 0 || batches == 0 {
-            return Err(WireError::Invalid(format!(
-                "a plan of {} samples in {batches} batches of {}",
-                welcome.num_samples, welcome.global_batch_size
-            )));
-        }
-        Ok(welcome)
+        })
     }
 
     /// Whether `other` serves the same plan, so that batches from either are interchangeable.
@@ -198,7 +179,6 @@ impl Welcome {
             global_batch_size,
             batches_per_epoch,
             description,
-            image_tokens,
             max_connections: _,
             links_per_rank: _,
         } = self;
@@ -208,7 +188,6 @@ impl Welcome {
             && *global_batch_size == other.global_batch_size
             && *batches_per_epoch == other.batches_per_epoch
             && *description == other.description
-            && *image_tokens == other.image_tokens
     }
 }
 
@@ -519,11 +498,6 @@ impl BatchHead {
             });
         }
         let n = r.count(20)?;
-        if n > MAX_TENSORS {
-            return Err(WireError::Invalid(format!(
-                "{n} tensors, over the {MAX_TENSORS} a batch may have"
-            )));
-        }
         let mut tensors: Vec<TensorMeta> = Vec::with_capacity(n);
         for _ in 0..n {
             let name = r.str16()?;
@@ -546,11 +520,6 @@ impl BatchHead {
                 return Err(WireError::Invalid(format!(
                     "tensor {name}: offset {offset} is not {ALIGN}-byte aligned"
                 )));
-            }
-            // One tensor per name: a reader that took the first and one that took the last
-            // would check one tensor and train on another.
-            if tensors.iter().any(|t| t.name == name) {
-                return Err(WireError::Invalid(format!("tensor {name} appears twice")));
             }
             tensors.push(TensorMeta {
                 name,
@@ -624,23 +593,6 @@ mod tests {
             rank: 1,
             world_size: 4,
         }
-    }
-
-    #[test]
-    fn a_tensor_named_twice_is_refused() {
-        let ids = [0u8; 8];
-        let twice = ["input_ids", "input_ids"].map(|name| TensorRef {
-            name,
-            dtype: DType::I64,
-            shape: vec![1, 1],
-            chunks: vec![&ids[..]],
-        });
-        let payload = encode_batch(request(), vec![4], vec![], &twice);
-        let err = BatchHead::decode(&payload, payload.len() as u64).unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "invalid frame: tensor input_ids appears twice"
-        );
     }
 
     #[test]
@@ -732,10 +684,6 @@ mod tests {
             global_batch_size: 8,
             batches_per_epoch: 13,
             description: "qwen2-vl U8 seed=0".into(),
-            image_tokens: crate::ImageTokens {
-                image_token: 151655,
-                merge_size: 2,
-            },
             max_connections: 1024,
             links_per_rank: 4,
         }
@@ -767,20 +715,6 @@ mod tests {
             ..w.clone()
         };
         assert!(!w.same_plan(&other_plan) && !w.same_plan(&other_data));
-        // A hostile or broken worker's empty plan is refused where it is read.
-        for empty in [
-            Welcome {
-                batches_per_epoch: 0,
-                ..w.clone()
-            },
-            Welcome {
-                global_batch_size: 0,
-                ..w.clone()
-            },
-        ] {
-            let err = Welcome::decode(&empty.encode()).unwrap_err();
-            assert!(err.to_string().contains("a plan of 100 samples"), "{err}");
-        }
     }
 
     #[test]

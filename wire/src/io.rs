@@ -227,10 +227,6 @@ mod tests {
             global_batch_size: 4,
             batches_per_epoch: 1,
             description: "d".into(),
-            image_tokens: crate::ImageTokens {
-                image_token: 1,
-                merge_size: 2,
-            },
             max_connections: 8,
             links_per_rank: 2,
         };

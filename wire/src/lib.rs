@@ -16,13 +16,11 @@
 
 mod codec;
 mod frame;
-mod images;
 #[cfg(feature = "tokio")]
 pub mod io;
 
 pub use codec::{Reader, Writer};
 pub use frame::*;
-pub use images::ImageTokens;
 
 /// The names of a batch's tensors (docs/protocol.md), spelled once for workers and clients.
 pub mod tensor {

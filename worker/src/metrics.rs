@@ -37,7 +37,7 @@ pub struct Metrics {
 
 /// Error kinds a sample can fail with (pre-created at 0 so that dashboards and alerts see
 /// every series before the first error).
-pub const SAMPLE_ERROR_KINDS: [&str; 23] = [
+pub const SAMPLE_ERROR_KINDS: [&str; 19] = [
     "object_missing",
     "object_too_large",
     "object_store",
@@ -49,13 +49,9 @@ pub const SAMPLE_ERROR_KINDS: [&str; 23] = [
     "image_corrupt",
     "image_too_large",
     "image_aspect_ratio",
-    "image_over_budget",
-    "image_too_many_scans",
     "too_long",
     "text",
     "no_such_sample",
-    "inconsistent_sample",
-    "inconsistent_batch",
     "panic",
     "line_too_long",
     "too_many_turns",
@@ -65,7 +61,7 @@ pub const SAMPLE_ERROR_KINDS: [&str; 23] = [
 
 /// Why a request or a connection is refused (`stoker_worker_requests_refused_total`'s
 /// `reason`, pre-created at 0 like the error kinds).
-pub const REFUSAL_REASONS: [&str; 10] = [
+pub const REFUSAL_REASONS: [&str; 8] = [
     "unauthorized",
     "plan_mismatch",
     "bad_request",
@@ -73,9 +69,7 @@ pub const REFUSAL_REASONS: [&str; 10] = [
     "no_hello",
     "version",
     "connection_limit",
-    "handshake_limit",
     "idle",
-    "write_stalled",
 ];
 
 impl Metrics {

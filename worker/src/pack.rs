@@ -7,7 +7,15 @@
 
 use crate::pipeline::{collate, Batch, PreparedSample};
 use crate::preprocess::text::IGNORE_INDEX;
-use stoker_wire::{ImageTokens, Skipped};
+use stoker_wire::Skipped;
+
+/// How image tokens get their rope positions: which token id they are, and how many patches
+/// per side merge into one token.
+#[derive(Debug, Clone, Copy)]
+pub struct RopeLayout {
+    pub image_token: i64,
+    pub merge_size: i64,
+}
 
 /// A packed batch's extra tensors (the token tensors are `[rows, seq_len]` as unpacked).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,20 +42,19 @@ impl Packing {
 /// alone): text tokens count up on all three rows; an image's run of tokens gets (temporal,
 /// height, width) grid positions offset by the position before it, and the text after it
 /// continues at that offset plus the larger merged side.
-pub fn rope_positions(input_ids: &[i64], grids: &[[i64; 3]], layout: ImageTokens) -> [Vec<i64>; 3] {
+pub fn rope_positions(input_ids: &[i64], grids: &[[i64; 3]], layout: RopeLayout) -> [Vec<i64>; 3] {
     let mut rows: [Vec<i64>; 3] = std::array::from_fn(|_| Vec::with_capacity(input_ids.len()));
     let mut grids = grids.iter();
     let (mut pos, mut i) = (0i64, 0usize);
     while i < input_ids.len() {
-        if input_ids[i] != i64::from(layout.image_token) {
+        if input_ids[i] != layout.image_token {
             rows.iter_mut().for_each(|r| r.push(pos));
             pos += 1;
             i += 1;
             continue;
         }
         let &[t, h, w] = grids.next().expect("a grid per image run");
-        let merge = i64::from(layout.merge_size);
-        let (h, w) = (h / merge, w / merge);
+        let (h, w) = (h / layout.merge_size, w / layout.merge_size);
         for (ti, hi, wi) in
             (0..t).flat_map(|ti| (0..h).flat_map(move |hi| (0..w).map(move |wi| (ti, hi, wi))))
         {
@@ -69,7 +76,7 @@ pub fn collate_packed(
     pack_sizes: &[usize],
     skipped: Vec<Skipped>,
     pad_id: i64,
-    layout: ImageTokens,
+    layout: RopeLayout,
 ) -> Batch {
     let sample_ids: Vec<u64> = samples.iter().map(|s| s.sample_id).collect();
     let max_samples = pack_sizes.iter().copied().max().unwrap_or(0);
@@ -134,7 +141,7 @@ pub fn collate_packed(
 mod tests {
     use super::*;
 
-    const LAYOUT: ImageTokens = ImageTokens {
+    const LAYOUT: RopeLayout = RopeLayout {
         image_token: 9,
         merge_size: 2,
     };
@@ -165,7 +172,7 @@ mod tests {
         let cases: Vec<Case> =
             serde_json::from_str(include_str!("../tests/fixtures/rope_positions.json")).unwrap();
         assert_eq!(cases.len(), 3);
-        let layout = ImageTokens {
+        let layout = RopeLayout {
             image_token: 151_655,
             merge_size: 2,
         };

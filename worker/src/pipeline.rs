@@ -11,7 +11,7 @@ use crate::dataset::sample::{Conversation, SampleError};
 use crate::limits::{LimitError, SampleLimits};
 use crate::line_cache::{LineCache, Lookup};
 use crate::metrics::{GaugeGuard, Metrics};
-use crate::pack::{collate_packed, Packing};
+use crate::pack::{collate_packed, Packing, RopeLayout};
 use crate::plan::{Plan, RankSlice, Shaping};
 use crate::preprocess::preset::{PixelDtype, Preset};
 use crate::preprocess::text::{TextError, TextProcessor, IGNORE_INDEX};
@@ -24,7 +24,7 @@ use futures::{FutureExt, StreamExt};
 use std::sync::Arc;
 use std::time::Instant;
 use stoker_config::WorkerConfig;
-use stoker_wire::{DType, ImageTokens, Skipped};
+use stoker_wire::{DType, Skipped};
 use tokio::sync::Semaphore;
 
 pub use stoker_config::OnError;
@@ -58,9 +58,6 @@ enum Cause {
     Limit(#[from] LimitError),
     #[error("sample id is not in the index")]
     NoSuchSample,
-    /// Its tokens and images disagree (a bug, or input we did not foresee): never sent.
-    #[error("its image tokens and images disagree: {0}")]
-    Inconsistent(String),
     #[error("preprocessing panicked: {0}")]
     Panicked(String),
     /// The runtime is going away (the worker stops or is killed) and cancelled the sample's
@@ -75,7 +72,6 @@ impl Cause {
             Cause::Fetch(FetchError::NotFound(_)) => "object_missing",
             Cause::Fetch(FetchError::Io(..)) => "object_store",
             Cause::Fetch(FetchError::TooLarge { .. }) => "object_too_large",
-            Cause::Fetch(FetchError::OutsideRoot(_)) => "path_refused",
             Cause::Sample(SampleError::NotUtf8(_)) => "not_utf8",
             Cause::Sample(SampleError::Json(_)) => "invalid_json",
             Cause::Sample(SampleError::Schema(_)) => "invalid_sample",
@@ -85,14 +81,11 @@ impl Cause {
                 ImageError::Corrupt(_) => "image_corrupt",
                 ImageError::TooLarge { .. } => "image_too_large",
                 ImageError::AspectRatio { .. } => "image_aspect_ratio",
-                ImageError::OverBudget(_) => "image_over_budget",
-                ImageError::TooManyScans { .. } => "image_too_many_scans",
             },
             Cause::Text(TextError::TooLong { .. }) => "too_long",
             Cause::Text(_) => "text",
             Cause::Limit(e) => e.kind(),
             Cause::NoSuchSample => "no_such_sample",
-            Cause::Inconsistent(_) => "inconsistent_sample",
             Cause::Panicked(_) => "panic",
             Cause::ShuttingDown => "shutting_down",
         }
@@ -489,12 +482,6 @@ impl Pipeline {
         let tok = self.text.tokenize(&conv, &tokens)?;
         self.metrics.observe_stage("tokenize", t.elapsed());
         outs.truncate(tok.kept_images);
-        let grid: Vec<i64> = outs.iter().flat_map(|o| o.grid_thw).collect();
-        let rows = outs.iter().map(|o| o.rows as u64).sum();
-        let ids = bytemuck::cast_slice(&tok.input_ids);
-        self.image_tokens()
-            .check(ids, 1, &grid, rows, None)
-            .map_err(Cause::Inconsistent)?;
         Ok(PreparedSample {
             sample_id,
             input_ids: tok.input_ids,
@@ -596,37 +583,17 @@ impl Pipeline {
         let t = Instant::now();
         let pad = self.text.pad_id;
         let batch = match pack_sizes {
-            Some(sizes) => collate_packed(samples, &sizes, skipped, pad, self.image_tokens()),
+            Some(sizes) => collate_packed(samples, &sizes, skipped, pad, self.rope_layout()),
             None => collate(samples, skipped, pad),
         };
         self.metrics.observe_stage("collate", t.elapsed());
-        // Every sample passed the same check; a batch failing it is collation's bug, and is
-        // never sent.
-        let packs = batch.packing.as_ref().map(|p| &p.pack_images[..]);
-        let ids = bytemuck::cast_slice(&batch.input_ids);
-        let grid = &batch.image_grid_thw;
-        let pixels = batch.pixel_rows as u64;
-        if let Err(why) = self
-            .image_tokens()
-            .check(ids, batch.rows, grid, pixels, packs)
-        {
-            return Err(SampleFailure {
-                sample_id: batch.sample_ids.first().copied().unwrap_or_default(),
-                location: format!("batch of samples {:?}", batch.sample_ids),
-                kind: "inconsistent_batch",
-                message: why,
-                transient: false,
-            });
-        }
         Ok(batch)
     }
 
-    /// How this plan's images become tokens: for rope positions, and for the check every
-    /// sample and batch passes before it leaves.
-    pub fn image_tokens(&self) -> ImageTokens {
-        ImageTokens {
-            image_token: u32::try_from(self.text.image_token()).expect("a token id is a u32"),
-            merge_size: self.config.preset.merge_size,
+    fn rope_layout(&self) -> RopeLayout {
+        RopeLayout {
+            image_token: self.text.image_token(),
+            merge_size: self.config.preset.merge_size.into(),
         }
     }
 }

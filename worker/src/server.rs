@@ -25,18 +25,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::{AbortHandle, JoinError, JoinSet};
 
-/// How long a peer has to say Hello: a client sends it as soon as it connects.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(3);
-/// Connections not yet authenticated, at once: they never hold a trainer's connection slot,
-/// and a flood of them is refused here.
-pub const MAX_HANDSHAKES: usize = 256;
-/// ... and from one address, so that one peer's flood leaves the rest to other addresses.
-pub const MAX_HANDSHAKES_PER_PEER: usize = 16;
-/// TCP keepalive: a peer that vanished (its node gone) is noticed within about this.
-const KEEPALIVE: Duration = Duration::from_secs(30);
-/// How long the accept loop pauses when accepting fails (out of file descriptors): it
-/// retries, never spins.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// The largest Hello accepted (a token and a client name), before authentication.
 pub const MAX_HELLO_BYTES: u64 = 4 << 10;
 /// The largest frame accepted after it: a Request is 40 bytes, a Cancel 8.
@@ -56,8 +45,6 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// With nothing in flight, how long a connection may go without completing a frame.
     pub idle_timeout: Duration,
-    /// How long one answer may take to write before the connection is closed.
-    pub write_timeout: Duration,
     /// Samples prepared or waiting to be sent, across all connections: the bound on the
     /// memory batches take (a float32 Qwen2-VL sample is ~20 MB of pixels).
     pub max_inflight_samples: usize,
@@ -68,27 +55,19 @@ pub struct ServerConfig {
     pub links_per_rank: u32,
 }
 
-impl ServerConfig {
-    /// The serving limits as the server applies them; no token, the default sample budget
-    /// and drain timeout.
-    pub fn with_limits(l: &stoker_config::ServingLimits) -> Self {
-        ServerConfig {
-            token: None,
-            max_inflight_per_conn: l.max_inflight_per_conn as usize,
-            max_connections: l.max_connections as usize,
-            idle_timeout: Duration::from_secs(l.idle_timeout_s),
-            write_timeout: Duration::from_secs(l.write_timeout_s),
-            max_inflight_samples: 64,
-            drain_timeout: Duration::from_secs(stoker_config::DEFAULT_DRAIN_TIMEOUT_S),
-            links_per_rank: l.links_per_rank,
-        }
-    }
-}
-
 impl Default for ServerConfig {
     /// The worker command's defaults (an authenticated server needs `token` set).
     fn default() -> Self {
-        ServerConfig::with_limits(&Default::default())
+        let d = stoker_config::ServingLimits::default();
+        ServerConfig {
+            token: None,
+            max_inflight_per_conn: d.max_inflight_per_conn as usize,
+            max_connections: d.max_connections as usize,
+            idle_timeout: Duration::from_secs(d.idle_timeout_s),
+            max_inflight_samples: 64,
+            drain_timeout: Duration::from_secs(stoker_config::DEFAULT_DRAIN_TIMEOUT_S),
+            links_per_rank: d.links_per_rank,
+        }
     }
 }
 
@@ -101,44 +80,6 @@ pub struct Server {
     idle: Notify,
     sample_budget: Arc<Semaphore>,
     connections: Arc<Semaphore>,
-    handshakes: Arc<Semaphore>,
-    /// Handshakes in progress per peer address (entries of none are removed).
-    handshakes_by_peer: std::sync::Mutex<HashMap<std::net::IpAddr, usize>>,
-}
-
-/// A handshake in progress: counted against [`MAX_HANDSHAKES`] and its peer's share.
-struct HandshakeSlot {
-    server: Arc<Server>,
-    peer: std::net::IpAddr,
-    _permit: OwnedSemaphorePermit,
-}
-
-impl Drop for HandshakeSlot {
-    fn drop(&mut self) {
-        let mut by_peer = self.server.handshakes_by_peer.lock().expect("handshakes");
-        if let Some(n) = by_peer.get_mut(&self.peer) {
-            *n -= 1;
-            if *n == 0 {
-                by_peer.remove(&self.peer);
-            }
-        }
-    }
-}
-
-/// Writes and flushes one control frame within `timeout`.
-async fn write_with_timeout<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    kind: Kind,
-    payload: &[u8],
-    timeout: Duration,
-) -> std::io::Result<()> {
-    let write = async {
-        write_frame(w, kind, payload).await?;
-        w.flush().await
-    };
-    tokio::time::timeout(timeout, write)
-        .await
-        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
 }
 
 /// An Error frame about the connection itself rather than one request (request id 0).
@@ -403,15 +344,12 @@ impl Server {
                 pipeline.config.preset.pixel_dtype,
                 plan.seed
             ),
-            image_tokens: pipeline.image_tokens(),
             max_connections: u32::try_from(config.max_connections).unwrap_or(u32::MAX),
             links_per_rank: config.links_per_rank,
         };
         Arc::new(Server {
             sample_budget: Arc::new(Semaphore::new(config.max_inflight_samples.max(1))),
             connections: Arc::new(Semaphore::new(config.max_connections.max(1))),
-            handshakes: Arc::new(Semaphore::new(MAX_HANDSHAKES)),
-            handshakes_by_peer: Default::default(),
             pipeline,
             welcome,
             config,
@@ -444,15 +382,11 @@ impl Server {
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
-                r = listener.accept() => match r {
-                    Ok((stream, peer)) => {
+                r = listener.accept() => {
+                    if let Ok((stream, peer)) = r {
                         tokio::spawn(self.clone().admit(stream, peer));
                     }
-                    Err(e) => {
-                        tracing::warn!("accepting a connection: {e}; retrying in {ACCEPT_BACKOFF:?}");
-                        tokio::time::sleep(ACCEPT_BACKOFF).await;
-                    }
-                },
+                }
                 _ = &mut shutdown => break,
             }
         }
@@ -479,102 +413,46 @@ impl Server {
         }
     }
 
-    /// Serves one connection: its handshake within the handshake limits, then, authenticated,
-    /// within the connection limit. Over a limit the peer gets an Error frame (Unavailable)
-    /// naming it, and the refusal is counted.
-    async fn admit(self: Arc<Self>, stream: TcpStream, peer: std::net::SocketAddr) {
+    /// Serves one connection within the connection limit; over it, the peer gets an Error
+    /// frame (Unavailable) naming the limit, and the refusal is counted.
+    async fn admit(self: Arc<Self>, mut stream: TcpStream, peer: std::net::SocketAddr) {
+        let Ok(slot) = self.connections.clone().try_acquire_owned() else {
+            self.refuse("connection_limit");
+            let e = connection_error(
+                ErrorCode::Unavailable,
+                format!(
+                    "worker at its limit of {} connections; retry on another worker",
+                    self.config.max_connections
+                ),
+            );
+            let _ = write_frame(&mut stream, Kind::Error, &e.encode()).await;
+            return;
+        };
         let open = self.pipeline.metrics.connections.clone();
         open.inc();
-        if let Err(e) = self.handle(stream, peer).await {
+        if let Err(e) = self.handle(stream).await {
             tracing::debug!("connection from {peer}: {e:#}");
         }
         open.dec();
+        drop(slot);
     }
 
-    /// A handshake slot for `peer`, or which limit it is over.
-    fn handshake_slot(self: &Arc<Self>, peer: std::net::IpAddr) -> Result<HandshakeSlot, String> {
-        let global = self.handshakes.clone().try_acquire_owned();
-        let mut by_peer = self.handshakes_by_peer.lock().expect("handshakes");
-        let n = by_peer.entry(peer).or_default();
-        match global {
-            Ok(permit) if *n < MAX_HANDSHAKES_PER_PEER => {
-                *n += 1;
-                Ok(HandshakeSlot {
-                    server: self.clone(),
-                    peer,
-                    _permit: permit,
-                })
-            }
-            global => {
-                if *n == 0 {
-                    by_peer.remove(&peer);
-                }
-                Err(match global {
-                    Ok(_) => format!(
-                        "{MAX_HANDSHAKES_PER_PEER} connections from {peer} are not yet \
-                         authenticated"
-                    ),
-                    Err(_) => format!("{MAX_HANDSHAKES} connections are not yet authenticated"),
-                })
-            }
-        }
-    }
-
-    async fn handle(
-        self: Arc<Self>,
-        stream: TcpStream,
-        peer: std::net::SocketAddr,
-    ) -> anyhow::Result<()> {
+    async fn handle(self: Arc<Self>, stream: TcpStream) -> anyhow::Result<()> {
         stream.set_nodelay(true)?;
-        let keepalive = socket2::TcpKeepalive::new()
-            .with_time(KEEPALIVE)
-            .with_interval(KEEPALIVE / 3);
-        socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive)?;
         let (mut rd, wr) = stream.into_split();
         let mut wr = BufWriter::with_capacity(64 << 10, wr);
-        let refuse = |reason: &str, e: ErrorFrame| {
-            self.refuse(reason);
-            e
-        };
-        let admitted = match self.handshake_slot(peer.ip()) {
-            Err(why) => Err(refuse(
-                "handshake_limit",
-                connection_error(ErrorCode::Unavailable, format!("{why}; retry later")),
-            )),
-            Ok(handshake) => {
-                let greeted = self.handshake(&mut rd).await;
-                drop(handshake);
-                greeted.and_then(|()| {
-                    self.connections.clone().try_acquire_owned().map_err(|_| {
-                        let why = format!(
-                            "worker at its limit of {} connections; retry on another worker",
-                            self.config.max_connections
-                        );
-                        refuse(
-                            "connection_limit",
-                            connection_error(ErrorCode::Unavailable, why),
-                        )
-                    })
-                })
-            }
-        };
-        let _slot = match admitted {
-            Ok(slot) => slot,
-            Err(refusal) => {
-                let timeout = self.config.write_timeout;
-                write_with_timeout(&mut wr, Kind::Error, &refusal.encode(), timeout).await?;
-                return Ok(());
-            }
-        };
-        let welcome = self.welcome.encode();
-        write_with_timeout(&mut wr, Kind::Welcome, &welcome, self.config.write_timeout).await?;
-        let (tx, rx) = mpsc::channel::<Answer>(OUTBOX_CAPACITY);
-        let mut writer = tokio::spawn(self.clone().write_answers(wr, rx));
-        tokio::select! {
-            () = self.read_requests(&mut rd, tx) => writer.await?,
-            // The writer gave up (the peer stopped reading): its requests are not read either.
-            written = &mut writer => written?,
+        if let Err(refusal) = self.handshake(&mut rd).await {
+            write_frame(&mut wr, Kind::Error, &refusal.encode()).await?;
+            wr.flush().await?;
+            return Ok(());
         }
+        write_frame(&mut wr, Kind::Welcome, &self.welcome.encode()).await?;
+        wr.flush().await?;
+        let (tx, rx) = mpsc::channel::<Answer>(OUTBOX_CAPACITY);
+        let writer = tokio::spawn(self.clone().write_answers(wr, rx));
+        self.read_requests(&mut rd, tx).await;
+        writer.await??;
+        Ok(())
     }
 
     /// Reads the client's Hello (bounded in size and time) and checks its token; the Error
@@ -618,55 +496,38 @@ impl Server {
         mut wr: BufWriter<OwnedWriteHalf>,
         mut rx: mpsc::Receiver<Answer>,
     ) -> anyhow::Result<()> {
+        let pixel_dtype = self.pipeline.pixel_dtype();
+        let metrics = &self.pipeline.metrics;
         while let Some((out, _guard)) = rx.recv().await {
-            let write = async {
-                match out {
-                    Outgoing::Error(e) => write_frame(&mut wr, Kind::Error, &e.encode()).await,
-                    Outgoing::Batch(ready) => self.send_batch(&mut wr, *ready).await,
-                }?;
-                wr.flush().await
-            };
-            let timeout = self.config.write_timeout;
-            match tokio::time::timeout(timeout, write).await {
-                Ok(written) => written?,
-                Err(_) => {
-                    self.refuse("write_stalled");
-                    anyhow::bail!("an answer waited {timeout:?} for the peer to read it; closed");
+            match out {
+                Outgoing::Error(e) => write_frame(&mut wr, Kind::Error, &e.encode()).await?,
+                Outgoing::Batch(ready) => {
+                    // `_budget` stays bound (held) until the batch is written.
+                    let Ready {
+                        request,
+                        batch,
+                        started,
+                        _budget,
+                    } = *ready;
+                    let t = Instant::now();
+                    let lut = self.pipeline.pixel_lut();
+                    let n = write_batch(&mut wr, request, &batch, pixel_dtype, lut).await?;
+                    metrics.observe_stage("send", t.elapsed());
+                    metrics
+                        .request_seconds
+                        .observe(started.elapsed().as_secs_f64());
+                    metrics.bytes_sent_total.inc_by(n);
+                    metrics.batches_total.inc();
+                    metrics.samples_total.inc_by(batch.sample_ids.len() as u64);
+                    for (dataset, n) in self.pipeline.samples_by_dataset(&batch.sample_ids) {
+                        metrics
+                            .dataset_samples_served
+                            .with_label_values(&[dataset])
+                            .inc_by(n);
+                    }
                 }
             }
-        }
-        Ok(())
-    }
-
-    /// Writes one ready batch and counts it.
-    async fn send_batch(
-        &self,
-        wr: &mut BufWriter<OwnedWriteHalf>,
-        ready: Ready,
-    ) -> std::io::Result<()> {
-        let metrics = &self.pipeline.metrics;
-        // `_budget` stays bound (held) until the batch is written.
-        let Ready {
-            request,
-            batch,
-            started,
-            _budget,
-        } = ready;
-        let t = Instant::now();
-        let (lut, pixel_dtype) = (self.pipeline.pixel_lut(), self.pipeline.pixel_dtype());
-        let n = write_batch(wr, request, &batch, pixel_dtype, lut).await?;
-        metrics.observe_stage("send", t.elapsed());
-        metrics
-            .request_seconds
-            .observe(started.elapsed().as_secs_f64());
-        metrics.bytes_sent_total.inc_by(n);
-        metrics.batches_total.inc();
-        metrics.samples_total.inc_by(batch.sample_ids.len() as u64);
-        for (dataset, n) in self.pipeline.samples_by_dataset(&batch.sample_ids) {
-            metrics
-                .dataset_samples_served
-                .with_label_values(&[dataset])
-                .inc_by(n);
+            wr.flush().await?;
         }
         Ok(())
     }

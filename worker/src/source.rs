@@ -22,15 +22,6 @@ pub enum FetchError {
     TooLarge { what: String, len: u64, max: u64 },
     #[error("fetching {0}: {1}")]
     Io(String, String),
-    #[error("object {0} is a link to outside the dataset root; not read")]
-    OutsideRoot(String),
-}
-
-/// `path` (under `root`, which is canonical) if it resolves inside `root` once links are
-/// followed: a volume's dataset may hold links, never to what the worker can read elsewhere.
-fn inside_root(root: &Path, path: &Path) -> std::io::Result<Option<PathBuf>> {
-    let real = std::fs::canonicalize(path)?;
-    Ok(real.starts_with(root).then_some(real))
 }
 
 /// Chunks read from a local file at once.
@@ -335,7 +326,7 @@ impl Store {
 
     async fn head_once(&self, key: &str) -> Result<ObjectInfo, FetchError> {
         match self {
-            Store::Local { root } => match self.local_path(root, key).await?.metadata() {
+            Store::Local { root } => match tokio::fs::metadata(root.join(key)).await {
                 Ok(meta) if meta.is_file() => Ok(local_info(key.to_string(), &meta)),
                 Ok(_) => Err(FetchError::NotFound(self.describe(key))),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -473,32 +464,20 @@ impl Store {
         Ok(buf.freeze())
     }
 
-    /// Where a local object's bytes are: its path with links followed, inside the root.
-    async fn local_path(&self, root: &Path, key: &str) -> Result<PathBuf, FetchError> {
-        let (root, path) = (root.to_path_buf(), root.join(key));
-        let found = tokio::task::spawn_blocking(move || inside_root(&root, &path))
-            .await
-            .map_err(|e| self.io_error(key, e.to_string()))?;
-        match found {
-            Ok(Some(real)) => Ok(real),
-            Ok(None) => Err(FetchError::OutsideRoot(self.describe(key))),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                Err(FetchError::NotFound(self.describe(key)))
-            }
-            Err(e) => Err(self.io_error(key, e.to_string())),
-        }
-    }
-
     /// Starts reading an object (or a range of it): its length, when known, and its body.
     async fn open_object(&self, key: &str, range: Option<(u64, u64)>) -> Result<Body, FetchError> {
         let io = |e: String| self.io_error(key, e);
         match self {
             Store::Local { root } => {
                 use tokio::io::AsyncSeekExt;
-                let path = self.local_path(root, key).await?;
-                let mut file = tokio::fs::File::open(&path)
-                    .await
-                    .map_err(|e| io(e.to_string()))?;
+                let path = root.join(key);
+                let mut file = match tokio::fs::File::open(&path).await {
+                    Ok(f) => f,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        return Err(FetchError::NotFound(self.describe(key)))
+                    }
+                    Err(e) => return Err(io(e.to_string())),
+                };
                 let size = file.metadata().await.map_err(|e| io(e.to_string()))?.len();
                 let left = match range {
                     None => size,
@@ -592,22 +571,8 @@ impl Store {
 fn list_local(root: &Path, dir: &Path, out: &mut Vec<ObjectInfo>) -> anyhow::Result<()> {
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
+        let meta = entry.metadata()?;
         let path = entry.path();
-        // Links are listed only as files inside the root: a linked folder could loop, or
-        // reach past the root.
-        let meta = match entry.file_type()?.is_symlink() {
-            false => entry.metadata()?,
-            true => match inside_root(root, &path) {
-                Ok(Some(real)) if real.is_file() => std::fs::metadata(real)?,
-                _ => {
-                    tracing::warn!(
-                        "{}: a link to outside the dataset root or to a folder; not listed",
-                        path.display()
-                    );
-                    continue;
-                }
-            },
-        };
         if meta.is_dir() {
             list_local(root, &path, out)?;
         } else if meta.is_file() {
@@ -639,46 +604,6 @@ fn local_info(key: String, meta: &std::fs::Metadata) -> ObjectInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A volume dataset's links are read only where they resolve inside the root: a link to
-    /// a file elsewhere (the worker's token, another dataset) is refused by name and not
-    /// listed; a linked folder is not followed (it could loop).
-    #[tokio::test]
-    async fn links_out_of_a_volume_root_are_refused_and_not_listed() {
-        let outside = tempfile::tempdir().unwrap();
-        std::fs::write(outside.path().join("secret"), b"token").unwrap();
-        let root = tempfile::tempdir().unwrap();
-        std::fs::write(root.path().join("a.jpg"), b"inside").unwrap();
-        let link = |target: &Path, name: &str| {
-            std::os::unix::fs::symlink(target, root.path().join(name)).unwrap()
-        };
-        link(&outside.path().join("secret"), "b.jpg");
-        link(&root.path().join("a.jpg"), "c.jpg");
-        link(outside.path(), "elsewhere");
-        link(root.path(), "loop");
-        let uri = root.path().to_str().unwrap();
-        let store = Store::open(uri, &Default::default()).await.unwrap();
-        assert_eq!(&store.get("c.jpg").await.unwrap()[..], b"inside");
-        let refused = store.get("b.jpg").await.unwrap_err();
-        assert!(matches!(refused, FetchError::OutsideRoot(_)), "{refused}");
-        assert!(refused
-            .to_string()
-            .contains("b.jpg is a link to outside the dataset root"));
-        let through = store.get("elsewhere/secret").await.unwrap_err();
-        assert!(matches!(through, FetchError::OutsideRoot(_)), "{through}");
-        assert!(matches!(
-            store.head("b.jpg").await,
-            Err(FetchError::OutsideRoot(_))
-        ));
-        let keys: Vec<String> = store
-            .list()
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|o| o.key)
-            .collect();
-        assert_eq!(keys, ["a.jpg", "c.jpg"]);
-    }
 
     #[test]
     fn relative_paths_resolve_against_the_shard_folder() {

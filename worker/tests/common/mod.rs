@@ -83,13 +83,17 @@ impl Worker {
 pub async fn start_worker(cfg: &WorkerConfig) -> Worker {
     let metrics = Metrics::new();
     let pipeline = open_pipeline(cfg, metrics.clone()).await.unwrap();
+    let limits = &cfg.serving.limits;
     let server = Server::new(
         pipeline,
         ServerConfig {
             token: Some(TOKEN.into()),
+            max_inflight_per_conn: limits.max_inflight_per_conn as usize,
+            max_connections: limits.max_connections as usize,
+            idle_timeout: Duration::from_secs(limits.idle_timeout_s),
             max_inflight_samples: cfg.serving.max_inflight_samples.unwrap_or(64),
             drain_timeout: Duration::from_secs(30),
-            ..ServerConfig::with_limits(&cfg.serving.limits)
+            links_per_rank: limits.links_per_rank,
         },
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
