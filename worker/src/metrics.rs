@@ -37,7 +37,7 @@ pub struct Metrics {
 
 /// Error kinds a sample can fail with (pre-created at 0 so that dashboards and alerts see
 /// every series before the first error).
-pub const SAMPLE_ERROR_KINDS: [&str; 19] = [
+pub const SAMPLE_ERROR_KINDS: [&str; 21] = [
     "object_missing",
     "object_too_large",
     "object_store",
@@ -49,6 +49,8 @@ pub const SAMPLE_ERROR_KINDS: [&str; 19] = [
     "image_corrupt",
     "image_too_large",
     "image_aspect_ratio",
+    "image_over_budget",
+    "image_too_many_scans",
     "too_long",
     "text",
     "no_such_sample",

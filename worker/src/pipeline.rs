@@ -81,6 +81,8 @@ impl Cause {
                 ImageError::Corrupt(_) => "image_corrupt",
                 ImageError::TooLarge { .. } => "image_too_large",
                 ImageError::AspectRatio { .. } => "image_aspect_ratio",
+                ImageError::OverBudget(_) => "image_over_budget",
+                ImageError::TooManyScans { .. } => "image_too_many_scans",
             },
             Cause::Text(TextError::TooLong { .. }) => "too_long",
             Cause::Text(_) => "text",

@@ -44,6 +44,10 @@ pub enum ImageError {
     },
     #[error("image {h}x{w} (HxW) is too thin: aspect ratio above 200")]
     AspectRatio { h: u32, w: u32 },
+    #[error("over the image's memory budget: {0}")]
+    OverBudget(String),
+    #[error("progressive JPEG of {scans} scans, over the limit of {max}")]
+    TooManyScans { scans: usize, max: usize },
 }
 
 /// A decoded, upright RGB image.
@@ -53,11 +57,25 @@ pub struct Rgb {
     pub data: Vec<u8>,
 }
 
+/// What a decoder may allocate besides the pixels: colour profiles, text and EXIF chunks,
+/// TIFF tag values, line buffers. Header parsing runs under this alone, so a few-kilobyte
+/// profile that inflates to gigabytes is refused before the image's size is even known.
+pub const METADATA_BYTES: u64 = 16 << 20;
+
+/// Bytes per pixel of the widest decoded layout an image may have at `max_pixels` (RGBA16): a
+/// layout wider than that (float TIFF, 16 bytes per pixel) is refused past `max_pixels / 2`.
+pub const MAX_DECODED_BYTES_PER_PIXEL: u64 = 8;
+
+/// Scans a progressive JPEG may have: encoders write up to ~10; every scan is another pass
+/// over the whole image, so a file of thousands of tiny scans costs a decode thread minutes.
+pub const MAX_JPEG_SCANS: usize = 100;
+
 /// Decodes any supported format, applies the EXIF orientation and converts to RGB8.
 ///
 /// JPEG goes through libjpeg-turbo with the settings Pillow uses (accurate integer IDCT, fancy
 /// upsampling, Pillow's CMYK → RGB), so our pixels equal the reference processor's; other
-/// formats go through the `image` crate.
+/// formats go through the `image` crate. Every allocation is bounded: [`METADATA_BYTES`]
+/// while the header is parsed, then the decoded layout's bytes for at most `max_pixels`.
 pub fn decode(bytes: &[u8], limits: DecodeLimits) -> Result<Rgb, ImageError> {
     let mut reader = ImageReader::new(Cursor::new(bytes))
         .with_guessed_format()
@@ -67,18 +85,29 @@ pub fn decode(bytes: &[u8], limits: DecodeLimits) -> Result<Rgb, ImageError> {
         Some(image::ImageFormat::Jpeg) => return decode_jpeg(bytes, limits),
         Some(_) => {}
     }
-    // Header parsing allocates no pixels; our own limits apply once the size is known.
-    reader.no_limits();
+    reader.limits(with_max_alloc(METADATA_BYTES));
     let mut decoder = reader.into_decoder().map_err(classify)?;
     let (w, h) = decoder.dimensions();
     check_limits(w, h, limits)?;
-    let mut decoder_limits = Limits::default();
-    // RGBA16 is the widest layout a decoder may allocate.
-    decoder_limits.max_alloc = Some(limits.max_pixels * 8 + (1 << 20));
-    decoder.set_limits(decoder_limits).map_err(classify)?;
+    let need = decoder.total_bytes();
+    let max = limits.max_pixels * MAX_DECODED_BYTES_PER_PIXEL;
+    if need > max {
+        return Err(ImageError::OverBudget(format!(
+            "its {w}x{h} pixels decode to {need} bytes, over {max}"
+        )));
+    }
+    decoder
+        .set_limits(with_max_alloc(need + METADATA_BYTES))
+        .map_err(classify)?;
     let orientation = decoder.orientation().ok();
     let img = DynamicImage::from_decoder(decoder).map_err(classify)?;
     Ok(upright_rgb(img, orientation))
+}
+
+fn with_max_alloc(bytes: u64) -> Limits {
+    let mut limits = Limits::no_limits();
+    limits.max_alloc = Some(bytes);
+    limits
 }
 
 /// An image's size as its header gives it, and its EXIF orientation.
@@ -107,9 +136,10 @@ impl ImageHeader {
 /// keep its orientation past them (only JPEG's and PNG's come before the pixels), and the
 /// whole file is needed.
 pub fn read_header(bytes: &[u8], complete: bool) -> Result<Option<ImageHeader>, ImageError> {
-    let reader = ImageReader::new(Cursor::new(bytes))
+    let mut reader = ImageReader::new(Cursor::new(bytes))
         .with_guessed_format()
         .map_err(|e| ImageError::Corrupt(e.to_string()))?;
+    reader.limits(with_max_alloc(METADATA_BYTES));
     use image::ImageFormat::{Bmp, Gif, Jpeg, Png};
     let format = reader.format().ok_or(ImageError::Unsupported)?;
     let header = if format == Jpeg {
@@ -204,6 +234,13 @@ fn decode_jpeg(bytes: &[u8], limits: DecodeLimits) -> Result<Rgb, ImageError> {
             "truncated JPEG: no end-of-image marker".into(),
         ));
     }
+    let scans = jpeg_scans(bytes);
+    if scans > MAX_JPEG_SCANS {
+        return Err(ImageError::TooManyScans {
+            scans,
+            max: MAX_JPEG_SCANS,
+        });
+    }
     let corrupt = |e: turbojpeg::Error| ImageError::Corrupt(e.to_string());
     let (w, h, data) = TURBO.with(|cell| {
         let mut slot = cell.borrow_mut();
@@ -291,6 +328,49 @@ fn jpeg_segments(bytes: &[u8]) -> impl Iterator<Item = (u8, &[u8])> {
     })
 }
 
+/// The scans of a JPEG, counted up to one past [`MAX_JPEG_SCANS`] in one pass over its
+/// markers: segments are skipped by their length, and entropy-coded data up to the next
+/// marker (inside it 0xFF is followed by a stuffed 0x00 or a restart marker).
+fn jpeg_scans(bytes: &[u8]) -> usize {
+    let (mut pos, mut scans) = (2, 0);
+    while scans <= MAX_JPEG_SCANS && bytes.get(pos) == Some(&0xff) {
+        let Some(&marker) = bytes.get(pos + 1) else {
+            break;
+        };
+        match marker {
+            0xff => pos += 1,
+            0xd9 => break,
+            0x01 | 0xd0..=0xd7 => pos += 2,
+            _ => {
+                let Some(len) = bytes.get(pos + 2..pos + 4) else {
+                    break;
+                };
+                pos += 2 + u16::from_be_bytes([len[0], len[1]]) as usize;
+                if marker == 0xda {
+                    scans += 1;
+                    pos = next_marker(bytes, pos);
+                }
+            }
+        }
+    }
+    scans
+}
+
+/// The position of the first marker at or after `pos` in entropy-coded data.
+fn next_marker(bytes: &[u8], mut pos: usize) -> usize {
+    while let Some(off) = bytes
+        .get(pos..)
+        .and_then(|rest| rest.iter().position(|&b| b == 0xff))
+    {
+        pos += off;
+        match bytes.get(pos + 1) {
+            Some(0x00 | 0xd0..=0xd7) => pos += 2,
+            _ => return pos,
+        }
+    }
+    bytes.len()
+}
+
 /// Whether a JPEG's end-of-image marker (FF D9) is present near its end (some writers append
 /// a few bytes after it).
 fn jpeg_has_end(bytes: &[u8]) -> bool {
@@ -301,6 +381,11 @@ fn jpeg_has_end(bytes: &[u8]) -> bool {
 fn classify(e: image::ImageError) -> ImageError {
     match e {
         image::ImageError::Unsupported(_) => ImageError::Unsupported,
+        // The header's own data (a profile, text, tag values) past METADATA_BYTES, or a
+        // decoder's buffer past the bytes set for the pixels.
+        image::ImageError::Limits(e) => {
+            ImageError::OverBudget(format!("{e} (metadata may use {METADATA_BYTES} bytes)"))
+        }
         other => ImageError::Corrupt(other.to_string()),
     }
 }
