@@ -11,29 +11,6 @@ use stoker_wire::ErrorCode;
 use stoker_worker::dataset::index::{DatasetIndex, INDEX_KEY};
 use stoker_worker::source::Store;
 
-fn crc32(data: &[u8]) -> u32 {
-    let mut crc = 0xffff_ffffu32;
-    for &b in data {
-        crc ^= b as u32;
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 {
-                (crc >> 1) ^ 0xedb8_8320
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
-}
-
-fn png_chunk(out: &mut Vec<u8>, kind: &[u8], data: &[u8]) {
-    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-    let mut body = kind.to_vec();
-    body.extend_from_slice(data);
-    out.extend_from_slice(&body);
-    out.extend_from_slice(&crc32(&body).to_be_bytes());
-}
-
 /// A well-formed PNG header announcing 60000×60000 pixels: 10.8 GB once decoded.
 fn png_bomb() -> Vec<u8> {
     let mut v = b"\x89PNG\r\n\x1a\n".to_vec();

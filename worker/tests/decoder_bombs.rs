@@ -2,6 +2,9 @@
 //! name, or decoded, within a bound on the bytes the decoder holds at once, measured by this
 //! test binary's allocator (a decompression bomb shows as a peak, whatever error follows).
 
+mod common;
+
+use common::png_chunk;
 use flate2::{write::ZlibEncoder, Compression};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::io::Write;
@@ -65,21 +68,6 @@ fn zlib_zeros(len: usize) -> Vec<u8> {
         z.write_all(&block).unwrap();
     }
     z.finish().unwrap()
-}
-
-fn crc32(data: &[u8]) -> u32 {
-    let mut h = flate2::Crc::new();
-    h.update(data);
-    h.sum()
-}
-
-fn png_chunk(out: &mut Vec<u8>, kind: &[u8], data: &[u8]) {
-    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-    let start = out.len();
-    out.extend_from_slice(kind);
-    out.extend_from_slice(data);
-    let crc = crc32(&out[start..]);
-    out.extend_from_slice(&crc.to_be_bytes());
 }
 
 /// A 2×2 RGB8 PNG with `extra` chunks between its header and its pixels.

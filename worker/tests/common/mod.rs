@@ -179,3 +179,14 @@ pub fn i64s(b: &[u8]) -> Vec<i64> {
         .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
         .collect()
 }
+
+/// Appends a PNG chunk: length, type, data and the CRC of type and data.
+pub fn png_chunk(out: &mut Vec<u8>, kind: &[u8], data: &[u8]) {
+    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    let start = out.len();
+    out.extend_from_slice(kind);
+    out.extend_from_slice(data);
+    let mut crc = flate2::Crc::new();
+    crc.update(&out[start..]);
+    out.extend_from_slice(&crc.sum().to_be_bytes());
+}
