@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU (run on a machine with torch and CUDA; CI has neither):
-# the rank-side normalization on the GPU and its host→device benchmark.
+# the rank-side normalization on the GPU and its host→device benchmark, then a real training
+# step (benches/train_step.py, a Qwen2-VL-2B-shaped model) fed by Stoker, by a DataLoader
+# running transformers' processor and serially, with GPU utilisation from NVML.
 # Expects .dev/stoker.xz (the stripped release binary), .dev/tok.tar.xz (the Qwen tokenizer
 # directory `tok/`) and .dev/stoker-*.whl (the client wheel for this machine's Python).
 set -euo pipefail
@@ -22,4 +24,11 @@ ds=/tmp/gpu-ds
 worker=$!
 trap 'kill $worker' EXIT
 until grep -q '^listening' /tmp/worker.log; do sleep 0.2; done
-python3 benches/rank_normalize.py 127.0.0.1:7711 --batches 4 2>&1 | tee "$out/bench.log"
+python3 benches/rank_normalize.py gpu 127.0.0.1:7711 --batches 4 2>&1 | tee "$out/bench.log"
+kill $worker; trap - EXIT
+python3 benches/rank_normalize.py kernel 2>&1 | tee "$out/kernel.log"
+# The workers on this machine's cores, the model on its GPU, 256 synthetic samples (up to 1000 px).
+train=/tmp/gpu-train
+"$STOKER_BIN" dataset synth --out $train --samples 256 --seed 6 --max-side 1000 > /dev/null
+python3 benches/train_step.py --data $train --model 2b --batch 8 --steps 24 --warmup 2 \
+  --loader-workers 12 --json "$out/train.json" 2>&1 | tee "$out/train.log"

@@ -22,6 +22,7 @@ mod driver;
 mod error;
 mod link;
 mod metrics;
+mod normalize;
 pub mod policy;
 pub mod scheduler;
 pub mod topology;
@@ -31,6 +32,7 @@ pub use buffer::{AlignedBuf, BufferPool};
 pub use discovery::{Discovery, WorkerSet};
 pub use error::{Error, Result};
 pub use metrics::ClientMetrics;
+pub use normalize::{normalize_pixels, NormalizeError, PixelLut, PixelOut};
 pub use policy::{Depth, HedgePolicy};
 pub use scheduler::{PlanIdentity, Policy};
 

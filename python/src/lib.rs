@@ -2,14 +2,18 @@
 //! (`stoker/__init__.py`) turns each batch's payload into numpy views; nothing is copied
 //! between the socket and the arrays.
 
+use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
-use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyStopIteration};
+use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyStopIteration, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::os::raw::{c_int, c_void};
 use std::sync::Arc;
 use std::time::Duration;
-use stoker_client::{AlignedBuf, Depth, Discovery, HedgePolicy, LoaderConfig, LoaderState};
+use stoker_client::{
+    normalize_pixels, AlignedBuf, Depth, Discovery, HedgePolicy, LoaderConfig, LoaderState,
+    PixelLut, PixelOut,
+};
 
 /// The memory of one batch, exported through the buffer protocol: numpy arrays made with
 /// `numpy.frombuffer(payload, ...)` view it and keep it alive.
@@ -213,6 +217,65 @@ impl NativeLoader {
     }
 }
 
+/// `out[i] = lut[channel(i)][pixels[i]]` for u8 `pixels` of `columns` columns, into `out`
+/// (float32, or with `bf16` its bfloat16 bits as uint16), on up to `threads` threads with the GIL released.
+/// Every buffer must be C-contiguous; `out` writable and as long as `pixels`.
+#[pyfunction]
+#[pyo3(signature = (pixels, columns, lut, out, bf16, threads))]
+fn normalize_u8(
+    py: Python<'_>,
+    pixels: PyBuffer<u8>,
+    columns: usize,
+    lut: PyBuffer<f32>,
+    out: &Bound<'_, PyAny>,
+    bf16: bool,
+    threads: usize,
+) -> PyResult<()> {
+    let lut = PixelLut::new(&lut.to_vec(py)?).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    if !pixels.is_c_contiguous() {
+        return Err(PyBufferError::new_err("pixel_values must be C-contiguous"));
+    }
+    // SAFETY: the buffer is contiguous, of `item_count` u8, and stays exported (the owner
+    // can neither free nor resize it) until `pixels` drops at the end of this call.
+    let px =
+        unsafe { std::slice::from_raw_parts(pixels.buf_ptr() as *const u8, pixels.item_count()) };
+    let result = if !bf16 {
+        let buf = writable::<f32>(out, &pixels)?;
+        // SAFETY: as above, plus writable and aligned for f32 (checked by PyBuffer::get);
+        // no other slice of it exists in this call.
+        let o =
+            unsafe { std::slice::from_raw_parts_mut(buf.buf_ptr() as *mut f32, buf.item_count()) };
+        py.allow_threads(|| normalize_pixels(px, columns, &lut, PixelOut::F32(o), threads))
+    } else {
+        let buf = writable::<u16>(out, &pixels)?;
+        // SAFETY: as for f32.
+        let o =
+            unsafe { std::slice::from_raw_parts_mut(buf.buf_ptr() as *mut u16, buf.item_count()) };
+        py.allow_threads(|| normalize_pixels(px, columns, &lut, PixelOut::Bf16(o), threads))
+    };
+    result.map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// A writable C-contiguous buffer of `T` that shares no byte with `input`.
+fn writable<T: pyo3::buffer::Element>(
+    obj: &Bound<'_, PyAny>,
+    input: &PyBuffer<u8>,
+) -> PyResult<PyBuffer<T>> {
+    let buf = PyBuffer::<T>::get(obj)?;
+    if buf.readonly() || !buf.is_c_contiguous() {
+        return Err(PyBufferError::new_err(
+            "the output must be a writable C-contiguous array",
+        ));
+    }
+    let (out_start, in_start) = (buf.buf_ptr() as usize, input.buf_ptr() as usize);
+    if out_start < in_start + input.len_bytes() && in_start < out_start + buf.len_bytes() {
+        return Err(PyBufferError::new_err(
+            "the output overlaps pixel_values: give a buffer of its own",
+        ));
+    }
+    Ok(buf)
+}
+
 // One exception class per kind of client error, so a training script can tell a
 // misconfiguration (fix and restart) from an outage (wait, or let the job restart).
 create_exception!(
@@ -285,6 +348,7 @@ fn py_error(e: stoker_client::Error) -> PyErr {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeLoader>()?;
     m.add_class::<Payload>()?;
+    m.add_function(wrap_pyfunction!(normalize_u8, m)?)?;
     let py = m.py();
     m.add("StokerError", py.get_type::<StokerError>())?;
     m.add("ConfigError", py.get_type::<ConfigError>())?;

@@ -15,6 +15,7 @@ Prometheus endpoint (``metrics_port=``) report it as the wait ratio the operator
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -33,6 +34,7 @@ from ._native import (
 __all__ = [
     "Loader",
     "Batch",
+    "BufferPool",
     "bfloat16_dtype",
     "StokerError",
     "ConfigError",
@@ -89,34 +91,55 @@ class Batch:
     # A packed batch's packs as the native client checked them against the tensors: (row,
     # tokens, cu_seqlens, max_seqlen, image rows, pixel rows); None for a plain batch.
     pack_ranges: Optional[List[_PackRanges]] = field(default=None, repr=False)
+    # Where pixel_values() writes by default: the loader's pool (reused once nothing views
+    # a buffer), or fresh memory.
+    pool: Optional["BufferPool"] = field(default=None, repr=False)
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.tensors[name]
 
-    def pixel_values(self, device: Any = None, dtype: str = "float32") -> Any:
+    def pixel_values(
+        self,
+        device: Any = None,
+        dtype: str = "float32",
+        *,
+        out: Any = None,
+        pool: Optional["BufferPool"] = None,
+        threads: Optional[int] = None,
+    ) -> Any:
         """``pixel_values`` ready for the model: normalized as the Hugging Face processor does.
 
         With u8 pixels on the wire (resized and patchified, a quarter of float32's bytes) the
         batch carries the worker's normalization table (``pixel_lut``, float32 per channel and
         8-bit value, computed with the processor's arithmetic); looking each value up in it
-        gives float32 values bit-identical to the processor's, wherever the lookup runs.
-        Pixels normalized on the worker (f32 or bf16 on the wire) are only converted.
+        gives float32 values bit-identical to the processor's, wherever the lookup runs. On
+        the host it is one native pass (read a byte, write a value) on up to ``threads``
+        threads with the GIL released. Pixels normalized on the worker (f32 or bf16 on the
+        wire) are only converted.
 
         Args:
-            device: ``None`` returns a numpy array; a torch device (``"cuda:0"``, ``"cpu"``)
-                returns a torch tensor, the lookup done on that device (only the u8 bytes
-                cross to a GPU).
+            device: ``None`` returns a numpy array; a torch device returns a torch tensor:
+                ``"cpu"`` runs the host pass (into ``out`` or ``pool`` if given), another
+                device (``"cuda:0"``) runs the lookup there (only the u8 bytes cross).
             dtype: ``"float32"`` or ``"bfloat16"`` (rounded to nearest even from float32, as
                 torch's ``.to(torch.bfloat16)`` does).
+            out: write into this C-contiguous array of the pixels' shape and ``dtype`` (numpy,
+                or a CPU torch tensor) instead of allocating; returned.
+            pool: take the output from this :class:`BufferPool` (reused memory, optionally
+                pinned for a fast host-to-device copy); default the loader's own pool
+                (``Loader(pixel_buffers=...)``).
+            threads: threads of the host pass; default ``STOKER_NORMALIZE_THREADS`` or
+                ``min(4, usable cores)``.
         """
         if dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"pixel_values dtype {dtype!r}: use 'float32' or 'bfloat16'")
         px = self.tensors["pixel_values"]
         lut = self.tensors.get("pixel_lut")
         wire = self.dtypes["pixel_values"]
+        host = _HostOutput(out, pool, threads, fallback=self.pool)
         if device is None:
-            return _pixels_numpy(px, lut, wire, dtype)
-        return _pixels_torch(px, lut, wire, device, dtype)
+            return _pixels_numpy(px, lut, wire, dtype, host)
+        return _pixels_torch(px, lut, wire, device, dtype, host)
 
     def keys(self):
         return self.tensors.keys()
@@ -127,7 +150,9 @@ class Batch:
         tensors is one pack of samples, not one sample."""
         return self.pack_ranges is not None
 
-    def packs(self, device: Any = None, pixel_dtype: str = "float32") -> List[Dict[str, Any]]:
+    def packs(
+        self, device: Any = None, pixel_dtype: str = "float32", pool: Optional["BufferPool"] = None
+    ) -> List[Dict[str, Any]]:
         """A packed batch's packs, each the keyword arguments of one varlen forward pass.
 
         Every rank gets the same number of packs per global batch (a synchronous step runs
@@ -150,7 +175,7 @@ class Batch:
         if not self.packed:
             raise ConfigError("not a packed batch: start the workers with --pack-max-tokens")
         t = self.tensors
-        pixels = self.pixel_values(device=device, dtype=pixel_dtype)
+        pixels = self.pixel_values(device=device, dtype=pixel_dtype, pool=pool)
         out = []
         for row, tokens, bounds, longest, images, rows in self.pack_ranges:
             cu = np.asarray(bounds, dtype=np.int32)
@@ -174,10 +199,128 @@ class Batch:
         return out
 
 
-def _lut_index(columns: int) -> np.ndarray:
-    """Each column's offset into the flattened ``[3, 256]`` table: a row of ``pixel_values``
-    is (channel, temporal, patch row, patch column), so channel c owns the c-th third."""
-    return (np.arange(columns, dtype=np.uint16) // (columns // 3)) * np.uint16(256)
+def _default_threads() -> int:
+    env = os.environ.get("STOKER_NORMALIZE_THREADS")
+    if env:
+        return max(1, int(env))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(4, cores or 1))
+
+
+class BufferPool:
+    """Output memory for :meth:`Batch.pixel_values` (``pool=``), reused across steps.
+
+    Fresh memory costs a page fault and the kernel's zeroing per 4 KiB, as much as the
+    lookup itself; a pooled buffer is written hot. A buffer is handed out again only once
+    nothing views it any more (no array, no torch tensor made from it), so keeping a batch's
+    pixels alive across steps is safe: the pool then allocates. It keeps at most ``slots``
+    buffers, each grown to the largest batch it served.
+
+    Args:
+        slots: buffers kept (2 covers a step in flight plus the next batch being prepared).
+        pin_memory: page-locked memory (torch with CUDA), so ``tensor.to("cuda",
+            non_blocking=True)`` copies at full speed and asynchronously.
+    """
+
+    def __init__(self, slots: int = 2, pin_memory: bool = False) -> None:
+        if slots < 1:
+            raise ConfigError(f"BufferPool slots {slots}: at least 1")
+        self.slots = slots
+        self.pin_memory = pin_memory
+        self._buffers: List[_PooledBuffer] = []
+        self.allocations = 0
+        self.reuses = 0
+
+    def take(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
+        """A C-contiguous array of ``shape`` and ``dtype`` over a free pooled buffer."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        free = [b for b in self._buffers if not b.in_use()]
+        fits = [b for b in free if b.flat.nbytes >= nbytes]
+        if fits:
+            self.reuses += 1
+            buf = fits[0]
+        else:
+            buf = _PooledBuffer(nbytes, self.pin_memory)
+            self.allocations += 1
+            if free:  # replace a free one that is too small
+                self._buffers[self._buffers.index(free[0])] = buf
+            elif len(self._buffers) < self.slots:
+                self._buffers.append(buf)
+        return buf.flat[:nbytes].view(dtype).reshape(shape)
+
+
+class _PooledBuffer:
+    """One pooled allocation: ``owner`` holds the memory; every view made from ``flat`` (and
+    every torch tensor made from such a view) holds a reference to it, so its reference count
+    says whether anything still uses it."""
+
+    def __init__(self, nbytes: int, pin_memory: bool) -> None:
+        if pin_memory:
+            import torch
+
+            self.owner: Any = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+            self.flat = self.owner.numpy()
+        else:
+            self.owner = np.empty(max(nbytes, 1), dtype=np.uint8)
+            self.flat = self.owner
+        self._idle_refs = self._refs()
+
+    def _refs(self) -> int:
+        return sys.getrefcount(self.owner)
+
+    def in_use(self) -> bool:
+        return self._refs() > self._idle_refs
+
+
+class _HostOutput:
+    """Where a host-side pass writes: the caller's ``out`` or ``pool``, else the loader's
+    pool (``fallback``), else new memory."""
+
+    def __init__(
+        self,
+        out: Any,
+        pool: Optional[BufferPool],
+        threads: Optional[int],
+        fallback: Optional[BufferPool] = None,
+    ) -> None:
+        if out is not None and pool is not None:
+            raise ConfigError("pixel_values: give out= or pool=, not both")
+        self.out = out
+        self.pool = pool
+        self.fallback = fallback
+        self.threads = _default_threads() if threads is None else max(1, int(threads))
+
+    @property
+    def given(self) -> bool:
+        """Whether the caller named the memory (else views need no copy)."""
+        return self.out is not None or self.pool is not None
+
+    def array(self, shape: Tuple[int, ...], dtype: str) -> np.ndarray:
+        want = np.dtype(np.float32) if dtype == "float32" else _numpy_dtype("bfloat16")
+        if self.out is None:
+            pool = self.pool or self.fallback
+            return pool.take(shape, want) if pool is not None else np.empty(shape, want)
+        out = self.out
+        if type(out).__module__.startswith("torch"):
+            out = _torch_as_numpy(out)
+        fits = {want, np.dtype(np.uint16), np.dtype(np.int16)} if dtype == "bfloat16" else {want}
+        if not isinstance(out, np.ndarray) or out.shape != tuple(shape) or out.dtype not in fits \
+                or not out.flags.c_contiguous or not out.flags.writeable:
+            raise ConfigError(
+                f"pixel_values out=: need a writable C-contiguous {dtype} array of shape "
+                f"{tuple(shape)}, got {getattr(out, 'dtype', type(out).__name__)} "
+                f"{getattr(out, 'shape', '')}"
+            )
+        return out
+
+
+def _torch_as_numpy(t: Any) -> np.ndarray:
+    import torch
+
+    if t.device.type != "cpu":
+        raise ConfigError(f"pixel_values out=: a host array, not a tensor on {t.device}")
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def _bf16_bits(values: np.ndarray) -> np.ndarray:
@@ -187,39 +330,69 @@ def _bf16_bits(values: np.ndarray) -> np.ndarray:
     return rounded.astype(np.uint16)
 
 
-def _pixels_numpy(px: np.ndarray, lut: Optional[np.ndarray], wire: str, dtype: str) -> np.ndarray:
+def _pixels_numpy(
+    px: np.ndarray, lut: Optional[np.ndarray], wire: str, dtype: str, host: _HostOutput
+) -> np.ndarray:
     if lut is not None:
-        values = lut.reshape(-1)[px.astype(np.uint16) + _lut_index(px.shape[1])]
-    elif wire == "bfloat16":
-        if dtype == "bfloat16":
-            return px
-        values = (px.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+        out = host.array(px.shape, dtype)
+        if px.size:
+            bf16 = dtype == "bfloat16"
+            target = out.view(np.uint16) if bf16 else out
+            _native.normalize_u8(px, px.shape[1], lut, target, bf16, host.threads)
+        return out
+    # Normalized on the worker: only converted (no copy unless asked for one).
+    if wire == "bfloat16":
+        bits = px.view(np.uint16)
+        values = bits.view(_BF16) if _BF16 is not None else bits
+        if dtype == "float32":
+            values = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
     else:
         values = px
-    if dtype == "float32":
+        if dtype == "bfloat16":
+            bits = _bf16_bits(np.ascontiguousarray(values, dtype=np.float32))
+            values = bits.view(_BF16) if _BF16 is not None else bits
+    if not host.given:
         return values
-    bits = _bf16_bits(np.ascontiguousarray(values, dtype=np.float32))
-    return bits.view(_BF16) if _BF16 is not None else bits
+    out = host.array(px.shape, dtype)
+    np.copyto(out.view(np.uint16) if dtype == "bfloat16" else out,
+              values.view(np.uint16) if dtype == "bfloat16" else values)
+    return out
 
 
-def _pixels_torch(px: np.ndarray, lut: Optional[np.ndarray], wire: str, device: Any, dtype: str):
+def _pixels_torch(
+    px: np.ndarray, lut: Optional[np.ndarray], wire: str, device: Any, dtype: str, host: _HostOutput
+):
     import torch
 
+    device = torch.device(device)
+    want = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    if device.type == "cpu":
+        values = _pixels_numpy(px, lut, wire, dtype, host)
+        if dtype == "bfloat16":
+            return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(values)
+    if host.given:
+        raise ConfigError(
+            "pixel_values: out= and pool= are host memory; for a host pass and a copy use "
+            "torch.from_numpy(batch.pixel_values(pool=pool)).to(device, non_blocking=True)"
+        )
     if lut is not None:
         # int32 indices (half of int64's bytes; index_select takes them) built on the device:
         # only the u8 bytes cross.
+        columns = px.shape[1]
+        channel = (np.arange(columns, dtype=np.int32) // (columns // 3)) * np.int32(256)
         table = torch.from_numpy(lut).to(device).reshape(-1)
         index = torch.from_numpy(px).to(device).int()
-        index += torch.from_numpy(_lut_index(px.shape[1]).astype(np.int32)).to(device)
+        index += torch.from_numpy(channel).to(device)
         values = table.index_select(0, index.reshape(-1)).reshape(px.shape)
     elif wire == "bfloat16":
         values = torch.from_numpy(px.view(np.uint16)).view(torch.bfloat16).to(device)
     else:
         values = torch.from_numpy(px).to(device)
-    return values.to(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    return values.to(want)
 
 
-def _batch(raw: Dict[str, Any]) -> Batch:
+def _batch(raw: Dict[str, Any], pool: Optional[BufferPool]) -> Batch:
     payload = raw["payload"]
     tensors: Dict[str, np.ndarray] = {}
     dtypes: Dict[str, str] = {}
@@ -240,6 +413,7 @@ def _batch(raw: Dict[str, Any]) -> Batch:
         worker=raw["worker"],
         payload=payload,
         pack_ranges=raw["packs"],
+        pool=pool,
     )
 
 
@@ -264,6 +438,9 @@ class Loader:
         metrics_port: serve Prometheus ``/metrics`` on this port (0 picks one, see
             ``metrics_addr``); labels ``pipeline`` and ``rank``.
         state: a ``state_dict()`` to resume from.
+        pixel_buffers: buffers of the pool ``Batch.pixel_values()`` writes into on the host
+            (:class:`BufferPool`: a buffer is reused only once nothing views it, so fresh
+            memory's page faults are paid once); 0 allocates every time.
     """
 
     def __init__(
@@ -282,6 +459,7 @@ class Loader:
         no_worker_timeout_s: float = 60.0,
         request_timeout_s: float = 120.0,
         state: Optional[Dict[str, Any]] = None,
+        pixel_buffers: int = 2,
     ) -> None:
         if not isinstance(workers, str):
             workers = ",".join(workers)
@@ -305,12 +483,13 @@ class Loader:
         )
         self.rank = rank
         self.world_size = world_size
+        self._pixel_pool = BufferPool(pixel_buffers) if pixel_buffers else None
 
     def __iter__(self) -> Iterator[Batch]:
         return self
 
     def __next__(self) -> Batch:
-        return _batch(self._native.next_batch())
+        return _batch(self._native.next_batch(), self._pixel_pool)
 
     def state_dict(self) -> Dict[str, Any]:
         """Where this loader is: (plan, epoch, next global batch). Small and JSON-safe."""

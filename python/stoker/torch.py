@@ -10,28 +10,71 @@ the work; DataLoader worker processes would pickle every batch).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 
-from . import Batch, Loader
+from . import Batch, BufferPool, ConfigError, Loader
 
-__all__ = ["StokerIterableDataset", "to_torch"]
+__all__ = ["StokerIterableDataset", "model_inputs", "pinned_pool", "to_torch"]
+
+# Tensors a plain (unpacked) batch hands to a Qwen-VL model's forward as they are.
+_MODEL_TENSORS = ("input_ids", "attention_mask", "labels", "image_grid_thw")
 
 
-def to_torch(batch: Batch, device: Any = None, pixel_dtype: str = "float32") -> Dict[str, Any]:
-    """The batch as model inputs: token tensors viewing the received memory (moved to
+def model_inputs(
+    batch: Batch,
+    device: Any = None,
+    *,
+    image_token_id: int,
+    pixel_dtype: str = "float32",
+    pool: Optional[BufferPool] = None,
+) -> Dict[str, Any]:
+    """A plain batch as the keyword arguments of one forward pass: ``model(**inputs)``.
+
+    ``input_ids``, ``attention_mask``, ``labels`` and ``image_grid_thw`` view the received
+    memory (moved to ``device``), ``pixel_values`` are normalized as the processor does (on
+    ``device``, see :meth:`stoker.Batch.pixel_values`), and ``mm_token_type_ids`` marks the
+    image tokens as the processor marks them (1; 0 for text), which transformers' Qwen-VL
+    models need to place the multimodal rope. ``image_token_id`` is
+    ``model.config.image_token_id``. A packed batch: use ``batch.packs(device)``.
+    """
+    if batch.packed:
+        raise ConfigError("a packed batch: give model(**pack) for each pack in batch.packs(device)")
+    out: Dict[str, Any] = {}
+    for name in _MODEL_TENSORS:
+        if name in batch.tensors:
+            t = torch.from_numpy(batch.tensors[name])
+            out[name] = t if device is None else t.to(device)
+    out["mm_token_type_ids"] = (out["input_ids"] == image_token_id).int()
+    if "pixel_values" in batch.tensors and batch.tensors["pixel_values"].shape[0]:
+        out["pixel_values"] = batch.pixel_values(device=device or "cpu", dtype=pixel_dtype, pool=pool)
+    else:
+        out.pop("image_grid_thw", None)  # text only: no vision tower
+    return out
+
+
+def pinned_pool(slots: int = 2) -> BufferPool:
+    """A :class:`stoker.BufferPool` of page-locked memory, for a host pass then an
+    asynchronous copy: ``torch.from_numpy(batch.pixel_values(pool=p)).to(dev, non_blocking=True)``."""
+    return BufferPool(slots=slots, pin_memory=True)
+
+
+def to_torch(
+    batch: Batch, device: Any = None, pixel_dtype: str = "float32", pool: Optional[BufferPool] = None
+) -> Dict[str, Any]:
+    """The batch as torch tensors: every tensor viewing the received memory (moved to
     ``device`` if given), ``pixel_values`` normalized as the Hugging Face processor does
-    (``Batch.pixel_values``: with u8 on the wire, the lookup runs on ``device``), plus the
-    batch's metadata; a packed batch adds ``packs``, one varlen forward's inputs each
-    (``Batch.packs``)."""
+    (``Batch.pixel_values``: with u8 on the wire, the lookup runs on ``device``; on the CPU
+    into ``pool`` if given), plus the batch's metadata; a packed batch adds ``packs``, one
+    varlen forward's inputs each (``Batch.packs``). For ``model(**...)``: :func:`model_inputs`."""
     out: Dict[str, Any] = {}
     for name, arr in batch.tensors.items():
         if name in ("pixel_values", "pixel_lut"):
             continue
         t = torch.from_numpy(arr)
         out[name] = t if device is None else t.to(device)
-    out["pixel_values"] = batch.pixel_values(device=device or "cpu", dtype=pixel_dtype)
+    out["pixel_values"] = batch.pixel_values(device=device or "cpu", dtype=pixel_dtype, pool=pool)
     if batch.packed:
         out["packs"] = batch.packs(device=device or "cpu", pixel_dtype=pixel_dtype)
     out["sample_ids"] = batch.sample_ids
