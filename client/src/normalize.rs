@@ -84,10 +84,10 @@ pub fn normalize_pixels(
     out: PixelOut<'_>,
     threads: usize,
 ) -> Result<(), NormalizeError> {
-    if columns == 0 || columns % 3 != 0 {
+    if columns == 0 || !columns.is_multiple_of(3) {
         return Err(NormalizeError::Columns(columns));
     }
-    if pixels.len() % columns != 0 {
+    if !pixels.len().is_multiple_of(columns) {
         return Err(NormalizeError::Ragged {
             values: pixels.len(),
             columns,
