@@ -51,9 +51,15 @@ pub enum DatasetCommand {
         s3: S3Connection,
         #[command(flatten)]
         pre: Preprocessing,
-        /// Write input_ids, labels, pixel_values and image_grid_thw as safetensors.
+        /// Write input_ids, labels, pixel_values and image_grid_thw as safetensors:
+        /// pixel_values model-ready (float32, normalized as the processor does; with u8 pixels
+        /// by the rank's own lookup), or bfloat16 with `--pixel-dtype bf16`.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// With u8 pixels: write the wire's u8 `pixel_values` and its `pixel_lut` table
+        /// (`[3, 256]` float32) instead of normalizing them.
+        #[arg(long, requires = "out")]
+        wire_pixels: bool,
     },
     /// The distribution of sequence lengths (tokens per sample, vision tokens, images): each
     /// sample's text through the real tokenizer and template, its images' sizes from their
@@ -180,7 +186,11 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
             s3,
             pre,
             out,
-        } => inspect(&one_sample_config(uri, s3, pre, Some(1)), sample, out).await,
+            wire_pixels,
+        } => {
+            let cfg = one_sample_config(uri, s3, pre, Some(1));
+            inspect(&cfg, sample, out, wire_pixels).await
+        }
         DatasetCommand::Stats {
             uri,
             decode,
@@ -232,7 +242,12 @@ fn one_sample_config(
     }
 }
 
-async fn inspect(cfg: &WorkerConfig, sample: u64, out: Option<PathBuf>) -> anyhow::Result<()> {
+async fn inspect(
+    cfg: &WorkerConfig,
+    sample: u64,
+    out: Option<PathBuf>,
+    wire_pixels: bool,
+) -> anyhow::Result<()> {
     let p = open_pipeline(cfg, Metrics::new()).await?;
     let (shard, line) = p.index.locate(sample).ok_or_else(|| {
         anyhow::anyhow!(
@@ -264,18 +279,66 @@ async fn inspect(cfg: &WorkerConfig, sample: u64, out: Option<PathBuf>) -> anyho
     }
     if let Some(path) = out {
         let batch = collate(vec![s], vec![], p.text.pad_id);
-        write_safetensors(&path, &batch, p.pixel_dtype(), p.config.preset.patch_dim())?;
+        let pixels = SavedPixels::of(&batch, &p, wire_pixels)?;
+        write_safetensors(&path, &batch, &pixels)?;
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// The `pixel_values` `inspect` saves: model-ready unless the wire's u8 bytes are asked for.
+struct SavedPixels {
+    dtype: stoker_wire::DType,
+    bytes: Vec<u8>,
+    columns: usize,
+    /// `pixel_lut`'s bytes, saved beside u8 pixels.
+    lut: Option<Vec<u8>>,
+}
+
+impl SavedPixels {
+    fn of(b: &stoker_worker::pipeline::Batch, p: &Pipeline, wire: bool) -> anyhow::Result<Self> {
+        let bytes: Vec<u8> = b
+            .pixel_chunks
+            .iter()
+            .flat_map(|c| c.as_bytes())
+            .copied()
+            .collect();
+        let columns = p.config.preset.patch_dim();
+        let (dtype, lut) = (p.pixel_dtype(), p.pixel_lut());
+        let Some(lut) = lut.filter(|_| !wire) else {
+            let lut = lut.map(<[u8]>::to_vec);
+            return Ok(SavedPixels {
+                dtype,
+                bytes,
+                columns,
+                lut,
+            });
+        };
+        // What the model sees: the rank's own lookup (stoker_client), as a trainer runs it.
+        let table: Vec<f32> = lut
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
+        let table = stoker_client::PixelLut::new(&table)?;
+        let mut values = vec![0f32; bytes.len()];
+        let out = stoker_client::PixelOut::F32(&mut values);
+        stoker_client::normalize_pixels(&bytes, columns, &table, out, 1)?;
+        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let dtype = stoker_wire::DType::F32;
+        Ok(SavedPixels {
+            dtype,
+            bytes,
+            columns,
+            lut: None,
+        })
+    }
 }
 
 /// One sample's tensors as safetensors (shapes as transformers returns them).
 fn write_safetensors(
     path: &std::path::Path,
     b: &stoker_worker::pipeline::Batch,
-    dtype: stoker_wire::DType,
-    patch_dim: usize,
+    pixels: &SavedPixels,
 ) -> anyhow::Result<()> {
     use safetensors::tensor::{Dtype, TensorView};
     use stoker_worker::pipeline::i64_bytes;
@@ -288,25 +351,23 @@ fn write_safetensors(
     let ids = i64_bytes(&b.input_ids);
     let labels = i64_bytes(&b.labels);
     let grid = i64_bytes(&b.image_grid_thw);
-    let pixels: Vec<u8> = b
-        .pixel_chunks
-        .iter()
-        .flat_map(|c| c.as_bytes())
-        .copied()
-        .collect();
     let l = b.seq_len;
-    let tensors = vec![
+    let pixel_shape = vec![b.pixel_rows, pixels.columns];
+    let mut tensors = vec![
         ("input_ids", TensorView::new(Dtype::I64, vec![1, l], &ids)?),
         ("labels", TensorView::new(Dtype::I64, vec![1, l], &labels)?),
         (
             "pixel_values",
-            TensorView::new(st(dtype), vec![b.pixel_rows, patch_dim], &pixels)?,
+            TensorView::new(st(pixels.dtype), pixel_shape, &pixels.bytes)?,
         ),
         (
             "image_grid_thw",
             TensorView::new(Dtype::I64, vec![b.image_grid_thw.len() / 3, 3], &grid)?,
         ),
     ];
+    if let Some(lut) = &pixels.lut {
+        tensors.push(("pixel_lut", TensorView::new(Dtype::F32, vec![3, 256], lut)?));
+    }
     safetensors::serialize_to_file(tensors, &None, path)?;
     Ok(())
 }

@@ -21,7 +21,7 @@ import stoker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
 from hf_reference import hf_messages, jsonl_samples, load_rgb  # noqa: E402
-from served import STOKER, epoch, serve  # noqa: E402
+from served import STOKER, TOKENIZER, epoch, serve  # noqa: E402
 
 SAMPLES = 12
 
@@ -103,3 +103,24 @@ def test_the_lookup_on_a_torch_device_is_the_numpy_lookup_bit_for_bit(served, de
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"\n{values} pixel values on {name}: torch lookup == numpy lookup", file=sys.stderr)
     assert values > 0
+
+
+def test_inspect_saves_what_the_model_sees(dataset, tmp_path):
+    """`stoker dataset inspect --out` with u8 pixels saves model-ready float32 (the rank's
+    lookup), the bits an f32 worker computes; `--wire-pixels` saves the u8 bytes and the table."""
+    from safetensors.numpy import load_file
+
+    def inspect(name, *args):
+        out = tmp_path / f"{name}.safetensors"
+        subprocess.run([STOKER, "dataset", "inspect", str(dataset), "--sample", "1", "--tokenizer",
+                        str(TOKENIZER), "--out", str(out), *args], check=True, capture_output=True)
+        return load_file(str(out))
+
+    default, f32, wire = inspect("u8"), inspect("f32", "--pixel-dtype", "f32"), inspect("wire", "--wire-pixels")
+    assert default["pixel_values"].dtype == np.float32 and "pixel_lut" not in default
+    assert default["pixel_values"].size > 0
+    assert np.array_equal(default["pixel_values"].view(np.uint32), f32["pixel_values"].view(np.uint32))
+    assert wire["pixel_values"].dtype == np.uint8 and wire["pixel_lut"].shape == (3, 256)
+    columns = wire["pixel_values"].shape[1]
+    channel = np.arange(columns) // (columns // 3)
+    assert np.array_equal(wire["pixel_lut"][channel[None, :], wire["pixel_values"]], f32["pixel_values"])
