@@ -10,11 +10,10 @@
 # `skopeo copy oci-archive:… docker://REGISTRY/…`, or `kind load image-archive`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$CACHE/target}"
+. scripts/lib.sh
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 TAG="${1:-ghcr.io/stoker-dev/stoker:$VERSION}"
-OUT="$CACHE/image"
+OUT="$STOKER_CACHE/image"
 . scripts/podman-env.sh
 
 ./scripts/build.sh

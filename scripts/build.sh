@@ -4,7 +4,6 @@
 # (cargo rebuilds every dependency for another selection of targets).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export STOKER_CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$STOKER_CACHE/target}"
+. scripts/lib.sh
 ./scripts/setup-build-deps.sh
 cargo build --release --workspace --all-targets

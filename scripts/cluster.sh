@@ -19,9 +19,9 @@
 # $STOKER_CLUSTER_DIR/logs/audit.log: the tests and `benches/operator_scale.py` count the
 # operator's API requests from it.
 set -euo pipefail
-CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
-BIN="$CACHE/bin"
-DIR="${STOKER_CLUSTER_DIR:-$CACHE/cluster}"
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+BIN="$STOKER_CACHE/bin"
+DIR="${STOKER_CLUSTER_DIR:-$STOKER_CACHE/cluster}"
 NODES="${STOKER_CLUSTER_NODES:-4}"
 BASE="${STOKER_CLUSTER_PORT_BASE:-16400}"
 API_PORT=$((BASE + 43))
@@ -39,7 +39,7 @@ make_pki() {
   local p="$DIR/pki"
   mkdir -p "$p"
   [ -s "$p/apiserver.crt" ] && return
-  command -v openssl >/dev/null || { apt-get update -qq && apt-get install -y -qq openssl >/dev/null; }
+  command -v openssl >/dev/null || { log "no openssl: run scripts/setup-k8s-tools.sh"; exit 1; }
   openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=stoker-test-ca" \
     -keyout "$p/ca.key" -out "$p/ca.crt" 2>/dev/null
   openssl req -newkey rsa:2048 -nodes -subj "/CN=kube-apiserver" \
@@ -159,7 +159,7 @@ start_controllers() {
     --node-monitor-grace-period 40s --profiling=false --v 1
   start kube-scheduler --kubeconfig "$KUBECONFIG_PATH" \
     --bind-address 127.0.0.1 --secure-port 0 --leader-elect=false --profiling=false --v 1
-  start kwok --kubeconfig "$KUBECONFIG_PATH" --config "$CACHE/kwok-stages.yaml" \
+  start kwok --kubeconfig "$KUBECONFIG_PATH" --config "$STOKER_CACHE/kwok-stages.yaml" \
     --manage-all-nodes=false --manage-nodes-with-label-selector type=kwok \
     --node-ip 127.0.0.1 --cidr 127.64.0.0/16
 }

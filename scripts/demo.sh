@@ -4,8 +4,7 @@
 # scripts/test.sh ($STOKER_CACHE/target), so the two commands share one build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export STOKER_CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$STOKER_CACHE/target}"
+. scripts/lib.sh
 ./scripts/build.sh
 ./scripts/setup-test-deps.sh
 exec "$CARGO_TARGET_DIR/release/stoker" demo "$@"

@@ -1,8 +1,8 @@
 # Sourced by the image scripts: podman as root without a system service, on this kind of
 # machine: runc (Debian package), cgroupfs, no default ulimits, vfs storage in the cache.
-CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
-mkdir -p "$CACHE/podman"
-cat >"$CACHE/podman/containers.conf" <<CONF
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+mkdir -p "$STOKER_CACHE/podman"
+cat >"$STOKER_CACHE/podman/containers.conf" <<CONF
 [containers]
 default_ulimits = []
 [engine]
@@ -10,11 +10,11 @@ runtime = "runc"
 cgroup_manager = "cgroupfs"
 events_logger = "file"
 CONF
-cat >"$CACHE/podman/storage.conf" <<CONF
+cat >"$STOKER_CACHE/podman/storage.conf" <<CONF
 [storage]
 driver = "vfs"
-graphroot = "$CACHE/podman/storage"
-runroot = "$CACHE/podman/run"
+graphroot = "$STOKER_CACHE/podman/storage"
+runroot = "$STOKER_CACHE/podman/run"
 CONF
-export CONTAINERS_CONF="$CACHE/podman/containers.conf"
-export CONTAINERS_STORAGE_CONF="$CACHE/podman/storage.conf"
+export CONTAINERS_CONF="$STOKER_CACHE/podman/containers.conf"
+export CONTAINERS_STORAGE_CONF="$STOKER_CACHE/podman/storage.conf"

@@ -2,6 +2,8 @@
 # System packages the Rust build needs: nasm and cmake build the vendored libjpeg-turbo
 # (with its SIMD), the C compiler builds Oniguruma for the tokenizer. Idempotent.
 set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/lib.sh
 missing=()
 for tool in nasm cmake cc pkg-config; do
   command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
@@ -15,7 +17,4 @@ for tool in "${missing[@]}"; do
   esac
 done
 echo "setup: installing ${pkgs[*]}"
-SUDO=""
-[ "$(id -u)" -eq 0 ] || SUDO="sudo"
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${pkgs[@]}" >/dev/null
+apt_install "${pkgs[@]}"

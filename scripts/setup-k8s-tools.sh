@@ -7,17 +7,18 @@
 #   etcd                        tools/etcd (a main calling etcdmain.Main)
 #   kwok                        fake nodes and pods, with its Stage configs
 #   podman, runc                the daemonless image build and run (scripts/build-image.sh)
+#   openssl                     the test cluster's certificates (scripts/cluster.sh)
 # Idempotent: a tool already built at its pinned version is kept. Cold: ~25 min on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
-BIN="$CACHE/bin"
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+BIN="$STOKER_CACHE/bin"
 HELM_VERSION=v3.22.0
 KUBE_VERSION=v1.35.4 # keep in step with tools/kube/go.mod
 ETCD_VERSION=v3.6.8  # keep in step with tools/etcd/go.mod
 KWOK_VERSION=v0.8.0
 mkdir -p "$BIN"
-export GOPATH="$CACHE/go" GOCACHE="$CACHE/go-build" GOFLAGS=-mod=mod
+export GOPATH="$STOKER_CACHE/go" GOCACHE="$STOKER_CACHE/go-build" GOFLAGS=-mod=mod
 
 # build NAME VERSION COMMAND...: runs COMMAND (which writes $out) unless NAME-VERSION exists,
 # then points NAME at it.
@@ -52,7 +53,7 @@ build etcd "$ETCD_VERSION" sh -c "cd tools/etcd && go build -trimpath -ldflags=-
 build kwok "$KWOK_VERSION" go_install "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
 
 # kwok's Stage configs (node initialize/heartbeat, pod ready/complete/delete) from its module.
-STAGES="$CACHE/kwok-stages-$KWOK_VERSION.yaml"
+STAGES="$STOKER_CACHE/kwok-stages-$KWOK_VERSION.yaml"
 if [ ! -s "$STAGES" ]; then
   dir=$(go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" | sed -n 's/.*"Dir": "\(.*\)".*/\1/p')
   for f in node/fast/node-initialize node/heartbeat-with-lease/node-heartbeat-with-lease \
@@ -62,15 +63,12 @@ if [ ! -s "$STAGES" ]; then
   done >"$STAGES.tmp"
   mv "$STAGES.tmp" "$STAGES"
 fi
-ln -sf "$(basename "$STAGES")" "$CACHE/kwok-stages.yaml"
+ln -sf "$(basename "$STAGES")" "$STOKER_CACHE/kwok-stages.yaml"
 
-# Container tools (Debian): podman runs the image as root with runc and cgroupfs.
-if ! command -v podman >/dev/null || ! command -v runc >/dev/null; then
-  echo "setup: installing podman and runc (Debian packages)"
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-    podman runc >/dev/null
+# Container tools (Debian): podman runs the image as root with runc and cgroupfs; openssl
+# makes the test cluster's certificates (scripts/cluster.sh).
+if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -v openssl >/dev/null; then
+  echo "setup: installing podman, runc and openssl (Debian packages)"
+  apt_install podman runc openssl
 fi
 echo "setup: k8s tools in $BIN"

