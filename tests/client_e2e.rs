@@ -246,12 +246,16 @@ fn many_ranks_in_lock_step_on_few_connection_slots_get_exactly_their_batches() {
             std::thread::spawn(move || {
                 let mut cfg = LoaderConfig::new(Discovery::Watch(set_rx), rank, RANKS);
                 cfg.depth = Depth::Fixed(2);
-                let mut loader = Loader::new(cfg).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                let fail = |e: stoker_client::Error| -> ! {
+                    // The other ranks and the controller wait at the barrier for this one:
+                    // end the test process, or it would hang instead of failing.
+                    eprintln!("rank {rank}: {e}");
+                    std::process::exit(101)
+                };
+                let mut loader = Loader::new(cfg).unwrap_or_else(|e| fail(e));
                 let mut got = Vec::new();
                 while (got.len() as u64) < steps {
-                    let b = loader
-                        .next_batch()
-                        .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                    let b = loader.next_batch().unwrap_or_else(|e| fail(e));
                     if let Some(b) = b {
                         got.push((b.epoch, b.global_batch, b.sample_ids.clone()));
                         // The synchronous step: every rank waits for the slowest.

@@ -3,6 +3,8 @@
 //! sequences of at most `max_tokens`. Pure functions of their inputs (integers only, ties
 //! broken by position), so every worker computes the same assignment for the same batch.
 
+#![forbid(unsafe_code)]
+
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 

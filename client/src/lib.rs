@@ -15,6 +15,8 @@
 //! [`Loader::next_batch`] is blocking (a trainer loop is synchronous); the network side runs
 //! on the loader's own small tokio runtime.
 
+#![forbid(unsafe_code)]
+
 mod batch;
 mod buffer;
 mod discovery;

@@ -146,6 +146,9 @@ struct WorkerLink {
     /// It lost a hedge race or answered lagging, and has not answered in time since: it is
     /// probed with one request at a time (others go elsewhere meanwhile).
     suspect: bool,
+    /// Dialled before the plan was known, only to learn it: released as soon as it is idle
+    /// and not one of this rank's links.
+    probe: bool,
 }
 
 #[derive(Default)]
@@ -480,6 +483,14 @@ impl Scheduler {
                 Vec::new(),
                 Vec::new(),
             ),
+            // Before any Welcome the workers' connection limit is unknown: one link (this
+            // rank's first home, then one spare at a time while it cannot answer) learns the
+            // plan and the limit. Dialling every worker from every rank at once would take
+            // W x R slots while the job needs a fraction of them, and lock the ranks that come
+            // last out of every worker.
+            Policy::Subset if self.identity.is_none() => {
+                topology::members(&self.wanted, self.cfg.rank, self.cfg.world_size, 1)
+            }
             Policy::Subset => {
                 let max_connections = self.identity.as_ref().map_or(0, |w| w.max_connections);
                 let hint = self
@@ -602,6 +613,7 @@ impl Scheduler {
                 window,
                 idle_since: self.now,
                 suspect: false,
+                probe: self.identity.is_none(),
             },
         );
     }
@@ -620,7 +632,8 @@ impl Scheduler {
                 l.outstanding == 0
                     && !self.members.is_home(&l.addr)
                     && (now.duration_since(l.idle_since) >= LINK_IDLE
-                        || !self.wanted.contains(&l.addr))
+                        || !self.wanted.contains(&l.addr)
+                        || (l.probe && self.identity.is_some()))
                     && (l.up || !self.wanted.contains(&l.addr))
             })
             .map(|(id, _)| *id)

@@ -701,10 +701,17 @@ fn subset_machine() -> (Machine, Vec<String>) {
 #[tokio::test]
 async fn a_rank_links_only_its_home_and_spills_to_one_spare_when_the_home_fails() {
     let (mut m, _) = subset_machine();
-    let members = m.s.members().clone();
-    assert_eq!((members.homes.len(), members.spares.len()), (1, 3));
+    // Before the plan is known: one home, no spare (the connection limit is not known yet).
+    let probe = m.s.members().clone();
+    assert_eq!((probe.homes.len(), probe.spares.len()), (1, 0));
     assert_eq!(m.links_by_addr.len(), 1, "only the home is dialled");
-    let home = m.worker_up(&members.homes[0], plan(7));
+    let home = m.worker_up(&probe.homes[0], plan(7));
+    let members = m.s.members().clone();
+    assert_eq!(
+        members.homes, probe.homes,
+        "the same home once the plan is known"
+    );
+    assert_eq!((members.homes.len(), members.spares.len()), (1, 3));
     m.step();
     let asked = m.asked(home);
     assert_eq!(asked.len(), 2);
@@ -752,8 +759,15 @@ async fn a_home_at_its_connection_limit_is_not_a_dead_end() {
     });
     m.down(home);
     m.step();
-    // Before any plan is known too: a spare is dialled, and serves.
-    let spare = m.worker_up(&members.spares[0], plan(7));
+    // Before any plan is known too: another worker is dialled (one), and serves.
+    let dialled: Vec<String> = m
+        .links_by_addr
+        .keys()
+        .filter(|a| **a != members.homes[0])
+        .cloned()
+        .collect();
+    assert_eq!(dialled.len(), 1, "{dialled:?}");
+    let spare = m.worker_up(&dialled[0], plan(7));
     m.step();
     assert_eq!(m.asked(spare).len(), 2, "the spare serves meanwhile");
     let problem = m.s.problems[&members.homes[0]].to_string();
@@ -884,8 +898,9 @@ async fn a_straggler_with_time_to_spare_is_hedged_only_once_the_trainer_would_wa
 #[tokio::test]
 async fn a_lagging_home_keeps_what_it_holds_and_is_probed_one_request_at_a_time() {
     let (mut m, _) = subset_machine();
+    let home_addr = m.s.members().homes[0].clone();
+    let home = m.worker_up(&home_addr, plan(7));
     let members = m.s.members().clone();
-    let home = m.worker_up(&members.homes[0], plan(7));
     for _ in 0..LAG_OBSERVATIONS {
         m.s.latencies.record(Duration::from_millis(10));
     }

@@ -8,6 +8,8 @@
 //!
 //! Defaults live here too, as constants both serde and clap read.
 
+#![forbid(unsafe_code)]
+
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 

@@ -3,6 +3,8 @@
 //! them, what both backends read and export: the Prometheus text parser and the autoscaler's
 //! series.
 
+#![forbid(unsafe_code)]
+
 pub mod autoscale;
 pub mod exposition;
 pub mod metrics;

@@ -4,6 +4,8 @@
 //! policy is `stoker-control`, free of Kubernetes types. The operator reaches the data plane
 //! only through the worker's command line and Prometheus text: it does not link it.
 
+#![forbid(unsafe_code)]
+
 pub mod apply;
 pub mod build;
 pub mod cache;

@@ -2,6 +2,8 @@
 //! an S3-compatible server in-process, a synthetic VLM dataset, `stoker worker` as a child
 //! process, and the one plain-HTTP GET they scrape metrics with.
 
+#![forbid(unsafe_code)]
+
 pub mod embedded_s3;
 pub mod http;
 pub mod local_worker;

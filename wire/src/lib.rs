@@ -14,6 +14,8 @@
 //! out every tensor as a view of it: tensor data starts at a 64-byte aligned offset of the
 //! payload and each tensor's offset is 64-byte aligned too.
 
+#![forbid(unsafe_code)]
+
 mod codec;
 mod frame;
 #[cfg(feature = "tokio")]
