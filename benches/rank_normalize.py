@@ -157,7 +157,7 @@ def gpu(opts) -> None:
         f32 = np.ascontiguousarray(batch.pixel_values())  # what a float32 worker would send
         pinned_f32 = torch.from_numpy(f32).pin_memory()
         u8_ms = median_ms(lambda: batch.pixel_values(device="cuda"))
-        host_ms = median_ms(lambda: torch.from_numpy(batch.pixel_values(pool=pinned)).to("cuda", non_blocking=True))
+        host_ms = median_ms(lambda: stoker.torch.pixels_to_device(batch, "cuda", pinned))
         pinned_ms = median_ms(lambda: pinned_f32.to("cuda", non_blocking=True))
         pageable_ms = median_ms(lambda: torch.from_numpy(f32).to("cuda"))
         px = batch.tensors["pixel_values"]

@@ -216,10 +216,14 @@ class BufferPool:
     pixels alive across steps is safe: the pool then allocates. It keeps at most ``slots``
     buffers, each grown to the largest batch it served.
 
+    An asynchronous copy out of a buffer (``non_blocking=True``) still reads it after every
+    view is gone: :meth:`keep_until` holds the buffer until an event says the copy is done
+    (``stoker.torch.pixels_to_device`` does this).
+
     Args:
         slots: buffers kept (2 covers a step in flight plus the next batch being prepared).
-        pin_memory: page-locked memory (torch with CUDA), so ``tensor.to("cuda",
-            non_blocking=True)`` copies at full speed and asynchronously.
+        pin_memory: page-locked memory (torch with CUDA), so a copy to the GPU runs at full
+            speed and asynchronously.
     """
 
     def __init__(self, slots: int = 2, pin_memory: bool = False) -> None:
@@ -247,7 +251,18 @@ class BufferPool:
                 self._buffers[self._buffers.index(free[0])] = buf
             elif len(self._buffers) < self.slots:
                 self._buffers.append(buf)
+        buf.pending = None
         return buf.flat[:nbytes].view(dtype).reshape(shape)
+
+    def keep_until(self, array: np.ndarray, event: Any) -> None:
+        """Hold the pooled buffer under ``array`` until ``event.query()`` is true (a
+        ``torch.cuda.Event`` recorded after a copy out of it was enqueued)."""
+        owner = array if array.base is None else array.base
+        for buf in self._buffers:
+            if buf.owner is owner:
+                buf.pending = event
+                return
+        # Not pooled (all slots were busy): its memory lives as long as the copy holds it.
 
 
 class _PooledBuffer:
@@ -264,12 +279,18 @@ class _PooledBuffer:
         else:
             self.owner = np.empty(max(nbytes, 1), dtype=np.uint8)
             self.flat = self.owner
+        # An asynchronous reader (a copy to a device) not known to be done yet.
+        self.pending: Any = None
         self._idle_refs = self._refs()
 
     def _refs(self) -> int:
         return sys.getrefcount(self.owner)
 
     def in_use(self) -> bool:
+        if self.pending is not None:
+            if not self.pending.query():
+                return True
+            self.pending = None
         return self._refs() > self._idle_refs
 
 
@@ -374,7 +395,7 @@ def _pixels_torch(
     if host.given:
         raise ConfigError(
             "pixel_values: out= and pool= are host memory; for a host pass and a copy use "
-            "torch.from_numpy(batch.pixel_values(pool=pool)).to(device, non_blocking=True)"
+            "stoker.torch.pixels_to_device(batch, device, pool)"
         )
     if lut is not None:
         # int32 indices (half of int64's bytes; index_select takes them) built on the device:

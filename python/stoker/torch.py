@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterator, Optional
 
+import numpy as np
 import torch
 
 from . import Batch, BufferPool, ConfigError, Loader
 
-__all__ = ["StokerIterableDataset", "model_inputs", "pinned_pool", "to_torch"]
+__all__ = ["StokerIterableDataset", "model_inputs", "pinned_pool", "pixels_to_device", "to_torch"]
 
 # Tensors a plain (unpacked) batch hands to a Qwen-VL model's forward as they are.
 _MODEL_TENSORS = ("input_ids", "attention_mask", "labels", "image_grid_thw")
@@ -55,9 +56,27 @@ def model_inputs(
 
 
 def pinned_pool(slots: int = 2) -> BufferPool:
-    """A :class:`stoker.BufferPool` of page-locked memory, for a host pass then an
-    asynchronous copy: ``torch.from_numpy(batch.pixel_values(pool=p)).to(dev, non_blocking=True)``."""
+    """A :class:`stoker.BufferPool` of page-locked memory, for :func:`pixels_to_device`."""
     return BufferPool(slots=slots, pin_memory=True)
+
+
+def pixels_to_device(
+    batch: Batch, device: Any, pool: BufferPool, pixel_dtype: str = "float32"
+) -> torch.Tensor:
+    """``pixel_values`` normalized on the host (one native pass) into ``pool``'s memory
+    (pinned: :func:`pinned_pool`), then copied to ``device`` asynchronously on the current
+    stream; the pool reuses that memory only once the copy is done. The alternative to the
+    lookup on the device (``batch.pixel_values(device=...)``) when the device should get
+    model-ready values without running a kernel."""
+    host = batch.pixel_values(dtype=pixel_dtype, pool=pool)
+    t = torch.from_numpy(host.view(np.int16)).view(torch.bfloat16) if pixel_dtype == "bfloat16" \
+        else torch.from_numpy(host)
+    on_device = t.to(device, non_blocking=True)
+    if on_device.device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record()
+        pool.keep_until(host, done)
+    return on_device
 
 
 def to_torch(

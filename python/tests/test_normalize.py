@@ -142,3 +142,40 @@ def test_a_loaders_batches_write_into_its_pool_by_default(worker):
     again = batch.pixel_values().ctypes.data
     assert again == address and batch.pool.reuses == 1
     assert next(stoker.Loader(w.addr, pixel_buffers=0)).pool is None
+
+
+class FakeEvent:
+    """A device event: done when the test says so."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_buffer_an_asynchronous_copy_still_reads_is_not_reused():
+    pool = stoker.BufferPool(slots=1)
+    batch = u8_batch(12)
+    host = batch.pixel_values(pool=pool)
+    address = host.ctypes.data
+    copy = FakeEvent()
+    pool.keep_until(host, copy)
+    del host  # no view left, but the copy has not finished
+    while_copying = u8_batch(12, seed=1).pixel_values(pool=pool).ctypes.data
+    assert while_copying != address
+    copy.done = True
+    after = u8_batch(12, seed=2).pixel_values(pool=pool).ctypes.data
+    assert after == address
+
+
+def test_pixels_to_device_on_the_cpu_is_the_host_pass(torch):
+    from stoker.torch import pixels_to_device
+
+    batch = u8_batch(6)
+    pool = stoker.BufferPool()
+    got = pixels_to_device(batch, "cpu", pool)
+    assert torch.equal(got, torch.from_numpy(numpy_lookup(batch)))
+    bf16 = pixels_to_device(batch, "cpu", pool, pixel_dtype="bfloat16")
+    assert bf16.dtype == torch.bfloat16
+    assert np.array_equal(bf16.view(torch.int16).numpy().view(np.uint16), bf16_bits(numpy_lookup(batch)))

@@ -83,9 +83,11 @@ def test_the_lookup_on_a_torch_device_is_the_numpy_lookup_bit_for_bit(served, de
     must give the same bits, and so must its bfloat16 and `to_torch`'s model inputs."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU here")
-    from stoker.torch import to_torch
+    from stoker.torch import pinned_pool, pixels_to_device, to_torch
 
     u8_batches, bf16_batches = served
+    # The host pass into (pinned) pooled memory and an asynchronous copy: the same bits.
+    pool = pinned_pool() if device == "cuda" else stoker.BufferPool()
     values = 0
     for u8, bf16 in zip(u8_batches, bf16_batches):
         want = u8.pixel_values()
@@ -99,6 +101,8 @@ def test_the_lookup_on_a_torch_device_is_the_numpy_lookup_bit_for_bit(served, de
         assert inputs["input_ids"].device.type == device
         assert torch.equal(inputs["input_ids"].cpu(), torch.from_numpy(u8.tensors["input_ids"]))
         assert torch.equal(inputs["pixel_values"].cpu(), got.cpu())
+        copied = pixels_to_device(u8, device, pool)
+        assert copied.device.type == device and torch.equal(copied.cpu(), torch.from_numpy(want))
         values += want.size
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"\n{values} pixel values on {name}: torch lookup == numpy lookup", file=sys.stderr)
