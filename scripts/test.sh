@@ -11,7 +11,8 @@ usage() {
   cat <<'USAGE'
 Usage: scripts/test.sh [STAGE...]      (no STAGE: every stage, in this order)
 
-  lint        cargo fmt --check, clippy -D warnings (the workspace and the Python extension)
+  lint        cargo fmt --check, clippy -D warnings (the workspace and the Python extension),
+              no module cycle (scripts/module-cycles.py)
   rust        the release build, then cargo test (unit, integration, real worker processes)
   python      the `stoker` package (pip install ./python), its tests and the parity tests
               against transformers and torch (tests/parity, python/tests)
@@ -32,6 +33,7 @@ stage_lint() {
   cargo fmt --manifest-path python/Cargo.toml -- --check
   cargo clippy --release --workspace --all-targets -- -D warnings
   cargo clippy --release --manifest-path python/Cargo.toml -- -D warnings
+  python3 scripts/module-cycles.py
 }
 
 stage_rust() {

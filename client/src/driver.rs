@@ -3,12 +3,12 @@
 //! its actions (one task per connection, `link.rs`) and passes its deliveries to the trainer.
 
 use crate::buffer::BufferPool;
+use crate::config::LoaderConfig;
 use crate::discovery::WorkerSet;
 use crate::error::Error;
 use crate::link::{self, Outbound};
 use crate::metrics::ClientMetrics;
 use crate::scheduler::{Action, Control, Delivery, Event, LinkId, PlanIdentity, Scheduler, Shared};
-use crate::LoaderConfig;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -19,6 +19,7 @@
 
 mod batch;
 mod buffer;
+mod config;
 mod discovery;
 mod driver;
 mod error;
@@ -31,82 +32,18 @@ pub mod topology;
 
 pub use batch::{Batch, Pack, TensorView};
 pub use buffer::{AlignedBuf, BufferPool};
+pub use config::{LoaderConfig, LoaderState, Policy};
 pub use discovery::{Discovery, WorkerSet};
 pub use error::{Error, Result};
 pub use metrics::ClientMetrics;
 pub use normalize::{normalize_pixels, NormalizeError, PixelLut, PixelOut};
 pub use policy::{Depth, HedgePolicy};
-pub use scheduler::{PlanIdentity, Policy};
+pub use scheduler::PlanIdentity;
 
 use scheduler::{Control, Delivery, Shared};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-pub struct LoaderConfig {
-    pub workers: Discovery,
-    /// The pipeline token (the operator's Secret); empty for workers run with --no-auth.
-    pub token: String,
-    pub rank: u32,
-    pub world_size: u32,
-    pub depth: Depth,
-    /// `None` disables hedging.
-    pub hedge: Option<HedgePolicy>,
-    /// Failed answers per batch before the trainer gets an error (lost connections are
-    /// always retried while any worker is left).
-    pub max_attempts: u32,
-    /// With no usable worker for this long, construction (or the next batch) fails with
-    /// the reason per worker.
-    pub no_worker_timeout: Duration,
-    /// A request unanswered for this long counts as a failed attempt and is asked again,
-    /// elsewhere first (a stalled worker never holds a batch forever; hedging covers only
-    /// the head of the line, once).
-    pub request_timeout: Duration,
-    /// Serve Prometheus /metrics on this address (e.g. "0.0.0.0:9400").
-    pub metrics_listen: Option<String>,
-    /// Value of the `pipeline` label on every series.
-    pub pipeline: String,
-    /// Start here instead of epoch 0, batch 0.
-    pub state: Option<LoaderState>,
-    /// How requests spread over the workers (docs/design.md, "Topology").
-    pub policy: Policy,
-    /// Workers this rank may be linked to at once; 0: what the workers suggest
-    /// (`--links-per-rank`), else 8, never more than fits the workers' connection slots.
-    pub links_per_rank: usize,
-    /// Prefetched batches are also capped by their bytes (the rank's host memory).
-    pub max_prefetch_bytes: u64,
-}
-
-impl LoaderConfig {
-    pub fn new(workers: Discovery, rank: u32, world_size: u32) -> Self {
-        LoaderConfig {
-            workers,
-            token: String::new(),
-            rank,
-            world_size,
-            depth: Depth::Auto { max: 16 },
-            hedge: Some(HedgePolicy::default()),
-            max_attempts: 5,
-            no_worker_timeout: Duration::from_secs(60),
-            request_timeout: Duration::from_secs(120),
-            metrics_listen: None,
-            pipeline: "default".into(),
-            state: None,
-            policy: Policy::Subset,
-            links_per_rank: 0,
-            max_prefetch_bytes: 4 << 30,
-        }
-    }
-}
-
-/// Where a loader is in the plan: enough to resume exactly, on any world size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LoaderState {
-    pub plan_id: u64,
-    pub epoch: u64,
-    /// The next global batch this loader will hand out.
-    pub next_batch: u64,
-}
 
 /// Accumulated blocked vs. stepping time, for the wait ratio.
 #[derive(Debug, Clone, Copy, Default)]

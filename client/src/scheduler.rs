@@ -15,12 +15,13 @@
 //! position wins; later ones are dropped, so the trainer sees every position exactly once.
 
 use crate::batch::Batch;
+use crate::config::LoaderConfig;
+pub use crate::config::Policy;
 use crate::discovery::WorkerSet;
 use crate::error::Error;
 use crate::metrics::ClientMetrics;
 use crate::policy::{auto_depth, legacy_auto_depth, Depth, HedgeBudget, LatencyWindow};
 use crate::topology::{self, Members};
-use crate::LoaderConfig;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -33,21 +34,6 @@ pub type LinkId = u64;
 /// What every worker must serve for its batches to be interchangeable: the worker's handshake
 /// (equal plans, per [`Welcome::same_plan`], mean identical batch bytes).
 pub type PlanIdentity = Welcome;
-
-/// How a rank spreads its requests over the workers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Policy {
-    /// A bounded set of links per rank (homes from a balanced assignment, spares on demand),
-    /// neutral estimates with a slow start for new links, depth that grows once the step time
-    /// is known, budgeted hedges, cancelled losers.
-    #[default]
-    Subset,
-    /// The rules before bounded subsets, kept as the baseline `stoker bench scale` measures
-    /// against: every rank links to every worker, a link without a latency costs 0 (ties to
-    /// the lowest link id), depth jumps to its cap once a latency is seen, hedges are
-    /// unbudgeted and losers run on.
-    FullMesh,
-}
 
 /// State shared with the consuming side.
 pub struct Shared {

@@ -10,7 +10,7 @@ use crate::cache::{Cached, TrainerPods};
 use crate::crd::{Autoscaling, DataPipeline, DataPipelineStatus, ScalingRules};
 use crate::placement;
 use crate::scrape::{self, Reading};
-use crate::status::{self, Observed};
+use crate::status::{self, Observed, Scale};
 use crate::validate::Valid;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Pod, Secret, Service};
@@ -218,15 +218,6 @@ pub fn policy_spec(a: &Autoscaling) -> autoscale::Spec {
 
 pub fn key(dp: &DataPipeline) -> String {
     format!("{}/{}", dp.namespace().unwrap_or_default(), dp.name_any())
-}
-
-/// A decision about the worker count, with what the status shows of it.
-pub struct Scale {
-    pub replicas: i32,
-    pub observation: Option<Observation>,
-    pub per_worker: Option<f64>,
-    pub reason: String,
-    pub metrics_available: Option<bool>,
 }
 
 async fn decide(dp: &DataPipeline, ctx: &Context, current: i32, ready: i32) -> Scale {

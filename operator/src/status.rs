@@ -4,9 +4,19 @@
 use crate::crd::{DataPipeline, DataPipelineStatus, WaitRatio};
 use crate::labels::selector_string;
 use crate::placement::Room;
-use crate::reconcile::Scale;
 use k8s_openapi::api::apps::v1::DeploymentStatus;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use stoker_control::autoscale::Observation;
+
+/// A decision about the worker count, with what the status shows of it (made by the
+/// reconciler's autoscaling step, shown here).
+pub struct Scale {
+    pub replicas: i32,
+    pub observation: Option<Observation>,
+    pub per_worker: Option<f64>,
+    pub reason: String,
+    pub metrics_available: Option<bool>,
+}
 
 /// What reconcile saw of the cluster.
 pub struct Observed {

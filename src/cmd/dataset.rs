@@ -5,10 +5,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use stoker_config::{Concurrency, OnError, Preprocessing, S3Connection, Sampling, WorkerConfig};
 use stoker_testkit::synth::{generate, SynthOptions};
+use stoker_worker::batch::{collate, Batch};
 use stoker_worker::dataset::index::{DatasetIndex, Progress, INDEX_KEY};
 use stoker_worker::dataset::lengths::{SampleLengths, LENGTHS_KEY};
 use stoker_worker::metrics::Metrics;
-use stoker_worker::pipeline::{collate, open_pipeline, preprocessing_id, Pipeline, SampleShape};
+use stoker_worker::pipeline::{open_pipeline, preprocessing_id, Pipeline, SampleShape};
 use stoker_worker::source::Store;
 
 #[derive(Subcommand)]
@@ -296,7 +297,7 @@ struct SavedPixels {
 }
 
 impl SavedPixels {
-    fn of(b: &stoker_worker::pipeline::Batch, p: &Pipeline, wire: bool) -> anyhow::Result<Self> {
+    fn of(b: &Batch, p: &Pipeline, wire: bool) -> anyhow::Result<Self> {
         let bytes: Vec<u8> = b
             .pixel_chunks
             .iter()
@@ -337,11 +338,11 @@ impl SavedPixels {
 /// One sample's tensors as safetensors (shapes as transformers returns them).
 fn write_safetensors(
     path: &std::path::Path,
-    b: &stoker_worker::pipeline::Batch,
+    b: &Batch,
     pixels: &SavedPixels,
 ) -> anyhow::Result<()> {
     use safetensors::tensor::{Dtype, TensorView};
-    use stoker_worker::pipeline::i64_bytes;
+    use stoker_worker::batch::i64_bytes;
     let st = |d: stoker_wire::DType| match d {
         stoker_wire::DType::F32 => Dtype::F32,
         stoker_wire::DType::BF16 => Dtype::BF16,

@@ -7,12 +7,14 @@ pub mod dataset {
     pub mod sample;
 }
 pub mod preprocess {
+    pub mod image_error;
     pub mod preset;
     pub mod resample;
     pub mod text;
     pub mod vision;
 }
 pub mod alloc;
+pub mod batch;
 pub mod connection;
 pub mod limits;
 pub mod line_cache;

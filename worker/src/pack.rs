@@ -5,7 +5,7 @@
 //! multimodal rope rows exactly as the model's `get_rope_index` gives them for that sample
 //! alone (tests/parity/test_packing.py checks them against it).
 
-use crate::pipeline::{collate, Batch, PreparedSample};
+use crate::batch::{collate, Batch, Packing, PreparedSample};
 use crate::preprocess::text::IGNORE_INDEX;
 use stoker_wire::Skipped;
 
@@ -15,27 +15,6 @@ use stoker_wire::Skipped;
 pub struct RopeLayout {
     pub image_token: i64,
     pub merge_size: i64,
-}
-
-/// A packed batch's extra tensors (the token tensors are `[rows, seq_len]` as unpacked).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Packing {
-    /// `[4, rows, seq_len]`: the text positions, then rope's temporal, height and width rows;
-    /// each sample starts at 0; 0 past a row's end.
-    pub position_ids: Vec<i64>,
-    /// `[rows, max_samples + 1]` int32: each row's sample boundaries (0, end of the first,
-    /// …), its length repeated past its last sample (empty sequences to a varlen kernel).
-    pub cu_seqlens: Vec<i32>,
-    pub max_samples: usize,
-    /// `[rows]`: each row's images (their `pixel_values` rows follow each other in order).
-    pub pack_images: Vec<i64>,
-}
-
-impl Packing {
-    pub fn tensor_bytes(&self) -> u64 {
-        (self.position_ids.len() * 8 + self.cu_seqlens.len() * 4 + self.pack_images.len() * 8)
-            as u64
-    }
 }
 
 /// Qwen-VL's multimodal rope positions of one sample (the model's `get_rope_index` on it

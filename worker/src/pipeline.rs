@@ -5,19 +5,20 @@
 //! bounded by a second semaphore sized to the cores. A request's samples are loaded
 //! concurrently, so a slow object delays only its own batch, never other requests.
 
+use crate::batch::{collate, Batch, PreparedSample};
 use crate::dataset::index::{DatasetIndex, Shard};
 use crate::dataset::lengths::SampleLengths;
 use crate::dataset::sample::{Conversation, SampleError};
 use crate::limits::{LimitError, SampleLimits};
 use crate::line_cache::{LineCache, Lookup};
 use crate::metrics::{GaugeGuard, Metrics};
-use crate::pack::{collate_packed, Packing, RopeLayout};
+use crate::pack::{collate_packed, RopeLayout};
 use crate::plan::{Plan, RankSlice, Shaping};
 use crate::preprocess::preset::{PixelDtype, Preset};
-use crate::preprocess::text::{TextError, TextProcessor, IGNORE_INDEX};
+use crate::preprocess::text::{TextError, TextProcessor};
 use crate::preprocess::vision::{
     check_limits, normalization_table, process_image, read_header, ImageError, ImageHeader,
-    ImageOut, ImageTimings, PixelBuf, PixelLut,
+    ImageTimings, PixelLut,
 };
 use crate::source::{resolve_relative, FetchError, PathError, Store};
 use futures::{FutureExt, StreamExt};
@@ -148,48 +149,6 @@ pub struct SampleShape {
     pub images: usize,
 }
 
-/// A preprocessed sample, ready to collate.
-pub struct PreparedSample {
-    pub sample_id: u64,
-    pub input_ids: Vec<i64>,
-    pub labels: Vec<i64>,
-    pub images: Vec<ImageOut>,
-    /// The rendered chat text, for `dataset inspect`.
-    pub text: String,
-    pub truncated: bool,
-}
-
-/// Collated tensors of one rank slice.
-pub struct Batch {
-    pub sample_ids: Vec<u64>,
-    pub skipped: Vec<Skipped>,
-    /// Rows of the token tensors: one per sample, or per pack when packed.
-    pub rows: usize,
-    /// `[rows, L]` each, right-padded to the longest row.
-    pub input_ids: Vec<i64>,
-    pub labels: Vec<i64>,
-    pub attention_mask: Vec<i64>,
-    pub seq_len: usize,
-    /// One chunk per image, in sample then image order: concatenated they are `pixel_values`.
-    pub pixel_chunks: Vec<PixelBuf>,
-    pub pixel_rows: usize,
-    pub image_grid_thw: Vec<i64>,
-    pub packing: Option<Packing>,
-}
-
-impl Batch {
-    /// Bytes of its tensors on the wire (a frame adds the head and alignment padding).
-    pub fn tensor_bytes(&self) -> u64 {
-        let i64s = self.input_ids.len()
-            + self.labels.len()
-            + self.attention_mask.len()
-            + self.image_grid_thw.len();
-        let pixels: usize = self.pixel_chunks.iter().map(|c| c.as_bytes().len()).sum();
-        let packing = self.packing.as_ref().map_or(0, Packing::tensor_bytes);
-        (i64s * 8 + pixels) as u64 + packing
-    }
-}
-
 #[derive(Debug, Clone)]
 pub struct PipelineConfig {
     pub preset: Preset,
@@ -220,11 +179,6 @@ pub struct Pipeline {
     line_cache: LineCache,
     /// Each dataset's name and first sample id (one dataset unless mixed).
     datasets: Vec<(String, u64)>,
-}
-
-/// Converts i64s to little-endian bytes (the wire is little endian).
-pub fn i64_bytes(v: &[i64]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
 impl Pipeline {
@@ -597,45 +551,6 @@ impl Pipeline {
             image_token: self.text.image_token(),
             merge_size: self.config.preset.merge_size.into(),
         }
-    }
-}
-
-/// Pads token sequences to the longest and lines the images up.
-pub fn collate(samples: Vec<PreparedSample>, skipped: Vec<Skipped>, pad_id: i64) -> Batch {
-    let seq_len = samples.iter().map(|s| s.input_ids.len()).max().unwrap_or(0);
-    let b = samples.len();
-    let mut input_ids = vec![pad_id; b * seq_len];
-    let mut labels = vec![IGNORE_INDEX; b * seq_len];
-    let mut attention_mask = vec![0i64; b * seq_len];
-    let mut pixel_chunks = Vec::new();
-    let mut pixel_rows = 0;
-    let mut image_grid_thw = Vec::new();
-    let mut sample_ids = Vec::with_capacity(b);
-    for (i, s) in samples.into_iter().enumerate() {
-        let n = s.input_ids.len();
-        let row = i * seq_len;
-        input_ids[row..row + n].copy_from_slice(&s.input_ids);
-        labels[row..row + n].copy_from_slice(&s.labels);
-        attention_mask[row..row + n].fill(1);
-        for img in s.images {
-            pixel_rows += img.rows;
-            image_grid_thw.extend_from_slice(&img.grid_thw);
-            pixel_chunks.push(img.pixels);
-        }
-        sample_ids.push(s.sample_id);
-    }
-    Batch {
-        sample_ids,
-        skipped,
-        rows: b,
-        input_ids,
-        labels,
-        attention_mask,
-        seq_len,
-        pixel_chunks,
-        pixel_rows,
-        image_grid_thw,
-        packing: None,
     }
 }
 

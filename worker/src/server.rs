@@ -7,8 +7,9 @@
 //! are prepared at once and up to [`READ_AHEAD`] more wait for a slot; beyond that the server
 //! stops reading, and TCP pushes back. A Cancel frame aborts a waiting or running request.
 
+use crate::batch::{i64_bytes, Batch};
 use crate::metrics::GaugeGuard;
-use crate::pipeline::{i64_bytes, preprocessing_parts, Batch, Pipeline};
+use crate::pipeline::{preprocessing_parts, Pipeline};
 use futures::StreamExt;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -27,28 +27,7 @@ impl DecodeLimits {
     }
 }
 
-#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
-pub enum ImageError {
-    #[error("unsupported image format")]
-    Unsupported,
-    #[error("corrupt or truncated image: {0}")]
-    Corrupt(String),
-    #[error(
-        "image {w}x{h} exceeds the decode limits ({max_side} px per side, {max_pixels} pixels)"
-    )]
-    TooLarge {
-        w: u32,
-        h: u32,
-        max_side: u32,
-        max_pixels: u64,
-    },
-    #[error("image {h}x{w} (HxW) is too thin: aspect ratio above 200")]
-    AspectRatio { h: u32, w: u32 },
-    #[error("over the image's memory budget: {0}")]
-    OverBudget(String),
-    #[error("progressive JPEG of {scans} scans, over the limit of {max}")]
-    TooManyScans { scans: usize, max: usize },
-}
+pub use super::image_error::ImageError;
 
 /// A decoded, upright RGB image.
 pub struct Rgb {
@@ -390,46 +369,6 @@ fn classify(e: image::ImageError) -> ImageError {
     }
 }
 
-/// Python's `round` (ties to even) of a non-negative f64.
-fn round_half_even(x: f64) -> f64 {
-    let r = x.round();
-    if (x - x.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
-        r - 1.0
-    } else {
-        r
-    }
-}
-
-/// The Qwen-VL `smart_resize`: dimensions divisible by `factor`, pixel count within
-/// [min_pixels, max_pixels], aspect ratio kept. Float operation order follows transformers.
-pub fn smart_resize(
-    height: u32,
-    width: u32,
-    factor: u32,
-    min_pixels: u64,
-    max_pixels: u64,
-) -> Result<(u32, u32), ImageError> {
-    let (h, w, f) = (height as f64, width as f64, factor as f64);
-    if h.max(w) / h.min(w) > 200.0 {
-        return Err(ImageError::AspectRatio {
-            h: height,
-            w: width,
-        });
-    }
-    let mut h_bar = round_half_even(h / f) * f;
-    let mut w_bar = round_half_even(w / f) * f;
-    if h_bar * w_bar > max_pixels as f64 {
-        let beta = ((h * w) / max_pixels as f64).sqrt();
-        h_bar = f.max((h / beta / f).floor() * f);
-        w_bar = f.max((w / beta / f).floor() * f);
-    } else if h_bar * w_bar < min_pixels as f64 {
-        let beta = (min_pixels as f64 / (h * w)).sqrt();
-        h_bar = (h * beta / f).ceil() * f;
-        w_bar = (w * beta / f).ceil() * f;
-    }
-    Ok((h_bar as u32, w_bar as u32))
-}
-
 /// `pixel_values` rows of one image, in the preset's dtype.
 pub enum PixelBuf {
     F32(Vec<f32>),
@@ -637,39 +576,6 @@ pub fn process_image(
 mod tests {
     use super::*;
     use crate::preprocess::preset::PresetName;
-
-    #[test]
-    fn smart_resize_matches_reference_fixtures() {
-        assert_eq!(
-            smart_resize(561, 278, 28, 3136, 1_003_520).unwrap(),
-            (560, 280)
-        );
-        // 640x480 (WxH): qwen2-vl → 476x644, qwen3-vl unchanged.
-        assert_eq!(
-            smart_resize(480, 640, 28, 3136, 1_003_520).unwrap(),
-            (476, 644)
-        );
-        assert_eq!(
-            smart_resize(480, 640, 32, 65_536, 16_777_216).unwrap(),
-            (480, 640)
-        );
-        // Tiny images are scaled up to min_pixels; huge ones down to max_pixels.
-        let (h, w) = smart_resize(10, 10, 28, 3136, 1_003_520).unwrap();
-        assert!(h as u64 * w as u64 >= 3136 && h % 28 == 0 && w % 28 == 0);
-        let (h, w) = smart_resize(4000, 3000, 28, 3136, 1_003_520).unwrap();
-        assert!(h as u64 * w as u64 <= 1_003_520);
-        assert!(matches!(
-            smart_resize(10, 2100, 28, 3136, 1_003_520),
-            Err(ImageError::AspectRatio { .. })
-        ));
-    }
-
-    #[test]
-    fn python_round_ties_to_even() {
-        assert_eq!(round_half_even(2.5), 2.0);
-        assert_eq!(round_half_even(3.5), 4.0);
-        assert_eq!(round_half_even(2.4), 2.0);
-    }
 
     #[test]
     fn patchify_shapes_match_the_reference_example() {

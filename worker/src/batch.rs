@@ -1,0 +1,114 @@
+//! A rank slice's tensors: the prepared samples going in, the collated batch coming out
+//! (plain, or with a packed layout's extra tensors), and the unpacked collate. The pipeline
+//! fills it, packing rearranges it, the server writes it: all three import it from here.
+
+use crate::preprocess::text::IGNORE_INDEX;
+use crate::preprocess::vision::{ImageOut, PixelBuf};
+use stoker_wire::Skipped;
+
+/// A preprocessed sample, ready to collate.
+pub struct PreparedSample {
+    pub sample_id: u64,
+    pub input_ids: Vec<i64>,
+    pub labels: Vec<i64>,
+    pub images: Vec<ImageOut>,
+    /// The rendered chat text, for `dataset inspect`.
+    pub text: String,
+    pub truncated: bool,
+}
+
+/// Collated tensors of one rank slice.
+pub struct Batch {
+    pub sample_ids: Vec<u64>,
+    pub skipped: Vec<Skipped>,
+    /// Rows of the token tensors: one per sample, or per pack when packed.
+    pub rows: usize,
+    /// `[rows, L]` each, right-padded to the longest row.
+    pub input_ids: Vec<i64>,
+    pub labels: Vec<i64>,
+    pub attention_mask: Vec<i64>,
+    pub seq_len: usize,
+    /// One chunk per image, in sample then image order: concatenated they are `pixel_values`.
+    pub pixel_chunks: Vec<PixelBuf>,
+    pub pixel_rows: usize,
+    pub image_grid_thw: Vec<i64>,
+    pub packing: Option<Packing>,
+}
+
+impl Batch {
+    /// Bytes of its tensors on the wire (a frame adds the head and alignment padding).
+    pub fn tensor_bytes(&self) -> u64 {
+        let i64s = self.input_ids.len()
+            + self.labels.len()
+            + self.attention_mask.len()
+            + self.image_grid_thw.len();
+        let pixels: usize = self.pixel_chunks.iter().map(|c| c.as_bytes().len()).sum();
+        let packing = self.packing.as_ref().map_or(0, Packing::tensor_bytes);
+        (i64s * 8 + pixels) as u64 + packing
+    }
+}
+
+/// A packed batch's extra tensors (the token tensors are `[rows, seq_len]` as unpacked).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Packing {
+    /// `[4, rows, seq_len]`: the text positions, then rope's temporal, height and width rows;
+    /// each sample starts at 0; 0 past a row's end.
+    pub position_ids: Vec<i64>,
+    /// `[rows, max_samples + 1]` int32: each row's sample boundaries (0, end of the first,
+    /// …), its length repeated past its last sample (empty sequences to a varlen kernel).
+    pub cu_seqlens: Vec<i32>,
+    pub max_samples: usize,
+    /// `[rows]`: each row's images (their `pixel_values` rows follow each other in order).
+    pub pack_images: Vec<i64>,
+}
+
+impl Packing {
+    pub fn tensor_bytes(&self) -> u64 {
+        (self.position_ids.len() * 8 + self.cu_seqlens.len() * 4 + self.pack_images.len() * 8)
+            as u64
+    }
+}
+
+/// Converts i64s to little-endian bytes (the wire is little endian).
+pub fn i64_bytes(v: &[i64]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Pads token sequences to the longest and lines the images up.
+pub fn collate(samples: Vec<PreparedSample>, skipped: Vec<Skipped>, pad_id: i64) -> Batch {
+    let seq_len = samples.iter().map(|s| s.input_ids.len()).max().unwrap_or(0);
+    let b = samples.len();
+    let mut input_ids = vec![pad_id; b * seq_len];
+    let mut labels = vec![IGNORE_INDEX; b * seq_len];
+    let mut attention_mask = vec![0i64; b * seq_len];
+    let mut pixel_chunks = Vec::new();
+    let mut pixel_rows = 0;
+    let mut image_grid_thw = Vec::new();
+    let mut sample_ids = Vec::with_capacity(b);
+    for (i, s) in samples.into_iter().enumerate() {
+        let n = s.input_ids.len();
+        let row = i * seq_len;
+        input_ids[row..row + n].copy_from_slice(&s.input_ids);
+        labels[row..row + n].copy_from_slice(&s.labels);
+        attention_mask[row..row + n].fill(1);
+        for img in s.images {
+            pixel_rows += img.rows;
+            image_grid_thw.extend_from_slice(&img.grid_thw);
+            pixel_chunks.push(img.pixels);
+        }
+        sample_ids.push(s.sample_id);
+    }
+    Batch {
+        sample_ids,
+        skipped,
+        rows: b,
+        input_ids,
+        labels,
+        attention_mask,
+        seq_len,
+        pixel_chunks,
+        pixel_rows,
+        image_grid_thw,
+        packing: None,
+    }
+}

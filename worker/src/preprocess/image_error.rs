@@ -1,0 +1,25 @@
+//! What can go wrong with one image: the decoder's refusals (vision) and the resize's
+//! (the preset's smart_resize), one type both import.
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum ImageError {
+    #[error("unsupported image format")]
+    Unsupported,
+    #[error("corrupt or truncated image: {0}")]
+    Corrupt(String),
+    #[error(
+        "image {w}x{h} exceeds the decode limits ({max_side} px per side, {max_pixels} pixels)"
+    )]
+    TooLarge {
+        w: u32,
+        h: u32,
+        max_side: u32,
+        max_pixels: u64,
+    },
+    #[error("image {h}x{w} (HxW) is too thin: aspect ratio above 200")]
+    AspectRatio { h: u32, w: u32 },
+    #[error("over the image's memory budget: {0}")]
+    OverBudget(String),
+    #[error("progressive JPEG of {scans} scans, over the limit of {max}")]
+    TooManyScans { scans: usize, max: usize },
+}
