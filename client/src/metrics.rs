@@ -11,6 +11,40 @@ use prometheus::{
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+stoker_wire::label_set! {
+    /// Problems with workers: `stoker_trainer_worker_errors_total`'s `kind`.
+    WorkerErrorKind {
+        Connect => "connect",
+        Refused => "refused",
+        PlanMismatch => "plan_mismatch",
+        Lost => "lost",
+        Answer => "answer",
+        Poison => "poison",
+        WrongBatch => "wrong_batch",
+        MalformedBatch => "malformed_batch",
+    }
+}
+
+stoker_wire::label_set! {
+    /// Why a request is sent again: `stoker_trainer_retries_total`'s `reason`.
+    RetryReason {
+        WorkerLost => "worker_lost",
+        Draining => "draining",
+        PlanMismatch => "plan_mismatch",
+        Transient => "transient",
+        Deadline => "deadline",
+    }
+}
+
+stoker_wire::label_set! {
+    /// What became of a straggler's duplicate: `stoker_trainer_hedges_total`'s `outcome`.
+    HedgeOutcome {
+        Sent => "sent",
+        Won => "won",
+        OverBudget => "over_budget",
+    }
+}
+
 pub struct ClientMetrics {
     pub registry: Registry,
     pub wait_seconds: prometheus::Counter,
@@ -139,7 +173,7 @@ impl ClientMetrics {
             ),
             hedges: counter_vec(
                 "stoker_trainer_hedges_total",
-                "Duplicate requests sent for stragglers, by outcome (sent, won).",
+                "Duplicate requests for stragglers, by outcome (sent, won, over_budget: not sent, the hedge budget was spent).",
                 "outcome",
             ),
             errors: counter_vec(
@@ -153,22 +187,28 @@ impl ClientMetrics {
             registry,
         };
         // Every labelled series exists from the start (at 0): dashboards and alerts see them.
-        for reason in [
-            "worker_lost",
-            "draining",
-            "plan_mismatch",
-            "transient",
-            "deadline",
-        ] {
-            m.retries.with_label_values(&[reason]);
+        for reason in RetryReason::ALL {
+            m.retries.with_label_values(&[reason.as_str()]);
         }
-        for outcome in ["sent", "won"] {
-            m.hedges.with_label_values(&[outcome]);
+        for outcome in HedgeOutcome::ALL {
+            m.hedges.with_label_values(&[outcome.as_str()]);
         }
-        for kind in ["connect", "refused", "plan_mismatch", "lost", "answer"] {
-            m.errors.with_label_values(&[kind]);
+        for kind in WorkerErrorKind::ALL {
+            m.errors.with_label_values(&[kind.as_str()]);
         }
         Arc::new(m)
+    }
+
+    pub fn error(&self, kind: WorkerErrorKind) {
+        self.errors.with_label_values(&[kind.as_str()]).inc();
+    }
+
+    pub fn retry(&self, reason: RetryReason) {
+        self.retries.with_label_values(&[reason.as_str()]).inc();
+    }
+
+    pub fn hedge(&self, outcome: HedgeOutcome) {
+        self.hedges.with_label_values(&[outcome.as_str()]).inc();
     }
 
     pub fn render(&self) -> String {
@@ -268,5 +308,60 @@ mod tests {
         );
         assert!(page < 16 << 10, "{page} bytes");
         assert!(out.len() > 100 * page, "{} vs {page}", out.len());
+    }
+}
+
+#[cfg(test)]
+mod label_set_tests {
+    use super::*;
+    use std::collections::BTreeSet;
+    use stoker_testkit::docs::documented_labels;
+
+    const DOCS: &str = include_str!("../../docs/metrics.md");
+
+    fn defined(labels: impl Iterator<Item = &'static str>) -> BTreeSet<String> {
+        labels.map(str::to_string).collect()
+    }
+
+    #[test]
+    fn the_docs_list_every_label_value_and_no_other() {
+        let cases = [
+            (
+                "stoker_trainer_worker_errors_total",
+                defined(WorkerErrorKind::ALL.iter().map(|k| k.as_str())),
+            ),
+            (
+                "stoker_trainer_retries_total",
+                defined(RetryReason::ALL.iter().map(|r| r.as_str())),
+            ),
+            (
+                "stoker_trainer_hedges_total",
+                defined(HedgeOutcome::ALL.iter().map(|o| o.as_str())),
+            ),
+        ];
+        for (metric, labels) in cases {
+            assert_eq!(documented_labels(DOCS, metric), labels, "{metric}");
+        }
+    }
+
+    #[test]
+    fn every_labelled_series_exists_from_the_start() {
+        let text = ClientMetrics::new("p", 0).render();
+        let series = WorkerErrorKind::ALL
+            .iter()
+            .map(|k| format!("kind=\"{}\"", k.as_str()))
+            .chain(
+                RetryReason::ALL
+                    .iter()
+                    .map(|r| format!("reason=\"{}\"", r.as_str())),
+            )
+            .chain(
+                HedgeOutcome::ALL
+                    .iter()
+                    .map(|o| format!("outcome=\"{}\"", o.as_str())),
+            );
+        for s in series {
+            assert!(text.contains(&s), "{s} missing");
+        }
     }
 }

@@ -19,7 +19,7 @@ use crate::config::LoaderConfig;
 pub use crate::config::Policy;
 use crate::discovery::WorkerSet;
 use crate::error::Error;
-use crate::metrics::ClientMetrics;
+use crate::metrics::{ClientMetrics, HedgeOutcome, RetryReason, WorkerErrorKind};
 use crate::policy::{auto_depth, legacy_auto_depth, Depth, HedgeBudget, LatencyWindow};
 use crate::topology::{self, Members};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -374,7 +374,7 @@ impl Scheduler {
                     return;
                 };
                 let addr = l.addr.clone();
-                self.metrics.errors.with_label_values(&["refused"]).inc();
+                self.metrics.error(WorkerErrorKind::Refused);
                 if error.code == ErrorCode::Unauthorized {
                     let refusal = Error::Unauthorized {
                         worker: addr.clone(),
@@ -704,7 +704,7 @@ impl Scheduler {
                     if probe {
                         if let Choice::Link(other) = self.choose(pos, true) {
                             self.send(pos, other, true);
-                            self.metrics.hedges.with_label_values(&["sent"]).inc();
+                            self.metrics.hedge(HedgeOutcome::Sent);
                         }
                     }
                 }
@@ -738,7 +738,7 @@ impl Scheduler {
                 continue;
             };
             self.shrink_window(f.link);
-            self.metrics.retries.with_label_values(&["deadline"]).inc();
+            self.metrics.retry(RetryReason::Deadline);
             let why = format!("no answer within {timeout:?} (request_timeout)");
             self.count_failure(f.position, id, &addr, &why);
         }
@@ -847,10 +847,7 @@ impl Scheduler {
         for pos in stragglers {
             let budgeted = self.cfg.policy == Policy::Subset;
             if budgeted && !self.hedges.available() {
-                self.metrics
-                    .hedges
-                    .with_label_values(&["over_budget"])
-                    .inc();
+                self.metrics.hedge(HedgeOutcome::OverBudget);
                 return;
             }
             match self.choose(pos, true) {
@@ -859,7 +856,7 @@ impl Scheduler {
                         self.hedges.spend();
                     }
                     self.send(pos, link, true);
-                    self.metrics.hedges.with_label_values(&["sent"]).inc();
+                    self.metrics.hedge(HedgeOutcome::Sent);
                 }
                 Choice::Spill => {
                     self.spill = true;
@@ -1103,10 +1100,7 @@ impl Scheduler {
                 l.addr, offered.plan_id, offered.description
             );
             tracing::warn!("{msg}");
-            self.metrics
-                .errors
-                .with_label_values(&["plan_mismatch"])
-                .inc();
+            self.metrics.error(WorkerErrorKind::PlanMismatch);
             let addr = l.addr.clone();
             self.problems.insert(addr, Error::PlanMismatch(msg));
             // Kept as a link that is never used (so it is not dialled again), closed.
@@ -1172,17 +1166,16 @@ impl Scheduler {
                     }
                 }
                 let checked = match self.wrong_answer(&head.request, f.position) {
-                    Some(why) => Err(("wrong_batch", why)),
-                    None => {
-                        Batch::new(head, buf, addr.clone()).map_err(|why| ("malformed_batch", why))
-                    }
+                    Some(why) => Err((WorkerErrorKind::WrongBatch, why)),
+                    None => Batch::new(head, buf, addr.clone())
+                        .map_err(|why| (WorkerErrorKind::MalformedBatch, why)),
                 };
                 let batch = match checked {
                     Ok(batch) => batch,
                     Err((kind, why)) => {
                         // Never deliver it: this worker is not trusted again, the batch is
                         // asked for elsewhere.
-                        self.metrics.errors.with_label_values(&[kind]).inc();
+                        self.metrics.error(kind);
                         self.stop_using(link);
                         self.count_failure(f.position, request_id, &addr, &why);
                         return;
@@ -1192,7 +1185,7 @@ impl Scheduler {
                     return; // a hedge lost the race, or a seek made it stale
                 };
                 if f.hedge {
-                    self.metrics.hedges.with_label_values(&["won"]).inc();
+                    self.metrics.hedge(HedgeOutcome::Won);
                 }
                 // The other attempts lost: their workers can stop preparing them. Each took at
                 // least this long, which its link's estimate learns (else a worker that turned
@@ -1215,22 +1208,22 @@ impl Scheduler {
                     // Draining, or it restarted with another plan: never ask it again.
                     self.stop_using(link);
                     let reason = if e.code == ErrorCode::Unavailable {
-                        "draining"
+                        RetryReason::Draining
                     } else {
-                        "plan_mismatch"
+                        RetryReason::PlanMismatch
                     };
-                    self.metrics.retries.with_label_values(&[reason]).inc();
+                    self.metrics.retry(reason);
                     self.count_failure(f.position, request_id, &addr, &e.message);
                 }
                 ErrorCode::Transient => {
                     // The store failed, not the data: ask again (elsewhere first).
                     self.shrink_window(link);
-                    self.metrics.retries.with_label_values(&["transient"]).inc();
+                    self.metrics.retry(RetryReason::Transient);
                     self.count_failure(f.position, request_id, &addr, &e.message);
                 }
                 ErrorCode::Unauthorized | ErrorCode::BadRequest | ErrorCode::Failed => {
                     // Another worker would answer the same: tell the trainer.
-                    self.metrics.errors.with_label_values(&["answer"]).inc();
+                    self.metrics.error(WorkerErrorKind::Answer);
                     self.give_up(f.position, &addr, &e.message);
                 }
             },
@@ -1350,14 +1343,11 @@ impl Scheduler {
             if !self.pending.contains_key(&f.position) {
                 continue; // answered elsewhere already
             }
-            self.metrics
-                .retries
-                .with_label_values(&["worker_lost"])
-                .inc();
+            self.metrics.retry(RetryReason::WorkerLost);
             match loss {
                 Loss::Crashed => {
                     if self.count_failure(f.position, *id, &l.addr, &poison) {
-                        self.metrics.errors.with_label_values(&["poison"]).inc();
+                        self.metrics.error(WorkerErrorKind::Poison);
                     }
                 }
                 Loss::Removed => {
@@ -1365,8 +1355,12 @@ impl Scheduler {
                 }
             }
         }
-        let kind = if was_up { "lost" } else { "connect" };
-        self.metrics.errors.with_label_values(&[kind]).inc();
+        let kind = if was_up {
+            WorkerErrorKind::Lost
+        } else {
+            WorkerErrorKind::Connect
+        };
+        self.metrics.error(kind);
         if was_up && loss == Loss::Crashed {
             tracing::warn!(
                 "worker {} lost ({error}); {} requests go to other workers",

@@ -4,6 +4,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod docs;
 pub mod embedded_s3;
 pub mod http;
 pub mod local_worker;

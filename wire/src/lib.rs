@@ -45,3 +45,22 @@ pub mod tensor {
     /// float32 `[3, 256]`, u8 pixels only: the normalization table, per channel and value.
     pub const PIXEL_LUT: &str = "pixel_lut";
 }
+
+/// A metric's label set defined once, for both ends of the wire (worker and client): the
+/// enum the code passes around, every value's label, and the list that registration
+/// pre-creates at 0 (dashboards and alerts see every series before the first event) and the
+/// docs are checked against.
+#[macro_export]
+macro_rules! label_set {
+    ($(#[$doc:meta])* $name:ident { $($variant:ident => $label:literal,)+ }) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum $name { $($variant,)+ }
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$variant,)+];
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$variant => $label,)+ }
+            }
+        }
+    };
+}

@@ -6,6 +6,7 @@
 //! decoded.
 
 use crate::dataset::sample::Conversation;
+use crate::metrics::SampleErrorKind;
 use crate::preprocess::vision::{DecodeLimits, ImageError};
 use serde::Serialize;
 use stoker_config::Preprocessing;
@@ -51,12 +52,12 @@ pub enum LimitError {
 
 impl LimitError {
     /// The metric label and skip reason.
-    pub fn kind(&self) -> &'static str {
+    pub fn kind(&self) -> SampleErrorKind {
         match self {
-            LimitError::LineBytes { .. } => "line_too_long",
-            LimitError::Turns { .. } => "too_many_turns",
-            LimitError::Images { .. } => "too_many_images",
-            LimitError::SamplePixels { .. } => "sample_too_large",
+            LimitError::LineBytes { .. } => SampleErrorKind::LineTooLong,
+            LimitError::Turns { .. } => SampleErrorKind::TooManyTurns,
+            LimitError::Images { .. } => SampleErrorKind::TooManyImages,
+            LimitError::SamplePixels { .. } => SampleErrorKind::SampleTooLarge,
         }
     }
 }
@@ -158,7 +159,10 @@ mod tests {
     fn lines_turns_and_images_over_their_limits_are_named() {
         let l = limits();
         assert!(l.check_line(100).is_ok());
-        assert_eq!(l.check_line(101).unwrap_err().kind(), "line_too_long");
+        assert_eq!(
+            l.check_line(101).unwrap_err().kind().as_str(),
+            "line_too_long"
+        );
         let conv = |turns: usize, images: usize| {
             let mut line = String::from(r#"{"messages": ["#);
             for t in 0..turns {
@@ -178,12 +182,12 @@ mod tests {
         assert!(l.check_conversation(&conv(3, 2)).is_ok());
         let e = l.check_conversation(&conv(4, 0)).unwrap_err();
         assert_eq!(
-            (e.kind(), e.to_string().contains("4 messages")),
+            (e.kind().as_str(), e.to_string().contains("4 messages")),
             ("too_many_turns", true)
         );
         let e = l.check_conversation(&conv(2, 3)).unwrap_err();
         assert_eq!(
-            (e.kind(), e.to_string().contains("3 images")),
+            (e.kind().as_str(), e.to_string().contains("3 images")),
             ("too_many_images", true)
         );
     }
@@ -202,7 +206,7 @@ mod tests {
         };
         // Within the image's own limits: the sample's budget refused it.
         let e = l.classify("b.jpg".into(), too_large(500, 500)).unwrap_err();
-        assert_eq!(e.kind(), "sample_too_large");
+        assert_eq!(e.kind().as_str(), "sample_too_large");
         assert!(e.to_string().contains("b.jpg (500x500)"), "{e}");
         // Over the image's own limits: the image's error stands.
         assert!(l.classify("c.jpg".into(), too_large(1001, 10)).is_ok());

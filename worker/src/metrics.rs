@@ -35,44 +35,48 @@ pub struct Metrics {
     pub ready: AtomicBool,
 }
 
-/// Error kinds a sample can fail with (pre-created at 0 so that dashboards and alerts see
-/// every series before the first error).
-pub const SAMPLE_ERROR_KINDS: [&str; 21] = [
-    "object_missing",
-    "object_too_large",
-    "object_store",
-    "not_utf8",
-    "invalid_json",
-    "invalid_sample",
-    "path_refused",
-    "image_unsupported",
-    "image_corrupt",
-    "image_too_large",
-    "image_aspect_ratio",
-    "image_over_budget",
-    "image_too_many_scans",
-    "too_long",
-    "text",
-    "no_such_sample",
-    "panic",
-    "line_too_long",
-    "too_many_turns",
-    "too_many_images",
-    "sample_too_large",
-];
+stoker_wire::label_set! {
+    /// Why a sample was not served: `stoker_worker_sample_errors_total`'s `kind`.
+    SampleErrorKind {
+        ObjectMissing => "object_missing",
+        ObjectTooLarge => "object_too_large",
+        ObjectStore => "object_store",
+        NotUtf8 => "not_utf8",
+        InvalidJson => "invalid_json",
+        InvalidSample => "invalid_sample",
+        PathRefused => "path_refused",
+        ImageUnsupported => "image_unsupported",
+        ImageCorrupt => "image_corrupt",
+        ImageTooLarge => "image_too_large",
+        ImageAspectRatio => "image_aspect_ratio",
+        ImageOverBudget => "image_over_budget",
+        ImageTooManyScans => "image_too_many_scans",
+        TooLong => "too_long",
+        Text => "text",
+        NoSuchSample => "no_such_sample",
+        Panic => "panic",
+        ShuttingDown => "shutting_down",
+        LineTooLong => "line_too_long",
+        TooManyTurns => "too_many_turns",
+        TooManyImages => "too_many_images",
+        SampleTooLarge => "sample_too_large",
+    }
+}
 
-/// Why a request or a connection is refused (`stoker_worker_requests_refused_total`'s
-/// `reason`, pre-created at 0 like the error kinds).
-pub const REFUSAL_REASONS: [&str; 8] = [
-    "unauthorized",
-    "plan_mismatch",
-    "bad_request",
-    "draining",
-    "no_hello",
-    "version",
-    "connection_limit",
-    "idle",
-];
+stoker_wire::label_set! {
+    /// Why a request or a connection is refused: `stoker_worker_requests_refused_total`'s
+    /// `reason`.
+    RefusalReason {
+        Unauthorized => "unauthorized",
+        PlanMismatch => "plan_mismatch",
+        BadRequest => "bad_request",
+        Draining => "draining",
+        NoHello => "no_hello",
+        Version => "version",
+        ConnectionLimit => "connection_limit",
+        Idle => "idle",
+    }
+}
 
 impl Metrics {
     /// Metrics of a worker of the pipeline "default".
@@ -208,8 +212,9 @@ impl Metrics {
             .expect("register");
         r.register(Box::new(m.requests_refused_total.clone()))
             .expect("register");
-        for reason in REFUSAL_REASONS {
-            m.requests_refused_total.with_label_values(&[reason]);
+        for reason in RefusalReason::ALL {
+            m.requests_refused_total
+                .with_label_values(&[reason.as_str()]);
         }
         r.register(Box::new(m.line_cache.clone()))
             .expect("register");
@@ -227,8 +232,8 @@ impl Metrics {
         }
         r.register(Box::new(m.queue_depth.clone()))
             .expect("register");
-        for kind in SAMPLE_ERROR_KINDS {
-            m.sample_errors_total.with_label_values(&[kind]);
+        for kind in SampleErrorKind::ALL {
+            m.sample_errors_total.with_label_values(&[kind.as_str()]);
         }
         let info = IntGaugeVec::new(
             Opts::new(
@@ -325,4 +330,46 @@ fn node_name() -> String {
                 .map(|h| h.trim().to_string())
         })
         .unwrap_or_else(|| "unknown".into())
+}
+
+#[cfg(test)]
+mod label_set_tests {
+    use super::*;
+    use stoker_testkit::docs::documented_labels;
+
+    const DOCS: &str = include_str!("../../docs/metrics.md");
+
+    fn defined(labels: impl Iterator<Item = &'static str>) -> std::collections::BTreeSet<String> {
+        labels.map(str::to_string).collect()
+    }
+
+    #[test]
+    fn the_docs_list_every_sample_error_kind_and_no_other() {
+        assert_eq!(
+            documented_labels(DOCS, "stoker_worker_sample_errors_total"),
+            defined(SampleErrorKind::ALL.iter().map(|k| k.as_str()))
+        );
+    }
+
+    #[test]
+    fn the_docs_list_every_refusal_reason_and_no_other() {
+        assert_eq!(
+            documented_labels(DOCS, "stoker_worker_requests_refused_total"),
+            defined(RefusalReason::ALL.iter().map(|r| r.as_str()))
+        );
+    }
+
+    #[test]
+    fn every_labelled_series_exists_from_the_start() {
+        let m = Metrics::new();
+        let text = m.render();
+        for kind in SampleErrorKind::ALL {
+            let series = format!("kind=\"{}\"", kind.as_str());
+            assert!(text.contains(&series), "{series} missing");
+        }
+        for reason in RefusalReason::ALL {
+            let series = format!("reason=\"{}\"", reason.as_str());
+            assert!(text.contains(&series), "{series} missing");
+        }
+    }
 }

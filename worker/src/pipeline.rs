@@ -11,7 +11,7 @@ use crate::dataset::lengths::SampleLengths;
 use crate::dataset::sample::{Conversation, SampleError};
 use crate::limits::{LimitError, SampleLimits};
 use crate::line_cache::{LineCache, Lookup};
-use crate::metrics::{GaugeGuard, Metrics};
+use crate::metrics::{GaugeGuard, Metrics, SampleErrorKind};
 use crate::pack::{collate_packed, RopeLayout};
 use crate::plan::{Plan, RankSlice, Shaping};
 use crate::preprocess::preset::{PixelDtype, Preset};
@@ -68,29 +68,30 @@ enum Cause {
 }
 
 impl Cause {
-    fn kind(&self) -> &'static str {
+    fn kind(&self) -> SampleErrorKind {
+        use SampleErrorKind as K;
         match self {
-            Cause::Fetch(FetchError::NotFound(_)) => "object_missing",
-            Cause::Fetch(FetchError::Io(..)) => "object_store",
-            Cause::Fetch(FetchError::TooLarge { .. }) => "object_too_large",
-            Cause::Sample(SampleError::NotUtf8(_)) => "not_utf8",
-            Cause::Sample(SampleError::Json(_)) => "invalid_json",
-            Cause::Sample(SampleError::Schema(_)) => "invalid_sample",
-            Cause::Path(_) => "path_refused",
+            Cause::Fetch(FetchError::NotFound(_)) => K::ObjectMissing,
+            Cause::Fetch(FetchError::Io(..)) => K::ObjectStore,
+            Cause::Fetch(FetchError::TooLarge { .. }) => K::ObjectTooLarge,
+            Cause::Sample(SampleError::NotUtf8(_)) => K::NotUtf8,
+            Cause::Sample(SampleError::Json(_)) => K::InvalidJson,
+            Cause::Sample(SampleError::Schema(_)) => K::InvalidSample,
+            Cause::Path(_) => K::PathRefused,
             Cause::Image { err, .. } => match err {
-                ImageError::Unsupported => "image_unsupported",
-                ImageError::Corrupt(_) => "image_corrupt",
-                ImageError::TooLarge { .. } => "image_too_large",
-                ImageError::AspectRatio { .. } => "image_aspect_ratio",
-                ImageError::OverBudget(_) => "image_over_budget",
-                ImageError::TooManyScans { .. } => "image_too_many_scans",
+                ImageError::Unsupported => K::ImageUnsupported,
+                ImageError::Corrupt(_) => K::ImageCorrupt,
+                ImageError::TooLarge { .. } => K::ImageTooLarge,
+                ImageError::AspectRatio { .. } => K::ImageAspectRatio,
+                ImageError::OverBudget(_) => K::ImageOverBudget,
+                ImageError::TooManyScans { .. } => K::ImageTooManyScans,
             },
-            Cause::Text(TextError::TooLong { .. }) => "too_long",
-            Cause::Text(_) => "text",
+            Cause::Text(TextError::TooLong { .. }) => K::TooLong,
+            Cause::Text(_) => K::Text,
             Cause::Limit(e) => e.kind(),
-            Cause::NoSuchSample => "no_such_sample",
-            Cause::Panicked(_) => "panic",
-            Cause::ShuttingDown => "shutting_down",
+            Cause::NoSuchSample => K::NoSuchSample,
+            Cause::Panicked(_) => K::Panic,
+            Cause::ShuttingDown => K::ShuttingDown,
         }
     }
 
@@ -318,7 +319,7 @@ impl Pipeline {
     }
 
     fn failure(&self, sample_id: u64, location: String, cause: Cause) -> SampleFailure {
-        let kind = cause.kind();
+        let kind = cause.kind().as_str();
         self.metrics
             .sample_errors_total
             .with_label_values(&[kind])
@@ -697,7 +698,7 @@ mod tests {
         let err = on_blocking_pool::<()>(|| panic!("decoder bug in x.jpg"))
             .await
             .unwrap_err();
-        assert_eq!(err.kind(), "panic");
+        assert_eq!(err.kind(), SampleErrorKind::Panic);
         assert_eq!(
             err.to_string(),
             "preprocessing panicked: decoder bug in x.jpg"
@@ -715,7 +716,7 @@ mod tests {
         let cancelled = handle.spawn_blocking(|| ()).await.unwrap_err();
         assert!(cancelled.is_cancelled());
         let cause = blocking_failure(cancelled);
-        assert_eq!(cause.kind(), "shutting_down");
+        assert_eq!(cause.kind(), SampleErrorKind::ShuttingDown);
         assert!(cause.is_transient());
         assert!(!Cause::Panicked("bug".into()).is_transient());
     }

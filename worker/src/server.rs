@@ -9,6 +9,7 @@
 
 use crate::batch::{i64_bytes, Batch};
 use crate::metrics::GaugeGuard;
+use crate::metrics::RefusalReason;
 use crate::pipeline::{preprocessing_parts, Pipeline};
 use futures::StreamExt;
 use std::collections::{HashMap, VecDeque};
@@ -360,15 +361,11 @@ impl Server {
         })
     }
 
-    fn refuse(&self, reason: &str) {
-        debug_assert!(
-            crate::metrics::REFUSAL_REASONS.contains(&reason),
-            "{reason} is not in REFUSAL_REASONS"
-        );
+    fn refuse(&self, reason: RefusalReason) {
         self.pipeline
             .metrics
             .requests_refused_total
-            .with_label_values(&[reason])
+            .with_label_values(&[reason.as_str()])
             .inc();
     }
 
@@ -418,7 +415,7 @@ impl Server {
     /// frame (Unavailable) naming the limit, and the refusal is counted.
     async fn admit(self: Arc<Self>, mut stream: TcpStream, peer: std::net::SocketAddr) {
         let Ok(slot) = self.connections.clone().try_acquire_owned() else {
-            self.refuse("connection_limit");
+            self.refuse(RefusalReason::ConnectionLimit);
             let e = connection_error(
                 ErrorCode::Unavailable,
                 format!(
@@ -460,14 +457,16 @@ impl Server {
     /// frame to send back when the client is refused.
     async fn handshake(&self, rd: &mut OwnedReadHalf) -> Result<(), ErrorFrame> {
         let hello = tokio::time::timeout(HELLO_TIMEOUT, read_frame(rd, MAX_HELLO_BYTES)).await;
-        let no_hello = |why: String| ("no_hello", why);
+        let no_hello = |why: String| (RefusalReason::NoHello, why);
         let hello = match hello {
             Ok(Ok(Some((Kind::Hello, p)))) => {
                 Hello::decode(&p).map_err(|e| no_hello(e.to_string()))
             }
             // A peer of another protocol version is told both versions, and counted apart
             // (a rollout mixing versions, not a hostile peer).
-            Ok(Err(ReadError::Wire(e @ WireError::Version(_)))) => Err(("version", e.to_string())),
+            Ok(Err(ReadError::Wire(e @ WireError::Version(_)))) => {
+                Err((RefusalReason::Version, e.to_string()))
+            }
             Ok(Err(e)) => Err(no_hello(e.to_string())),
             Err(_) => Err(no_hello(format!("no Hello within {HELLO_TIMEOUT:?}"))),
             Ok(Ok(_)) => Err(no_hello("expected a Hello frame first".to_string())),
@@ -478,7 +477,7 @@ impl Server {
         })?;
         match &self.config.token {
             Some(expected) if !token_matches(expected, &hello.token) => {
-                self.refuse("unauthorized");
+                self.refuse(RefusalReason::Unauthorized);
                 let message = if hello.token.is_empty() {
                     "this worker requires a pipeline token and none was sent"
                 } else {
@@ -570,7 +569,7 @@ impl Server {
                             }
                         }
                         Err(message) => {
-                            self.refuse("bad_request");
+                            self.refuse(RefusalReason::BadRequest);
                             let e = connection_error(ErrorCode::BadRequest, message);
                             let _ = tx.send((Outgoing::Error(e), None)).await;
                             break;
@@ -578,7 +577,7 @@ impl Server {
                     }
                 }
                 () = tokio::time::sleep(self.config.idle_timeout), if idle && reading => {
-                    self.refuse("idle");
+                    self.refuse(RefusalReason::Idle);
                     let e = connection_error(
                         ErrorCode::Unavailable,
                         format!(
@@ -628,14 +627,14 @@ impl Server {
             })
         };
         if self.draining.load(Ordering::SeqCst) {
-            self.refuse("draining");
+            self.refuse(RefusalReason::Draining);
             return err(
                 ErrorCode::Unavailable,
                 "worker is draining; retry on another worker".into(),
             );
         }
         if req.plan_id != self.welcome.plan_id {
-            self.refuse("plan_mismatch");
+            self.refuse(RefusalReason::PlanMismatch);
             return err(
                 ErrorCode::PlanMismatch,
                 format!(
@@ -652,7 +651,7 @@ impl Server {
         {
             Ok(slice) => slice,
             Err(e) => {
-                self.refuse("bad_request");
+                self.refuse(RefusalReason::BadRequest);
                 return err(ErrorCode::BadRequest, e.to_string());
             }
         };

@@ -1,0 +1,30 @@
+//! What the tests check the documentation against.
+
+use std::collections::BTreeSet;
+
+/// The label values `docs` (docs/metrics.md) lists for `metric`: after "`label` =" in its
+/// labels column, else the backticked snake_case words of the "by kind:" sentence.
+pub fn documented_labels(docs: &str, metric: &str) -> BTreeSet<String> {
+    let row = docs
+        .lines()
+        .find(|l| l.starts_with(&format!("| `{metric}`")))
+        .unwrap_or_else(|| panic!("docs/metrics.md has no row for {metric}"));
+    let cells: Vec<&str> = row.split('|').collect();
+    let (labels, meaning) = (cells[3], cells[4]);
+    if let Some((_, list)) = labels.split_once('=') {
+        return list.split(',').map(|w| w.trim().to_string()).collect();
+    }
+    // The list runs from "by kind:" to the end of that sentence.
+    let after = meaning.split_once("by kind:").map_or(meaning, |(_, a)| a);
+    let after = after.split(". ").next().unwrap_or(after);
+    after
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|w| {
+            w.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        })
+        .map(str::to_string)
+        .collect()
+}
