@@ -1,4 +1,4 @@
-"""Renders docs/spread.json (from `stoker bench spread --json-out docs/spread.json`) as
+"""Renders docs/spread.json (from `stoker-lab bench spread --json-out docs/spread.json`) as
 docs/spread.png: samples/s per run, and MB/s sent on each node's link against the cap."""
 
 import json

@@ -1,4 +1,4 @@
-"""Python baselines for `stoker bench preprocess` (run by it; prints one JSON line per mode).
+"""Python baselines for `stoker-lab bench preprocess` (run by it; prints one JSON line per mode).
 
 (a) loop:       transformers' Qwen2-VL processor + tokenizer in a Python loop, PIL decoding.
 (b) dataloader: the same inside a torch DataLoader with worker processes (only if torch is

@@ -341,7 +341,7 @@ def serial_batches(dataset: HfSamples, order: List[List[int]]):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, required=True, help="a dataset folder (stoker dataset synth)")
+    ap.add_argument("--data", type=Path, required=True, help="a dataset folder (stoker-lab synth)")
     ap.add_argument("--model", choices=["none", "tiny", "small", "2b"], default="tiny",
                     help="none: no model (what each feeder delivers); tiny: CI; 2b: a GPU")
     ap.add_argument("--steps", type=int, default=8)

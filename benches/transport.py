@@ -4,7 +4,7 @@
 
 Rows (one run, side by side):
   stoker     the Python package's Loader: frames read once into the buffer the numpy
-             arrays view (prefetch 4), from `stoker bench transport-server`;
+             arrays view (prefetch 4), from `stoker-lab bench transport-server`;
   tcp bound  plain TCP: the same server sends the same bytes unframed, Python recv_into
              one reused buffer (kernel -> user copy only: the ceiling of any TCP transport);
   mp.Queue   the same arrays pickled through a multiprocessing.Queue between processes (how
@@ -110,7 +110,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-mib", type=int, default=64)
     ap.add_argument("--batches", type=int, default=30)
-    ap.add_argument("--stoker-bin", default=os.environ.get("STOKER_BIN", str(REPO / "target/release/stoker")))
+    ap.add_argument("--stoker-bin", default=os.environ.get("STOKER_LAB", str(REPO / "target/release/stoker-lab")),
+                    help="the lab binary (its `bench transport-server`)")
     a = ap.parse_args()
     proc, addr, size = start_server(a.stoker_bin, a.batch_mib)
     try:

@@ -44,7 +44,8 @@ stage_rust() {
 python_env() {
   ./scripts/build.sh
   ./scripts/setup-test-deps.sh
-  export STOKER_BIN="$CARGO_TARGET_DIR/release/stoker"
+  export STOKER_BIN="$CARGO_TARGET_DIR/release/stoker"  # the product: dataset tools, worker, operator
+  export STOKER_LAB="$CARGO_TARGET_DIR/release/stoker-lab"  # synthetic data, the demo, benchmarks
   export STOKER_TOKENIZER="$STOKER_CACHE/qwen-tokenizer"
   PY="$STOKER_CACHE/venv/bin/python"
 }

@@ -1,20 +1,12 @@
-//! `stoker`: the command line — dataset tools, the worker, the operator, the demo and
-//! benchmarks. Each subcommand's flags and wiring live in `cmd/`; the work is in the crates.
+//! `stoker`: the product's command line — dataset tools, the worker and the operator (what
+//! the image ships). The demo, the benchmarks and synthetic data are `stoker-lab` (`lab/`).
+//! Each subcommand's flags and wiring live in `cmd/`; the work is in the crates.
 
 use clap::{Parser, Subcommand};
 
 mod cmd {
-    pub mod balance;
-    pub mod bench;
     pub mod dataset;
-    pub mod dataset_scale;
-    pub mod demo;
-    pub mod epoch_boundary;
-    pub mod local;
     pub mod operator;
-    pub mod scale;
-    pub mod spread;
-    pub mod transport;
     pub mod worker;
 }
 
@@ -30,23 +22,19 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+// Parsed once per process: the size of a variant does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Command {
-    /// Make, index and inspect JSONL + image datasets.
+    /// Index, inspect and measure JSONL + image datasets.
     #[command(subcommand)]
     Dataset(cmd::dataset::DatasetCommand),
     /// Serve preprocessed batches to trainer ranks over TCP.
     Worker(stoker_config::WorkerConfig),
-    /// The whole pipeline on this machine: embedded object store, worker processes, simulated
-    /// trainer ranks through the real client; prints the ablation table.
-    Demo(cmd::demo::DemoArgs),
     /// Print the DataPipeline CustomResourceDefinition (YAML), as `crds/` holds it.
     Crd,
     /// Run the operator: reconcile DataPipelines into worker pools and scale them on the
     /// trainers' wait ratio (in-cluster config or $KUBECONFIG).
     Operator(cmd::operator::OperatorArgs),
-    /// Benchmarks that print ours-vs-baseline tables (docs/benchmarks.md).
-    #[command(subcommand)]
-    Bench(cmd::bench::BenchCommand),
 }
 
 fn main() {
@@ -76,8 +64,6 @@ fn run() -> anyhow::Result<()> {
         match cli.command {
             Command::Dataset(c) => cmd::dataset::run(c).await,
             Command::Worker(a) => cmd::worker::run(a).await,
-            Command::Bench(c) => cmd::bench::run(c).await,
-            Command::Demo(a) => cmd::demo::run(a).await,
             Command::Operator(a) => cmd::operator::run(a).await,
             Command::Crd => cmd::operator::print_crd(),
         }

@@ -79,7 +79,7 @@ pub enum Policy {
     /// is known, budgeted hedges, cancelled losers.
     #[default]
     Subset,
-    /// The rules before bounded subsets, kept as the baseline `stoker bench scale` measures
+    /// The rules before bounded subsets, kept as the baseline `stoker-lab bench scale` measures
     /// against: every rank links to every worker, a link without a latency costs 0 (ties to
     /// the lowest link id), depth jumps to its cap once a latency is seen, hedges are
     /// unbudgeted and losers run on.

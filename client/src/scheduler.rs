@@ -2,7 +2,7 @@
 //! which worker, and delivers answers to the trainer strictly in plan order.
 //!
 //! It does no I/O and reads no clock: its driver (`driver.rs`, over tokio and TCP) or the scale
-//! simulator (`stoker bench scale`, in virtual time) feeds it events with the time they
+//! simulator (`stoker-lab bench scale`, in virtual time) feeds it events with the time they
 //! happened, executes the [`Action`]s it returns and takes its deliveries. Both run exactly
 //! these rules.
 //!
@@ -504,7 +504,7 @@ impl Scheduler {
         };
     }
 
-    /// This rank's members, homes first (what `stoker bench scale` reports).
+    /// This rank's members, homes first (what `stoker-lab bench scale` reports).
     pub fn members(&self) -> &Members {
         &self.members
     }

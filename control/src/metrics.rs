@@ -1,5 +1,5 @@
 //! The autoscaler's Prometheus series (docs/metrics.md), one definition for both of its
-//! backends: the operator registers them next to its own reconcile series, `stoker demo`
+//! backends: the operator registers them next to its own reconcile series, `stoker-lab demo`
 //! exports them for its local process backend. Labels: namespace, pipeline.
 
 use prometheus::{Encoder, GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry};

@@ -1,6 +1,6 @@
 //! A simulated plant for the autoscaler: a synchronous data-parallel trainer fed by workers of
 //! noisy capacity that take time to start. Deterministic (seeded), so tests can hold the
-//! policy to numbers, and `stoker bench autoscale` prints the rules side by side.
+//! policy to numbers, and `stoker-lab bench autoscale` prints the rules side by side.
 
 use crate::autoscale::{Autoscaler, Observation, Rule, Spec};
 use std::time::Duration;

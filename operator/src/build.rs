@@ -658,7 +658,7 @@ mod tests {
 
     #[test]
     fn the_measured_egress_makes_the_operator_spread_as_the_experiment_found_best() {
-        // docs/spread.json: `stoker bench spread` on this machine (network namespaces, tbf).
+        // docs/spread.json: `stoker-lab bench spread` on this machine (network namespaces, tbf).
         let report: serde_json::Value =
             serde_json::from_str(include_str!("../../docs/spread.json")).unwrap();
         let rate = |placement: &str| {

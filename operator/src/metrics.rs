@@ -1,5 +1,5 @@
 //! The operator's own /metrics (docs/metrics.md) and health endpoints: the autoscaler's
-//! per-pipeline series (shared with `stoker demo`, from stoker-control) plus reconciles,
+//! per-pipeline series (shared with `stoker-lab demo`, from stoker-control) plus reconciles,
 //! reconcile errors by kind and leadership.
 
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};

@@ -16,11 +16,19 @@ def stoker_bin() -> str:
     return path
 
 
+def lab_bin() -> str:
+    """The lab binary (synthetic datasets), built beside the product."""
+    path = os.environ.get("STOKER_LAB", str(pathlib.Path(stoker_bin()).with_name("stoker-lab")))
+    if not os.path.exists(path):
+        pytest.skip(f"no stoker-lab binary at {path} (cargo build --release, or set STOKER_LAB)")
+    return path
+
+
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("data") / "ds"
     subprocess.run(
-        [stoker_bin(), "dataset", "synth", "--out", str(out), "--samples", "40",
+        [lab_bin(), "synth", "--out", str(out), "--samples", "40",
          "--samples-per-shard", "10", "--min-side", "64", "--max-side", "240"],
         check=True, capture_output=True,
     )

@@ -1,10 +1,9 @@
-//! `stoker dataset synth | index | inspect | stats`.
+//! `stoker dataset index | inspect | stats` (synthetic datasets: `stoker-lab synth`).
 
 use clap::Subcommand;
 use std::path::PathBuf;
 use std::sync::Arc;
 use stoker_config::{Concurrency, OnError, Preprocessing, S3Connection, Sampling, WorkerConfig};
-use stoker_testkit::synth::{generate, SynthOptions};
 use stoker_worker::batch::{collate, Batch};
 use stoker_worker::dataset::index::{DatasetIndex, Progress, INDEX_KEY};
 use stoker_worker::dataset::lengths::{SampleLengths, LENGTHS_KEY};
@@ -14,14 +13,6 @@ use stoker_worker::source::Store;
 
 #[derive(Subcommand)]
 pub enum DatasetCommand {
-    /// Write a synthetic VLM SFT dataset (JSONL shards + JPEG/PNG images).
-    Synth {
-        /// Folder to write (created; shards at its root, images under images/).
-        #[arg(long)]
-        out: PathBuf,
-        #[command(flatten)]
-        options: SynthOptions,
-    },
     /// Build the index (shards, line offsets, counts), validating every line; writes
     /// stoker-index.bin at the dataset root. Exits 1 if any line is bad (use --allow-bad).
     Index {
@@ -76,7 +67,7 @@ pub enum DatasetCommand {
         /// The first N samples [default: all].
         #[arg(long)]
         samples: Option<u64>,
-        /// Write every sample's length (tokens) as a JSON array, for `stoker bench balance
+        /// Write every sample's length (tokens) as a JSON array, for `stoker-lab bench balance
         /// --lengths`.
         #[arg(long)]
         lengths_out: Option<PathBuf>,
@@ -119,19 +110,6 @@ impl Progress for ByteBar {
 
 pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
     match cmd {
-        DatasetCommand::Synth { out, options: o } => {
-            let samples = o.samples;
-            let pb = bar("synth");
-            pb.set_length(samples as u64);
-            tokio::task::spawn_blocking(move || {
-                generate(&out, &o, &|| pb.inc(1))?;
-                pb.finish();
-                anyhow::Ok(())
-            })
-            .await??;
-            println!("wrote {samples} samples");
-            Ok(())
-        }
         DatasetCommand::Index {
             uri,
             s3,

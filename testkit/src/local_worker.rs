@@ -41,7 +41,7 @@ impl LocalWorker {
     }
 
     /// The same inside network namespace `netns`, listening on `host` (an address of that
-    /// namespace): a worker on a "node" of `stoker bench spread`.
+    /// namespace): a worker on a "node" of `stoker-lab bench spread`.
     pub fn spawn_in_netns(
         netns: &str,
         exe: &Path,

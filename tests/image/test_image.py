@@ -53,7 +53,8 @@ def shared_dirs():
     root = pathlib.Path(tempfile.mkdtemp(prefix="stoker-image-"))
     stoker = os.environ.get("STOKER_BIN", str(REPO / "target" / "release" / "stoker"))
     data = root / "data"
-    subprocess.run([stoker, "dataset", "synth", "--out", str(data), "--samples", "16",
+    lab = os.environ.get("STOKER_LAB", str(pathlib.Path(stoker).with_name("stoker-lab")))
+    subprocess.run([lab, "synth", "--out", str(data), "--samples", "16",
                     "--samples-per-shard", "8", "--min-side", "64", "--max-side", "200"],
                    check=True, capture_output=True)
     tok = root / "tokenizer"

@@ -71,6 +71,7 @@ def concrete(expr):
 def run(tmp_path_factory):
     prometheus, promtool = tool("prometheus"), tool("promtool")
     stoker = os.environ.get("STOKER_BIN", str(REPO / "target/release/stoker"))
+    lab = os.environ.get("STOKER_LAB", str(pathlib.Path(stoker).with_name("stoker-lab")))
     tmp = tmp_path_factory.mktemp("observability")
     targets = tmp / "targets.json"
     targets.write_text("[]")
@@ -89,7 +90,7 @@ scrape_configs:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     demo = subprocess.Popen(
         # A 30 ms step asks ~270 samples/s: more than one worker gives, so the autoscaler acts.
-        [stoker, "demo", "--observe-s", str(RUN_S), "--samples", "120", "--max-workers", "3",
+        [lab, "demo", "--observe-s", str(RUN_S), "--samples", "120", "--max-workers", "3",
          "--step-ms", "30",
          "--metrics-listen", "127.0.0.1:0", "--prometheus-targets", str(targets),
          "--cache", str(tmp / "cache")],
@@ -177,6 +178,6 @@ def test_render_the_key_panels(run):
         ax.set_xlabel("seconds into the run")
         ax.legend(fontsize=7, loc="best")
         ax.grid(alpha=0.3)
-    fig.suptitle("Stoker dashboard over `stoker demo --observe-s 40` (2 cores, embedded S3)")
+    fig.suptitle("Stoker dashboard over `stoker-lab demo --observe-s 40` (2 cores, embedded S3)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)

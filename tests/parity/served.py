@@ -8,6 +8,8 @@ import stoker
 
 ROOT = Path(__file__).resolve().parents[2]
 STOKER = os.environ.get("STOKER_BIN", str(ROOT / "target/release/stoker"))
+# Synthetic datasets come from the lab binary, built beside the product.
+LAB = os.environ.get("STOKER_LAB", str(Path(STOKER).with_name("stoker-lab")))
 TOKENIZER = Path(os.environ.get("STOKER_TOKENIZER", Path.home() / ".cache/stoker/qwen-tokenizer"))
 
 

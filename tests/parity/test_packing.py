@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from served import STOKER, TOKENIZER, epoch, serve  # noqa: E402
+from served import LAB, STOKER, TOKENIZER, epoch, serve  # noqa: E402
 
 PACK = 4096
 WORLD = 2
@@ -30,7 +30,7 @@ WORLD = 2
 def dataset(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("packing") / "ds"
     subprocess.run(
-        [STOKER, "dataset", "synth", "--out", str(out), "--samples", "20", "--seed", "3",
+        [LAB, "synth", "--out", str(out), "--samples", "20", "--seed", "3",
          "--format", "messages", "--min-side", "60", "--max-side", "500"],
         check=True, capture_output=True,
     )

@@ -15,7 +15,6 @@ template files: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, an im
 inserts no default system prompt. Labels follow Qwen's fine-tuning rule. Pixels: bit-identical.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,10 +25,10 @@ from safetensors.numpy import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
 from hf_reference import hf_messages, jsonl_samples, load_rgb, reference_labels  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from served import LAB, STOKER, TOKENIZER  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-STOKER = os.environ.get("STOKER_BIN", str(ROOT / "target/release/stoker"))
-TOKENIZER = Path(os.environ.get("STOKER_TOKENIZER", Path.home() / ".cache/stoker/qwen-tokenizer"))
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -70,7 +69,7 @@ def test_preset_matches_its_hub_processor_and_chat_format(preset, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
     ds = tmp_path / "ds"
     subprocess.run(
-        [STOKER, "dataset", "synth", "--out", str(ds), "--samples", "10", "--format", "messages",
+        [LAB, "synth", "--out", str(ds), "--samples", "10", "--format", "messages",
          "--seed", "31", "--max-side", "1400"],
         check=True, capture_output=True,
     )

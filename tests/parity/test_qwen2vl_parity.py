@@ -19,7 +19,6 @@ transpose, convert to RGB).
   any of these, so any difference fails. Pillow is pinned by scripts/setup-test-deps.sh.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,10 +30,10 @@ from safetensors.numpy import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
 from hf_reference import Reference, hf_messages, jsonl_samples, load_rgb, reference_labels  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from served import LAB, STOKER, TOKENIZER  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-STOKER = os.environ.get("STOKER_BIN", str(ROOT / "target/release/stoker"))
-TOKENIZER = Path(os.environ.get("STOKER_TOKENIZER", Path.home() / ".cache/stoker/qwen-tokenizer"))
 TEMPLATE = ROOT / "worker/templates/qwen2-vl.jinja"
 
 
@@ -46,7 +45,7 @@ def processor():
 def synth(tmp: Path, fmt: str, n: int, seed: int) -> Path:
     out = tmp / fmt
     subprocess.run(
-        [STOKER, "dataset", "synth", "--out", str(out), "--samples", str(n), "--format", fmt,
+        [LAB, "synth", "--out", str(out), "--samples", str(n), "--format", fmt,
          "--seed", str(seed), "--max-side", "1000"],
         check=True, capture_output=True,
     )

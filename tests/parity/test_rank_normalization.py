@@ -21,7 +21,7 @@ import stoker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
 from hf_reference import hf_messages, jsonl_samples, load_rgb  # noqa: E402
-from served import STOKER, TOKENIZER, epoch, serve  # noqa: E402
+from served import LAB, STOKER, TOKENIZER, epoch, serve  # noqa: E402
 
 SAMPLES = 12
 
@@ -30,7 +30,7 @@ SAMPLES = 12
 def dataset(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("rank-norm") / "ds"
     subprocess.run(
-        [STOKER, "dataset", "synth", "--out", str(out), "--samples", str(SAMPLES),
+        [LAB, "synth", "--out", str(out), "--samples", str(SAMPLES),
          "--seed", "21", "--max-side", "700"],
         check=True, capture_output=True,
     )

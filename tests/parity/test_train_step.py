@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from served import STOKER, TOKENIZER  # noqa: E402
+from served import LAB, STOKER, TOKENIZER  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benches/train_step.py"
@@ -25,7 +25,7 @@ SAMPLES, BATCH = 16, 4
 def dataset(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("train-step") / "ds"
     subprocess.run(
-        [STOKER, "dataset", "synth", "--out", str(out), "--samples", str(SAMPLES), "--seed", "8",
+        [LAB, "synth", "--out", str(out), "--samples", str(SAMPLES), "--seed", "8",
          "--format", "messages", "--min-side", "56", "--max-side", "200"],
         check=True, capture_output=True,
     )

@@ -1,4 +1,4 @@
-//! `stoker demo`: the whole story on one machine, no cluster and no cloud.
+//! `stoker-lab demo`: the whole story on one machine, no cluster and no cloud.
 //!
 //! A synthetic dataset sits behind an embedded S3-compatible server that behaves like an
 //! object store (time to first byte, per-connection bandwidth); `stoker worker` processes

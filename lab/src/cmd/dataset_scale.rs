@@ -1,4 +1,4 @@
-//! `stoker bench dataset-scale`: what indexing a large text dataset and starting a worker on
+//! `stoker-lab bench dataset-scale`: what indexing a large text dataset and starting a worker on
 //! it cost — time, peak memory and (behind the embedded S3 server) store requests — for this
 //! binary and, side by side, a baseline binary (e.g. the previous release). The dataset is
 //! text-only shards whose lines reference a few hundred images, generated once and reused.
@@ -53,7 +53,7 @@ pub async fn run(a: DatasetScaleArgs) -> anyhow::Result<()> {
     };
     let data = dir.join("bucket/data");
     generate(&data, &a)?;
-    let this = std::env::current_exe()?;
+    let this = super::local::product_binary()?;
     let mut binaries: Vec<(String, PathBuf)> = Vec::new();
     if let Some(b) = &a.baseline {
         binaries.push(("baseline".into(), b.clone()));

@@ -1,4 +1,4 @@
-//! `stoker bench epoch-boundary`: request latency of the worker's plan step across an epoch
+//! `stoker-lab bench epoch-boundary`: request latency of the worker's plan step across an epoch
 //! boundary, and how late a health probe on the same runtime runs, for three ways of getting
 //! an epoch's order: built by the first request on a serving thread (`inline`, what workers
 //! did before), built on the blocking pool ahead of the boundary (`ahead`, what

@@ -1,4 +1,4 @@
-//! `stoker bench transport-server`: a protocol peer that answers every request with the same
+//! `stoker-lab bench transport-server`: a protocol peer that answers every request with the same
 //! prebuilt batch, so that benches/transport.py measures the transport alone (client receive
 //! into numpy views vs a plain TCP copy vs pickling through a multiprocessing queue).
 //!

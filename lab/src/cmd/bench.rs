@@ -1,9 +1,9 @@
-//! `stoker bench …`: benchmarks that print ours-vs-baseline tables (docs/benchmarks.md).
+//! `stoker-lab bench …`: benchmarks that print ours-vs-baseline tables (docs/benchmarks.md).
 //!
 //! Rates are "per core": samples per CPU-second spent by the process (or thread) doing the
 //! work, so that runs on a shared, noisy 2-core machine compare like with like.
 
-use super::local::{cache_root, ensure_dataset, spawn_worker};
+use super::local::{cache_root, ensure_dataset, product_binary, spawn_worker};
 use super::scale::ServiceProfile;
 use clap::Subcommand;
 use std::path::{Path, PathBuf};
@@ -73,7 +73,7 @@ pub struct PreprocessBench {
     #[arg(long, default_value_t = 500)]
     ceiling_samples: usize,
     /// Write each ceiling sample's time through the CPU chain on one thread to this file
-    /// (JSON): the service-time profile `stoker bench scale --service-profile` draws from.
+    /// (JSON): the service-time profile `stoker-lab bench scale --service-profile` draws from.
     #[arg(long)]
     write_service_profile: Option<PathBuf>,
     #[arg(long, default_value_t = 32)]
@@ -195,7 +195,7 @@ async fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
         let profile = ServiceProfile {
             what: format!(
                 "seconds per sample, decode + resize + patchify of its images on one thread, \
-                 {} samples of the benchmark dataset (`stoker bench preprocess`)",
+                 {} samples of the benchmark dataset (`stoker-lab bench preprocess`)",
                 per_sample.len()
             ),
             per_sample_s: per_sample,
@@ -293,7 +293,7 @@ async fn served_pipeline(
     let env = s3.env();
     let pin = b.pin_worker.clone();
     let worker = tokio::task::spawn_blocking(move || match pin {
-        Some(cpus) => LocalWorker::spawn_pinned(&cpus, &std::env::current_exe()?, &config, &env),
+        Some(cpus) => LocalWorker::spawn_pinned(&cpus, &product_binary()?, &config, &env),
         None => spawn_worker(&config, &env),
     })
     .await??;

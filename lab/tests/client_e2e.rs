@@ -2,7 +2,7 @@
 //! moments during an epoch (and replaced, as a Deployment would) cost neither a sample nor a
 //! duplicate, with plain or token-shaped plans (balanced ranks, length buckets, packs: each
 //! delivered pack holds the plan's samples); and
-//! `stoker demo` prints its ablation.
+//! `stoker-lab demo` prints its ablation.
 
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeSet;
@@ -19,7 +19,18 @@ use stoker_testkit::synth::{generate, SynthFormat, SynthOptions};
 use stoker_worker::dataset::lengths::SampleLengths;
 use stoker_worker::plan::{Plan, Shaping};
 
-const STOKER: &str = env!("CARGO_BIN_EXE_stoker");
+/// The lab binary (synth, bench, demo) and the product binary beside it (dataset tools, the
+/// worker), which `scripts/build.sh` builds into the same folder.
+const LAB: &str = env!("CARGO_BIN_EXE_stoker-lab");
+static STOKER: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| {
+    let product = std::path::Path::new(LAB).with_file_name("stoker");
+    assert!(
+        product.exists(),
+        "no {} (cargo build --release --bin stoker)",
+        product.display()
+    );
+    product
+});
 const SAMPLES: usize = 48;
 const GLOBAL_BATCH: u32 = 8;
 
@@ -314,7 +325,7 @@ fn many_ranks_in_lock_step_on_few_connection_slots_get_exactly_their_batches() {
 #[test]
 fn demo_prints_the_ablation_as_json() {
     let cache = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(STOKER)
+    let out = std::process::Command::new(LAB)
         .args([
             "demo",
             "--json",
@@ -376,12 +387,12 @@ fn demo_prints_the_ablation_as_json() {
     }
 }
 
-/// `stoker bench scale` at a size CI affords (virtual time: deterministic, no wall clock):
+/// `stoker-lab bench scale` at a size CI affords (virtual time: deterministic, no wall clock):
 /// the bounded-link policy meets the issue's targets in every scenario, the full mesh does
 /// not, and both deliver exactly (the command fails otherwise).
 #[test]
 fn the_scale_simulator_shows_bounded_links_meeting_their_targets() {
-    let out = std::process::Command::new(STOKER)
+    let out = std::process::Command::new(LAB)
         .args([
             "bench", "scale", "--sizes", "512x128", "--steps", "20", "--json",
         ])
@@ -441,7 +452,7 @@ fn the_scale_simulator_refuses_a_profile_without_times() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("profile.json");
     std::fs::write(&path, r#"{"what": "nothing measured", "per_sample_s": []}"#).unwrap();
-    let out = std::process::Command::new(STOKER)
+    let out = std::process::Command::new(LAB)
         .args(["bench", "scale", "--sizes", "8x2", "--steps", "2"])
         .arg("--service-profile")
         .arg(&path)

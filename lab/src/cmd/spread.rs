@@ -1,4 +1,4 @@
-//! `stoker bench spread`: the NIC-bound placement experiment on one machine.
+//! `stoker-lab bench spread`: the NIC-bound placement experiment on one machine.
 //!
 //! Builds a network of its own from Linux network namespaces: K "nodes" for workers, one for
 //! the trainer ranks, one for the object store, each joined by a veth pair to a bridge that
@@ -8,7 +8,7 @@
 //! everything is deleted on exit, also on failure (a guard's Drop, and stale namespaces of a
 //! killed run are removed first).
 //!
-//! Runs the real binaries (`stoker worker`, the client in `stoker bench trainer`) with the
+//! Runs the real binaries (`stoker worker`, the client in `stoker-lab bench trainer`) with the
 //! same workers packed on one node vs spread over K nodes, network-bound (a fast step) and
 //! not (a slow step), and the head-node hop (every batch relayed by one process on node 0).
 
@@ -48,7 +48,7 @@ pub struct SpreadArgs {
     /// Samples per rank per step.
     #[arg(long, default_value_t = 2)]
     batch_size: u32,
-    /// Samples in the synthetic dataset (shared with `stoker demo`'s cache).
+    /// Samples in the synthetic dataset (shared with `stoker-lab demo`'s cache).
     #[arg(long, default_value_t = 400)]
     samples: usize,
     /// Write the results as JSON here (docs/spread.json keeps the committed run).
@@ -274,7 +274,7 @@ fn run_blocking(mut a: SpreadArgs) -> anyhow::Result<()> {
             .output()
             .map(|o| o.stdout.starts_with(b"0"))
             .unwrap_or(false),
-        "stoker bench spread needs root (network namespaces, veth, tc)"
+        "stoker-lab bench spread needs root (network namespaces, veth, tc)"
     );
     ip(&["netns", "list"])
         .map_err(|e| anyhow::anyhow!("network namespaces are not available here: {e}"))?;
@@ -351,6 +351,7 @@ fn one_run(
     relay: bool,
 ) -> anyhow::Result<RunResult> {
     let exe = std::env::current_exe()?;
+    let product = super::local::product_binary()?;
     let mut config = WorkerConfig {
         data: format!("s3://{bucket}"),
         preprocessing: a.pre.clone(),
@@ -372,7 +373,7 @@ fn one_run(
         };
         workers.push(LocalWorker::spawn_in_netns(
             &node_ns(node),
-            &exe,
+            &product,
             &node_ip(node),
             &config,
             env,
@@ -486,7 +487,7 @@ fn print_report(r: &SpreadReport) {
     );
 }
 
-/// `stoker bench trainer`: simulated ranks through the real client, for a fixed time; prints
+/// `stoker-lab bench trainer`: simulated ranks through the real client, for a fixed time; prints
 /// one JSON object (samples/s, worst and mean wait ratio).
 #[derive(clap::Args)]
 pub struct TrainerArgs {
@@ -557,7 +558,7 @@ pub fn trainer(a: TrainerArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `stoker bench relay`: the head-node hop — every byte between clients and workers passes
+/// `stoker-lab bench relay`: the head-node hop — every byte between clients and workers passes
 /// through this process. One listening port per upstream worker, so a client spreads its
 /// requests over the workers exactly as it would directly.
 #[derive(clap::Args)]
@@ -593,7 +594,7 @@ pub async fn relay(a: RelayArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `stoker bench s3-server`: the embedded S3 server on its own (the spread experiment's store).
+/// `stoker-lab bench s3-server`: the embedded S3 server on its own (the spread experiment's store).
 #[derive(clap::Args)]
 pub struct S3ServerArgs {
     /// Folder whose subfolders are buckets.

@@ -1,4 +1,4 @@
-//! `stoker bench balance`: how even the ranks' work is per step when a global batch is sliced
+//! `stoker-lab bench balance`: how even the ranks' work is per step when a global batch is sliced
 //! naively vs assigned by token cost, and how much of a batch is padding, plain vs packed
 //! (docs/benchmarks.md). Pure arithmetic over a length distribution; no data is read.
 //!

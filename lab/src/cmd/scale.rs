@@ -1,4 +1,4 @@
-//! `stoker bench scale`: the trainer client's real scheduler at full job size, in virtual time.
+//! `stoker-lab bench scale`: the trainer client's real scheduler at full job size, in virtual time.
 //!
 //! Every rank is a real [`Scheduler`] (the state machine the loader runs), fed events at
 //! virtual instants; its actions (connect, send, cancel, close) go to simulated workers and
@@ -55,7 +55,7 @@ pub struct ScaleArgs {
     /// share of them.
     #[arg(long, default_value_t = 0.5)]
     utilization: f64,
-    /// Per-sample service times measured from the pipeline (`stoker bench preprocess
+    /// Per-sample service times measured from the pipeline (`stoker-lab bench preprocess
     /// --write-service-profile`): a sample's time is drawn from them, scaled so their mean
     /// is the one `--utilization` sets [default: the profile measured on this project's
     /// benchmark dataset, embedded].
@@ -119,7 +119,7 @@ pub struct ServiceProfile {
     pub per_sample_s: Vec<f64>,
 }
 
-/// Measured here with `stoker bench preprocess --ceiling-only --write-service-profile`.
+/// Measured here with `stoker-lab bench preprocess --ceiling-only --write-service-profile`.
 const EMBEDDED_PROFILE: &str = include_str!("service_profile.json");
 
 impl ServiceProfile {

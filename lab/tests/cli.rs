@@ -11,10 +11,23 @@ use stoker_testkit::local_worker::{write_sample_lengths, LocalWorker};
 use stoker_worker::connection::{Answer, Connection};
 use stoker_worker::dataset::lengths::SampleLengths;
 
-const STOKER: &str = env!("CARGO_BIN_EXE_stoker");
+/// The lab binary (synth, bench, demo) and the product binary beside it (dataset tools, the
+/// worker), which `scripts/build.sh` builds into the same folder.
+const LAB: &str = env!("CARGO_BIN_EXE_stoker-lab");
+static STOKER: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| {
+    let product = std::path::Path::new(LAB).with_file_name("stoker");
+    assert!(
+        product.exists(),
+        "no {} (cargo build --release --bin stoker)",
+        product.display()
+    );
+    product
+});
 
+/// Runs a command of the binary that has it: the lab's synth, bench and demo, else the product's.
 fn stoker(s3: &EmbeddedS3, args: &[&str]) -> std::process::Output {
-    Command::new(STOKER)
+    let lab = matches!(args.first(), Some(&("synth" | "bench" | "demo")));
+    Command::new(if lab { LAB.as_ref() } else { STOKER.as_path() })
         .args(args)
         .envs(s3.env())
         .output()
@@ -42,7 +55,6 @@ async fn dataset_commands_and_worker_lifecycle_over_s3() {
     let out = stoker(
         &s3,
         &[
-            "dataset",
             "synth",
             "--out",
             data.to_str().unwrap(),
@@ -185,12 +197,12 @@ async fn dataset_commands_and_worker_lifecycle_over_s3() {
     assert!(status.success(), "worker exit {status}");
 }
 
-/// `stoker bench balance --json`: one object per world size (8, 64, 512) with the fields the
+/// `stoker-lab bench balance --json`: one object per world size (8, 64, 512) with the fields the
 /// benchmark documents; the token-aware assignment and packing beat naive slicing and plain
 /// batches on the same global batches (pure arithmetic, no timing).
 #[test]
 fn bench_balance_prints_one_json_object_per_world_size() {
-    let out = std::process::Command::new(STOKER)
+    let out = std::process::Command::new(LAB)
         .args(["bench", "balance", "--json", "--steps", "3"])
         .output()
         .unwrap();
@@ -232,7 +244,6 @@ async fn balanced_ranks_need_the_datasets_lengths_and_keep_every_global_batch() 
         .await
         .unwrap();
     let synth = [
-        "dataset",
         "synth",
         "--out",
         data.to_str().unwrap(),
@@ -253,7 +264,7 @@ async fn balanced_ranks_need_the_datasets_lengths_and_keep_every_global_batch() 
         cfg.sampling.balance_ranks = balance;
         cfg
     };
-    let mut refused = Command::new(STOKER)
+    let mut refused = Command::new(&*STOKER)
         .arg("worker")
         .args(config(true).to_args())
         .envs(s3.env())
@@ -288,7 +299,7 @@ async fn balanced_ranks_need_the_datasets_lengths_and_keep_every_global_batch() 
     // Packs smaller than a sample: refused, naming the longest sample.
     let mut tiny = config(false);
     tiny.sampling.pack_max_tokens = Some(10);
-    let refused = Command::new(STOKER)
+    let refused = Command::new(&*STOKER)
         .arg("worker")
         .args(tiny.to_args())
         .envs(s3.env())
@@ -365,7 +376,6 @@ async fn a_mix_serves_each_dataset_by_weight_and_counts_it() {
     for (name, samples, format) in [("chat", "24", "messages"), ("vqa", "8", "llava")] {
         let out = root.path().join("bucket/sft").join(name);
         let synth = [
-            "dataset",
             "synth",
             "--out",
             out.to_str().unwrap(),

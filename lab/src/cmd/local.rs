@@ -1,17 +1,33 @@
 //! Local runs (demo, benchmarks): where generated datasets are cached, and `stoker worker`
-//! processes started from this very binary.
+//! processes of the product binary.
 
 use std::path::{Path, PathBuf};
 use stoker_config::{PixelDtype, Preprocessing, WorkerConfig};
 use stoker_testkit::local_worker::LocalWorker;
 use stoker_testkit::synth::{generate, SynthFormat, SynthOptions};
 
-/// Starts a `stoker worker` of this binary.
+/// Starts a `stoker worker` of the product binary.
 pub fn spawn_worker(
     config: &WorkerConfig,
     env: &[(&'static str, String)],
 ) -> anyhow::Result<LocalWorker> {
-    LocalWorker::spawn(&std::env::current_exe()?, config, env)
+    LocalWorker::spawn(&product_binary()?, config, env)
+}
+
+/// The product binary (`stoker`) the lab runs workers and dataset tools of: `$STOKER_BIN`,
+/// else `stoker` beside this executable (cargo builds both into one folder).
+pub fn product_binary() -> anyhow::Result<PathBuf> {
+    if let Some(path) = std::env::var_os("STOKER_BIN") {
+        return Ok(PathBuf::from(path));
+    }
+    let lab = std::env::current_exe()?;
+    let path = lab.with_file_name("stoker");
+    anyhow::ensure!(
+        path.exists(),
+        "no product binary at {} (build it: cargo build --release --bin stoker, or set STOKER_BIN)",
+        path.display()
+    );
+    Ok(path)
 }
 
 /// ~/.cache/stoker: datasets the demo and benchmarks generate once.
