@@ -1,5 +1,8 @@
 //! Stoker's data plane: dataset sources and index, the deterministic plan, Qwen-VL
 //! preprocessing, and the batch server that streams ready batches to trainer ranks.
+//!
+//! Public: what the product binary, the lab and the tests drive (the pipeline, the server, the
+//! plan, sources, datasets, presets, the per-image chain). The rest is the crate's own.
 
 pub mod dataset {
     pub mod index;
@@ -7,19 +10,19 @@ pub mod dataset {
     pub mod sample;
 }
 pub mod preprocess {
-    pub mod image_error;
+    pub(crate) mod image_error;
     pub mod preset;
-    pub mod resample;
-    pub mod text;
+    pub(crate) mod resample;
+    pub(crate) mod text;
     pub mod vision;
 }
 pub mod alloc;
 pub mod batch;
 pub mod connection;
-pub mod limits;
-pub mod line_cache;
+pub(crate) mod limits;
+pub(crate) mod line_cache;
 pub mod metrics;
-pub mod pack;
+pub(crate) mod pack;
 pub mod pipeline;
 pub mod plan;
 pub mod server;

@@ -43,11 +43,11 @@ pub const METADATA_BYTES: u64 = 16 << 20;
 
 /// Bytes per pixel of the widest decoded layout an image may have at `max_pixels` (RGBA16): a
 /// layout wider than that (float TIFF, 16 bytes per pixel) is refused past `max_pixels / 2`.
-pub const MAX_DECODED_BYTES_PER_PIXEL: u64 = 8;
+pub(crate) const MAX_DECODED_BYTES_PER_PIXEL: u64 = 8;
 
 /// Scans a progressive JPEG may have: encoders write up to ~10; every scan is another pass
 /// over the whole image, so a file of thousands of tiny scans costs a decode thread minutes.
-pub const MAX_JPEG_SCANS: usize = 100;
+pub(crate) const MAX_JPEG_SCANS: usize = 100;
 
 /// Decodes any supported format, applies the EXIF orientation and converts to RGB8.
 ///
@@ -159,7 +159,7 @@ fn jpeg_frame_size(bytes: &[u8]) -> Option<(u32, u32)> {
     Some((width.into(), height.into()))
 }
 
-pub fn check_limits(w: u32, h: u32, limits: DecodeLimits) -> Result<(), ImageError> {
+pub(crate) fn check_limits(w: u32, h: u32, limits: DecodeLimits) -> Result<(), ImageError> {
     if w > limits.max_side || h > limits.max_side || w as u64 * h as u64 > limits.max_pixels {
         return Err(ImageError::TooLarge {
             w,
@@ -432,7 +432,7 @@ impl PixelLut {
 /// (x − mean) / std in float32). A worker applies it (f32 or bf16 on the wire) or, with u8
 /// pixels, sends it along (`pixel_lut`) for the rank to apply: a lookup in the same table is
 /// bit-identical wherever it runs.
-pub fn normalization_table(preset: &Preset) -> Vec<f32> {
+pub(crate) fn normalization_table(preset: &Preset) -> Vec<f32> {
     (0..3)
         .flat_map(|c| {
             (0..=255u8).map(move |v| {
@@ -447,7 +447,7 @@ pub fn normalization_table(preset: &Preset) -> Vec<f32> {
 ///
 /// Row order is (h-block, w-block, merge-row, merge-col) and within a row (c, t, py, px), the
 /// transformers layout; the temporal frames are copies of the one image.
-pub fn patchify(rgb: &Rgb, preset: &Preset, lut: &PixelLut) -> (PixelBuf, usize, [i64; 3]) {
+pub(crate) fn patchify(rgb: &Rgb, preset: &Preset, lut: &PixelLut) -> (PixelBuf, usize, [i64; 3]) {
     let p = preset.patch_size as usize;
     let (gh, gw) = (rgb.height / p, rgb.width / p);
     let pixels = match lut {
