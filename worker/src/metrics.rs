@@ -64,6 +64,36 @@ stoker_wire::label_set! {
 }
 
 stoker_wire::label_set! {
+    /// A pipeline stage: `stoker_worker_stage_seconds`' `stage`.
+    Stage {
+        Fetch => "fetch",
+        Decode => "decode",
+        Resize => "resize",
+        Tokenize => "tokenize",
+        Collate => "collate",
+        Send => "send",
+    }
+}
+
+stoker_wire::label_set! {
+    /// What waits for a slot: `stoker_worker_queue_depth`'s `queue`.
+    Queue {
+        Fetch => "fetch",
+        Cpu => "cpu",
+        Requests => "requests",
+    }
+}
+
+stoker_wire::label_set! {
+    /// Whether a sample line came from a cached shard block: `stoker_worker_line_cache_total`'s
+    /// `result`.
+    LineCacheResult {
+        Hit => "hit",
+        Miss => "miss",
+    }
+}
+
+stoker_wire::label_set! {
     /// Why a request or a connection is refused: `stoker_worker_requests_refused_total`'s
     /// `reason`.
     RefusalReason {
@@ -218,8 +248,8 @@ impl Metrics {
         }
         r.register(Box::new(m.line_cache.clone()))
             .expect("register");
-        for result in ["hit", "miss"] {
-            m.line_cache.with_label_values(&[result]);
+        for result in LineCacheResult::ALL {
+            m.line_cache.with_label_values(&[result.as_str()]);
         }
         for g in [
             &m.requests_in_flight,
@@ -232,6 +262,12 @@ impl Metrics {
         }
         r.register(Box::new(m.queue_depth.clone()))
             .expect("register");
+        for queue in Queue::ALL {
+            m.queue_depth.with_label_values(&[queue.as_str()]);
+        }
+        for stage in Stage::ALL {
+            m.stage_seconds.with_label_values(&[stage.as_str()]);
+        }
         for kind in SampleErrorKind::ALL {
             m.sample_errors_total.with_label_values(&[kind.as_str()]);
         }
@@ -249,10 +285,19 @@ impl Metrics {
         Arc::new(m)
     }
 
-    pub fn observe_stage(&self, stage: &str, d: std::time::Duration) {
+    pub fn observe_stage(&self, stage: Stage, d: std::time::Duration) {
         self.stage_seconds
-            .with_label_values(&[stage])
+            .with_label_values(&[stage.as_str()])
             .observe(d.as_secs_f64());
+    }
+
+    /// A task waiting in `queue` until the guard drops.
+    pub fn queued(&self, queue: Queue) -> GaugeGuard {
+        GaugeGuard::new(&self.queue_depth.with_label_values(&[queue.as_str()]))
+    }
+
+    pub fn line_cache(&self, result: LineCacheResult) {
+        self.line_cache.with_label_values(&[result.as_str()]).inc();
     }
 
     pub fn render(&self) -> String {
@@ -352,6 +397,27 @@ mod label_set_tests {
     }
 
     #[test]
+    fn the_docs_list_every_stage_queue_and_line_cache_result_and_no_other() {
+        let cases = [
+            (
+                "stoker_worker_stage_seconds",
+                defined(Stage::ALL.iter().map(|s| s.as_str())),
+            ),
+            (
+                "stoker_worker_queue_depth",
+                defined(Queue::ALL.iter().map(|q| q.as_str())),
+            ),
+            (
+                "stoker_worker_line_cache_total",
+                defined(LineCacheResult::ALL.iter().map(|r| r.as_str())),
+            ),
+        ];
+        for (metric, labels) in cases {
+            assert_eq!(documented_labels(DOCS, metric), labels, "{metric}");
+        }
+    }
+
+    #[test]
     fn the_docs_list_every_refusal_reason_and_no_other() {
         assert_eq!(
             documented_labels(DOCS, "stoker_worker_requests_refused_total"),
@@ -369,6 +435,22 @@ mod label_set_tests {
         }
         for reason in RefusalReason::ALL {
             let series = format!("reason=\"{}\"", reason.as_str());
+            assert!(text.contains(&series), "{series} missing");
+        }
+        let more = Stage::ALL
+            .iter()
+            .map(|s| format!("stage=\"{}\"", s.as_str()))
+            .chain(
+                Queue::ALL
+                    .iter()
+                    .map(|q| format!("queue=\"{}\"", q.as_str())),
+            )
+            .chain(
+                LineCacheResult::ALL
+                    .iter()
+                    .map(|r| format!("result=\"{}\"", r.as_str())),
+            );
+        for series in more {
             assert!(text.contains(&series), "{series} missing");
         }
     }

@@ -11,7 +11,7 @@ use crate::dataset::lengths::SampleLengths;
 use crate::dataset::sample::{Conversation, SampleError};
 use crate::limits::{LimitError, SampleLimits};
 use crate::line_cache::{LineCache, Lookup};
-use crate::metrics::{GaugeGuard, Metrics, SampleErrorKind};
+use crate::metrics::{GaugeGuard, LineCacheResult, Metrics, Queue, SampleErrorKind, Stage};
 use crate::pack::{collate_packed, RopeLayout};
 use crate::plan::{Plan, RankSlice, Shaping};
 use crate::preprocess::preset::{PixelDtype, Preset};
@@ -262,7 +262,7 @@ impl Pipeline {
         key: &str,
         range: Option<(u64, u64)>,
     ) -> Result<bytes::Bytes, FetchError> {
-        let queued = GaugeGuard::new(&self.metrics.queue_depth.with_label_values(&["fetch"]));
+        let queued = self.metrics.queued(Queue::Fetch);
         let permit = self.fetch_slots.acquire().await.expect("never closed");
         drop(queued);
         let fetching = GaugeGuard::new(&self.metrics.fetches_in_flight);
@@ -275,7 +275,7 @@ impl Pipeline {
                     .await
             }
         };
-        self.metrics.observe_stage("fetch", t.elapsed());
+        self.metrics.observe_stage(Stage::Fetch, t.elapsed());
         drop(fetching);
         drop(permit);
         if let Ok(b) = &r {
@@ -352,11 +352,10 @@ impl Pipeline {
             .line_cache
             .line(&shard.key, shard.size, (offset, len), read_block)
             .await?;
-        let result = match lookup {
-            Lookup::Hit => "hit",
-            Lookup::Miss => "miss",
-        };
-        self.metrics.line_cache.with_label_values(&[result]).inc();
+        self.metrics.line_cache(match lookup {
+            Lookup::Hit => LineCacheResult::Hit,
+            Lookup::Miss => LineCacheResult::Miss,
+        });
         Ok(line)
     }
 
@@ -392,7 +391,7 @@ impl Pipeline {
             images.push((key, r?));
         }
 
-        let queued = GaugeGuard::new(&self.metrics.queue_depth.with_label_values(&["cpu"]));
+        let queued = self.metrics.queued(Queue::Cpu);
         let permit = self
             .cpu_slots
             .clone()
@@ -428,8 +427,8 @@ impl Pipeline {
             outs.push(out);
         }
         if !outs.is_empty() {
-            self.metrics.observe_stage("decode", timings.decode);
-            self.metrics.observe_stage("resize", timings.resize);
+            self.metrics.observe_stage(Stage::Decode, timings.decode);
+            self.metrics.observe_stage(Stage::Resize, timings.resize);
         }
         let tokens: Vec<usize> = outs
             .iter()
@@ -437,7 +436,7 @@ impl Pipeline {
             .collect();
         let t = Instant::now();
         let tok = self.text.tokenize(&conv, &tokens)?;
-        self.metrics.observe_stage("tokenize", t.elapsed());
+        self.metrics.observe_stage(Stage::Tokenize, t.elapsed());
         outs.truncate(tok.kept_images);
         Ok(PreparedSample {
             sample_id,
@@ -543,7 +542,7 @@ impl Pipeline {
             Some(sizes) => collate_packed(samples, &sizes, skipped, pad, self.rope_layout()),
             None => collate(samples, skipped, pad),
         };
-        self.metrics.observe_stage("collate", t.elapsed());
+        self.metrics.observe_stage(Stage::Collate, t.elapsed());
         Ok(batch)
     }
 

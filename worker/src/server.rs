@@ -8,8 +8,7 @@
 //! stops reading, and TCP pushes back. A Cancel frame aborts a waiting or running request.
 
 use crate::batch::{i64_bytes, Batch};
-use crate::metrics::GaugeGuard;
-use crate::metrics::RefusalReason;
+use crate::metrics::{Queue, RefusalReason, Stage};
 use crate::pipeline::{preprocessing_parts, Pipeline};
 use futures::StreamExt;
 use std::collections::{HashMap, VecDeque};
@@ -512,7 +511,7 @@ impl Server {
                     let t = Instant::now();
                     let lut = self.pipeline.pixel_lut();
                     let n = write_batch(&mut wr, request, &batch, pixel_dtype, lut).await?;
-                    metrics.observe_stage("send", t.elapsed());
+                    metrics.observe_stage(Stage::Send, t.elapsed());
                     metrics
                         .request_seconds
                         .observe(started.elapsed().as_secs_f64());
@@ -661,7 +660,7 @@ impl Server {
             .len()
             .clamp(1, self.config.max_inflight_samples.max(1)) as u32;
         let metrics = &self.pipeline.metrics;
-        let queued = GaugeGuard::new(&metrics.queue_depth.with_label_values(&["requests"]));
+        let queued = metrics.queued(Queue::Requests);
         let budget = self
             .sample_budget
             .clone()
