@@ -328,19 +328,22 @@ mod label_set_tests {
         let cases = [
             (
                 "stoker_trainer_worker_errors_total",
+                "kind",
                 defined(WorkerErrorKind::ALL.iter().map(|k| k.as_str())),
             ),
             (
                 "stoker_trainer_retries_total",
+                "reason",
                 defined(RetryReason::ALL.iter().map(|r| r.as_str())),
             ),
             (
                 "stoker_trainer_hedges_total",
+                "outcome",
                 defined(HedgeOutcome::ALL.iter().map(|o| o.as_str())),
             ),
         ];
-        for (metric, labels) in cases {
-            assert_eq!(documented_labels(DOCS, metric), labels, "{metric}");
+        for (metric, label, values) in cases {
+            assert_eq!(documented_labels(DOCS, metric, label), values, "{metric}");
         }
     }
 

@@ -4,6 +4,9 @@
 
 use prometheus::{Encoder, GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 
+/// `stoker_operator_scale_decisions_total`'s `direction`, defined once: up, then down.
+const DIRECTIONS: [&str; 2] = ["up", "down"];
+
 pub struct ScalerMetrics {
     pub scale_decisions: IntCounterVec,
     pub desired: IntGaugeVec,
@@ -86,14 +89,14 @@ impl ScalerMetrics {
                 .set(i64::from(a));
         }
         // Pre-created at 0, so rate() sees the first decision.
-        for direction in ["up", "down"] {
+        for direction in DIRECTIONS {
             self.scale_decisions
                 .with_label_values(&[p.namespace, p.pipeline, direction]);
         }
     }
 
     pub fn count_scale(&self, namespace: &str, pipeline: &str, up: bool) {
-        let direction = if up { "up" } else { "down" };
+        let direction = DIRECTIONS[usize::from(!up)];
         self.scale_decisions
             .with_label_values(&[namespace, pipeline, direction])
             .inc();
@@ -111,7 +114,7 @@ impl ScalerMetrics {
             let _ = g.remove_label_values(&l);
         }
         let _ = self.target_wait_ratio.remove_label_values(&l);
-        for direction in ["up", "down"] {
+        for direction in DIRECTIONS {
             let _ = self
                 .scale_decisions
                 .remove_label_values(&[namespace, pipeline, direction]);
@@ -126,4 +129,18 @@ pub fn render(registry: &Registry) -> String {
         .encode(&registry.gather(), &mut out)
         .expect("text encoding never fails");
     String::from_utf8(out).expect("prometheus text is UTF-8")
+}
+
+#[cfg(test)]
+mod direction_tests {
+    #[test]
+    fn the_docs_list_the_directions() {
+        let docs = include_str!("../../docs/metrics.md");
+        let row = docs
+            .lines()
+            .find(|l| l.starts_with("| `stoker_operator_scale_decisions_total`"))
+            .expect("a row for stoker_operator_scale_decisions_total");
+        let listed = format!("`direction` = {}", super::DIRECTIONS.join(", "));
+        assert!(row.contains(&format!("{listed} |")), "{row}");
+    }
 }

@@ -7,6 +7,34 @@ use std::sync::Arc;
 use std::time::Duration;
 use stoker_control::metrics::ScalerMetrics;
 
+stoker_wire::label_set! {
+    /// How a reconcile ended: `stoker_operator_reconciles_total`'s `result`.
+    ReconcileResult {
+        Ok => "ok",
+        Error => "error",
+    }
+}
+
+stoker_wire::label_set! {
+    /// What failed a reconcile: `stoker_operator_reconcile_errors_total`'s `kind`.
+    ReconcileErrorKind {
+        KubeApi => "kube_api",
+        KubeClient => "kube_client",
+        InvalidSpec => "invalid_spec",
+        NoNamespace => "no_namespace",
+    }
+}
+
+stoker_wire::label_set! {
+    /// The reconcile step that failed: `stoker_operator_reconcile_errors_total`'s `step`.
+    Step {
+        Validate => "validate",
+        Token => "token",
+        Apply => "apply",
+        Status => "status",
+    }
+}
+
 pub struct OperatorMetrics {
     registry: Registry,
     reconciles: IntCounterVec,
@@ -50,6 +78,9 @@ impl OperatorMetrics {
             "1 while this replica holds the leader Lease and reconciles.",
         )?;
         registry.register(Box::new(reconciles.clone()))?;
+        for result in ReconcileResult::ALL {
+            reconciles.with_label_values(&[result.as_str()]);
+        }
         registry.register(Box::new(reconcile_errors.clone()))?;
         registry.register(Box::new(reconcile_seconds.clone()))?;
         registry.register(Box::new(leader.clone()))?;
@@ -65,15 +96,21 @@ impl OperatorMetrics {
     }
 
     /// One reconcile's outcome: `Err((kind, step))` counts an error of that kind at that step.
-    pub fn observe_reconcile(&self, took: Duration, result: Result<(), (&str, &str)>) {
+    pub fn observe_reconcile(
+        &self,
+        took: Duration,
+        result: Result<(), (ReconcileErrorKind, Step)>,
+    ) {
         let label = match result {
-            Ok(()) => "ok",
+            Ok(()) => ReconcileResult::Ok,
             Err((kind, step)) => {
-                self.reconcile_errors.with_label_values(&[kind, step]).inc();
-                "error"
+                self.reconcile_errors
+                    .with_label_values(&[kind.as_str(), step.as_str()])
+                    .inc();
+                ReconcileResult::Error
             }
         };
-        self.reconciles.with_label_values(&[label]).inc();
+        self.reconciles.with_label_values(&[label.as_str()]).inc();
         self.reconcile_seconds
             .with_label_values(&[])
             .observe(took.as_secs_f64());
@@ -93,5 +130,46 @@ pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<OperatorMetri
         .route("/readyz", get(|| async { "ok" }));
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!("operator metrics endpoint: {e}");
+    }
+}
+
+#[cfg(test)]
+mod label_set_tests {
+    use super::*;
+    use std::collections::BTreeSet;
+    use stoker_testkit::docs::documented_labels;
+
+    const DOCS: &str = include_str!("../../docs/metrics.md");
+
+    fn defined(labels: impl Iterator<Item = &'static str>) -> BTreeSet<String> {
+        labels.map(str::to_string).collect()
+    }
+
+    #[test]
+    fn the_docs_list_every_label_value_and_no_other() {
+        let cases = [
+            (
+                "stoker_operator_reconciles_total",
+                "result",
+                defined(ReconcileResult::ALL.iter().map(|r| r.as_str())),
+            ),
+            (
+                "stoker_operator_reconcile_errors_total",
+                "kind",
+                defined(ReconcileErrorKind::ALL.iter().map(|k| k.as_str())),
+            ),
+            (
+                "stoker_operator_reconcile_errors_total",
+                "step",
+                defined(Step::ALL.iter().map(|s| s.as_str())),
+            ),
+        ];
+        for (metric, label, values) in cases {
+            assert_eq!(
+                documented_labels(DOCS, metric, label),
+                values,
+                "{metric} {label}"
+            );
+        }
     }
 }

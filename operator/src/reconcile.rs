@@ -26,28 +26,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use stoker_control::autoscale::{self, Autoscaler, Observation};
 
-/// The reconcile step that failed (the `step` label of the error metric).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Step {
-    Token,
-    Apply,
-    Status,
-}
-
-impl Step {
-    pub fn label(self) -> &'static str {
-        match self {
-            Step::Token => "token",
-            Step::Apply => "apply",
-            Step::Status => "status",
-        }
-    }
-}
+pub use crate::metrics::{ReconcileErrorKind, Step};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// `object` is "Kind namespace/name".
-    #[error("{} {object}: {source}", .step.label())]
+    #[error("{} {object}: {source}", .step.as_str())]
     Kube {
         step: Step,
         object: String,
@@ -63,23 +47,23 @@ pub enum Error {
 
 impl Error {
     /// The `kind` label of stoker_operator_reconcile_errors_total.
-    pub fn metric_label(&self) -> &'static str {
+    pub fn metric_label(&self) -> ReconcileErrorKind {
         match self {
             Error::Kube {
                 source: kube::Error::Api(_),
                 ..
-            } => "kube_api",
-            Error::Kube { .. } => "kube_client",
-            Error::InvalidSpec(_) => "invalid_spec",
-            Error::NoNamespace => "no_namespace",
+            } => ReconcileErrorKind::KubeApi,
+            Error::Kube { .. } => ReconcileErrorKind::KubeClient,
+            Error::InvalidSpec(_) => ReconcileErrorKind::InvalidSpec,
+            Error::NoNamespace => ReconcileErrorKind::NoNamespace,
         }
     }
 
     /// The `step` label: where it failed.
-    pub fn step_label(&self) -> &'static str {
+    pub fn step_label(&self) -> Step {
         match self {
-            Error::Kube { step, .. } => step.label(),
-            Error::InvalidSpec(_) | Error::NoNamespace => "validate",
+            Error::Kube { step, .. } => *step,
+            Error::InvalidSpec(_) | Error::NoNamespace => Step::Validate,
         }
     }
 }

@@ -2,16 +2,18 @@
 
 use std::collections::BTreeSet;
 
-/// The label values `docs` (docs/metrics.md) lists for `metric`: after "`label` =" in its
-/// labels column, else the backticked snake_case words of the "by kind:" sentence.
-pub fn documented_labels(docs: &str, metric: &str) -> BTreeSet<String> {
+/// The values `docs` (docs/metrics.md) lists for `metric`'s `label`: the list after
+/// "`label` =" in its labels column (up to a `;`), else the backticked snake_case words of the
+/// "by kind:" sentence of its meaning.
+pub fn documented_labels(docs: &str, metric: &str, label: &str) -> BTreeSet<String> {
     let row = docs
         .lines()
         .find(|l| l.starts_with(&format!("| `{metric}`")))
         .unwrap_or_else(|| panic!("docs/metrics.md has no row for {metric}"));
     let cells: Vec<&str> = row.split('|').collect();
     let (labels, meaning) = (cells[3], cells[4]);
-    if let Some((_, list)) = labels.split_once('=') {
+    if let Some((_, list)) = labels.split_once(&format!("`{label}` =")) {
+        let list = list.split(';').next().unwrap_or_default();
         return list.split(',').map(|w| w.trim().to_string()).collect();
     }
     // The list runs from "by kind:" to the end of that sentence.

@@ -391,7 +391,7 @@ mod label_set_tests {
     #[test]
     fn the_docs_list_every_sample_error_kind_and_no_other() {
         assert_eq!(
-            documented_labels(DOCS, "stoker_worker_sample_errors_total"),
+            documented_labels(DOCS, "stoker_worker_sample_errors_total", "kind"),
             defined(SampleErrorKind::ALL.iter().map(|k| k.as_str()))
         );
     }
@@ -401,26 +401,29 @@ mod label_set_tests {
         let cases = [
             (
                 "stoker_worker_stage_seconds",
+                "stage",
                 defined(Stage::ALL.iter().map(|s| s.as_str())),
             ),
             (
                 "stoker_worker_queue_depth",
+                "queue",
                 defined(Queue::ALL.iter().map(|q| q.as_str())),
             ),
             (
                 "stoker_worker_line_cache_total",
+                "result",
                 defined(LineCacheResult::ALL.iter().map(|r| r.as_str())),
             ),
         ];
-        for (metric, labels) in cases {
-            assert_eq!(documented_labels(DOCS, metric), labels, "{metric}");
+        for (metric, label, values) in cases {
+            assert_eq!(documented_labels(DOCS, metric, label), values, "{metric}");
         }
     }
 
     #[test]
     fn the_docs_list_every_refusal_reason_and_no_other() {
         assert_eq!(
-            documented_labels(DOCS, "stoker_worker_requests_refused_total"),
+            documented_labels(DOCS, "stoker_worker_requests_refused_total", "reason"),
             defined(RefusalReason::ALL.iter().map(|r| r.as_str()))
         );
     }
