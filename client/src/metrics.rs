@@ -314,37 +314,30 @@ mod tests {
 #[cfg(test)]
 mod label_set_tests {
     use super::*;
-    use std::collections::BTreeSet;
-    use stoker_testkit::docs::documented_labels;
+    use stoker_testkit::docs::assert_documented;
 
     const DOCS: &str = include_str!("../../docs/metrics.md");
 
-    fn defined(labels: impl Iterator<Item = &'static str>) -> BTreeSet<String> {
-        labels.map(str::to_string).collect()
-    }
-
     #[test]
     fn the_docs_list_every_label_value_and_no_other() {
-        let cases = [
-            (
-                "stoker_trainer_worker_errors_total",
-                "kind",
-                defined(WorkerErrorKind::ALL.iter().map(|k| k.as_str())),
-            ),
-            (
-                "stoker_trainer_retries_total",
-                "reason",
-                defined(RetryReason::ALL.iter().map(|r| r.as_str())),
-            ),
-            (
-                "stoker_trainer_hedges_total",
-                "outcome",
-                defined(HedgeOutcome::ALL.iter().map(|o| o.as_str())),
-            ),
-        ];
-        for (metric, label, values) in cases {
-            assert_eq!(documented_labels(DOCS, metric, label), values, "{metric}");
-        }
+        assert_documented(
+            DOCS,
+            "stoker_trainer_worker_errors_total",
+            "kind",
+            WorkerErrorKind::ALL.iter().map(|v| v.as_str()),
+        );
+        assert_documented(
+            DOCS,
+            "stoker_trainer_retries_total",
+            "reason",
+            RetryReason::ALL.iter().map(|v| v.as_str()),
+        );
+        assert_documented(
+            DOCS,
+            "stoker_trainer_hedges_total",
+            "outcome",
+            HedgeOutcome::ALL.iter().map(|v| v.as_str()),
+        );
     }
 
     #[test]

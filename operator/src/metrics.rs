@@ -136,40 +136,29 @@ pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<OperatorMetri
 #[cfg(test)]
 mod label_set_tests {
     use super::*;
-    use std::collections::BTreeSet;
-    use stoker_testkit::docs::documented_labels;
+    use stoker_testkit::docs::assert_documented;
 
     const DOCS: &str = include_str!("../../docs/metrics.md");
 
-    fn defined(labels: impl Iterator<Item = &'static str>) -> BTreeSet<String> {
-        labels.map(str::to_string).collect()
-    }
-
     #[test]
     fn the_docs_list_every_label_value_and_no_other() {
-        let cases = [
-            (
-                "stoker_operator_reconciles_total",
-                "result",
-                defined(ReconcileResult::ALL.iter().map(|r| r.as_str())),
-            ),
-            (
-                "stoker_operator_reconcile_errors_total",
-                "kind",
-                defined(ReconcileErrorKind::ALL.iter().map(|k| k.as_str())),
-            ),
-            (
-                "stoker_operator_reconcile_errors_total",
-                "step",
-                defined(Step::ALL.iter().map(|s| s.as_str())),
-            ),
-        ];
-        for (metric, label, values) in cases {
-            assert_eq!(
-                documented_labels(DOCS, metric, label),
-                values,
-                "{metric} {label}"
-            );
-        }
+        assert_documented(
+            DOCS,
+            "stoker_operator_reconciles_total",
+            "result",
+            ReconcileResult::ALL.iter().map(|v| v.as_str()),
+        );
+        assert_documented(
+            DOCS,
+            "stoker_operator_reconcile_errors_total",
+            "kind",
+            ReconcileErrorKind::ALL.iter().map(|v| v.as_str()),
+        );
+        assert_documented(
+            DOCS,
+            "stoker_operator_reconcile_errors_total",
+            "step",
+            Step::ALL.iter().map(|v| v.as_str()),
+        );
     }
 }

@@ -30,3 +30,18 @@ pub fn documented_labels(docs: &str, metric: &str, label: &str) -> BTreeSet<Stri
         .map(str::to_string)
         .collect()
 }
+
+/// Panics, naming the metric and label, unless `docs` lists exactly `values` for them.
+pub fn assert_documented<'a>(
+    docs: &str,
+    metric: &str,
+    label: &str,
+    values: impl IntoIterator<Item = &'a str>,
+) {
+    let defined: BTreeSet<String> = values.into_iter().map(str::to_string).collect();
+    assert_eq!(
+        documented_labels(docs, metric, label),
+        defined,
+        "docs/metrics.md, {metric} `{label}`"
+    );
+}

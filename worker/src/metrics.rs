@@ -380,51 +380,49 @@ fn node_name() -> String {
 #[cfg(test)]
 mod label_set_tests {
     use super::*;
-    use stoker_testkit::docs::documented_labels;
+    use stoker_testkit::docs::assert_documented;
 
     const DOCS: &str = include_str!("../../docs/metrics.md");
 
-    fn defined(labels: impl Iterator<Item = &'static str>) -> std::collections::BTreeSet<String> {
-        labels.map(str::to_string).collect()
-    }
-
     #[test]
     fn the_docs_list_every_sample_error_kind_and_no_other() {
-        assert_eq!(
-            documented_labels(DOCS, "stoker_worker_sample_errors_total", "kind"),
-            defined(SampleErrorKind::ALL.iter().map(|k| k.as_str()))
+        assert_documented(
+            DOCS,
+            "stoker_worker_sample_errors_total",
+            "kind",
+            SampleErrorKind::ALL.iter().map(|v| v.as_str()),
         );
     }
 
     #[test]
     fn the_docs_list_every_stage_queue_and_line_cache_result_and_no_other() {
-        let cases = [
-            (
-                "stoker_worker_stage_seconds",
-                "stage",
-                defined(Stage::ALL.iter().map(|s| s.as_str())),
-            ),
-            (
-                "stoker_worker_queue_depth",
-                "queue",
-                defined(Queue::ALL.iter().map(|q| q.as_str())),
-            ),
-            (
-                "stoker_worker_line_cache_total",
-                "result",
-                defined(LineCacheResult::ALL.iter().map(|r| r.as_str())),
-            ),
-        ];
-        for (metric, label, values) in cases {
-            assert_eq!(documented_labels(DOCS, metric, label), values, "{metric}");
-        }
+        assert_documented(
+            DOCS,
+            "stoker_worker_stage_seconds",
+            "stage",
+            Stage::ALL.iter().map(|v| v.as_str()),
+        );
+        assert_documented(
+            DOCS,
+            "stoker_worker_queue_depth",
+            "queue",
+            Queue::ALL.iter().map(|v| v.as_str()),
+        );
+        assert_documented(
+            DOCS,
+            "stoker_worker_line_cache_total",
+            "result",
+            LineCacheResult::ALL.iter().map(|v| v.as_str()),
+        );
     }
 
     #[test]
     fn the_docs_list_every_refusal_reason_and_no_other() {
-        assert_eq!(
-            documented_labels(DOCS, "stoker_worker_requests_refused_total", "reason"),
-            defined(RefusalReason::ALL.iter().map(|r| r.as_str()))
+        assert_documented(
+            DOCS,
+            "stoker_worker_requests_refused_total",
+            "reason",
+            RefusalReason::ALL.iter().map(|v| v.as_str()),
         );
     }
 
