@@ -11,18 +11,8 @@ use stoker_testkit::local_worker::{write_sample_lengths, LocalWorker};
 use stoker_worker::connection::{Answer, Connection};
 use stoker_worker::dataset::lengths::SampleLengths;
 
-/// The lab binary (synth, bench, demo) and the product binary beside it (dataset tools, the
-/// worker), which `scripts/build.sh` builds into the same folder.
-const LAB: &str = env!("CARGO_BIN_EXE_stoker-lab");
-static STOKER: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| {
-    let product = std::path::Path::new(LAB).with_file_name("stoker");
-    assert!(
-        product.exists(),
-        "no {} (cargo build --release --bin stoker)",
-        product.display()
-    );
-    product
-});
+mod common;
+use common::{LAB, STOKER};
 
 /// Runs a command of the binary that has it: the lab's synth, bench and demo, else the product's.
 fn stoker(s3: &EmbeddedS3, args: &[&str]) -> std::process::Output {

@@ -19,18 +19,8 @@ use stoker_testkit::synth::{generate, SynthFormat, SynthOptions};
 use stoker_worker::dataset::lengths::SampleLengths;
 use stoker_worker::plan::{Plan, Shaping};
 
-/// The lab binary (synth, bench, demo) and the product binary beside it (dataset tools, the
-/// worker), which `scripts/build.sh` builds into the same folder.
-const LAB: &str = env!("CARGO_BIN_EXE_stoker-lab");
-static STOKER: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| {
-    let product = std::path::Path::new(LAB).with_file_name("stoker");
-    assert!(
-        product.exists(),
-        "no {} (cargo build --release --bin stoker)",
-        product.display()
-    );
-    product
-});
+mod common;
+use common::{LAB, STOKER};
 const SAMPLES: usize = 48;
 const GLOBAL_BATCH: u32 = 8;
 
