@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # System packages the Rust build needs: nasm and cmake build the vendored libjpeg-turbo
-# (with its SIMD), the C compiler builds Oniguruma for the tokenizer. Idempotent.
+# (with its SIMD), the C compiler builds Oniguruma for the tokenizer, FFmpeg's libav* (Debian's
+# 5.1, with their headers) decode video and clang's libclang lets ffmpeg-sys-next bind them.
+# Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
@@ -8,8 +10,14 @@ missing=()
 for tool in nasm cmake cc pkg-config; do
   command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
 pkgs=()
+if ! pkg-config --exists libavcodec libavformat libavutil libswscale 2>/dev/null; then
+  pkgs+=(libavcodec-dev libavformat-dev libavutil-dev libswscale-dev)
+fi
+if ! ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 && ! ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1; then
+  pkgs+=(libclang-dev clang)
+fi
+[ ${#missing[@]} -eq 0 ] && [ ${#pkgs[@]} -eq 0 ] && exit 0
 for tool in "${missing[@]}"; do
   case "$tool" in
     cc) pkgs+=(gcc) ;;

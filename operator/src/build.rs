@@ -531,6 +531,7 @@ mod tests {
             max_object_bytes: 1 << 24,
             max_line_bytes: 1 << 18,
             max_turns: 40,
+            max_video_frames: 1800,
         };
         dp.spec.plan.sampling.on_error = stoker_config::OnError::Fail;
         dp.spec.serving = stoker_config::ServingLimits {

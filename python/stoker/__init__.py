@@ -75,7 +75,9 @@ class Batch:
     """One rank's slice of one global batch.
 
     ``tensors`` maps names (input_ids, labels, attention_mask, pixel_values, image_grid_thw;
-    packed batches add position_ids, cu_seqlens and pack_images, see :meth:`packs`) to numpy
+    batches holding a video add pixel_values_videos, video_grid_thw and, for Qwen2.5-VL,
+    second_per_grid_ts; packed batches add position_ids, cu_seqlens and pack_images, see
+    :meth:`packs`) to numpy
     arrays that view ``payload``; ``dtypes`` gives each tensor's wire dtype (it differs from
     the array's for bfloat16 without ml_dtypes).
     """
@@ -131,11 +133,31 @@ class Batch:
             threads: threads of the host pass; default ``STOKER_NORMALIZE_THREADS`` or
                 ``min(4, usable cores)``.
         """
+        return self._normalized("pixel_values", "pixel_lut", device, dtype, out, pool, threads)
+
+    def pixel_values_videos(
+        self,
+        device: Any = None,
+        dtype: str = "float32",
+        *,
+        out: Any = None,
+        pool: Optional["BufferPool"] = None,
+        threads: Optional[int] = None,
+    ) -> Any:
+        """``pixel_values_videos`` ready for the model, as :meth:`pixel_values` (with the
+        video processors' own table, ``pixel_lut_videos``: they normalize in float32 in one
+        step). Only batches holding a video have them (``"pixel_values_videos" in batch``)."""
+        return self._normalized("pixel_values_videos", "pixel_lut_videos", device, dtype, out, pool, threads)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def _normalized(self, name, lut_name, device, dtype, out, pool, threads):
         if dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"pixel_values dtype {dtype!r}: use 'float32' or 'bfloat16'")
-        px = self.tensors["pixel_values"]
-        lut = self.tensors.get("pixel_lut")
-        wire = self.dtypes["pixel_values"]
+            raise ConfigError(f"{name} dtype {dtype!r}: use 'float32' or 'bfloat16'")
+        px = self.tensors[name]
+        lut = self.tensors.get(lut_name)
+        wire = self.dtypes[name]
         host = _HostOutput(out, pool, threads, fallback=self.pool)
         if device is None:
             return _pixels_numpy(px, lut, wire, dtype, host)

@@ -20,7 +20,8 @@ from . import Batch, BufferPool, ConfigError, Loader
 __all__ = ["StokerIterableDataset", "model_inputs", "pinned_pool", "pixels_to_device", "to_torch"]
 
 # Tensors a plain (unpacked) batch hands to a Qwen-VL model's forward as they are.
-_MODEL_TENSORS = ("input_ids", "attention_mask", "labels", "image_grid_thw")
+_MODEL_TENSORS = ("input_ids", "attention_mask", "labels", "image_grid_thw", "video_grid_thw",
+                  "second_per_grid_ts")
 
 
 def model_inputs(
@@ -28,6 +29,7 @@ def model_inputs(
     device: Any = None,
     *,
     image_token_id: int,
+    video_token_id: Optional[int] = None,
     pixel_dtype: str = "float32",
     pool: Optional[BufferPool] = None,
 ) -> Dict[str, Any]:
@@ -36,9 +38,12 @@ def model_inputs(
     ``input_ids``, ``attention_mask``, ``labels`` and ``image_grid_thw`` view the received
     memory (moved to ``device``), ``pixel_values`` are normalized as the processor does (on
     ``device``, see :meth:`stoker.Batch.pixel_values`), and ``mm_token_type_ids`` marks the
-    image tokens as the processor marks them (1; 0 for text), which transformers' Qwen-VL
-    models need to place the multimodal rope. ``image_token_id`` is
-    ``model.config.image_token_id``. A packed batch: use ``batch.packs(device)``.
+    image tokens as the processor marks them (1, video tokens 2; 0 for text), which
+    transformers' Qwen-VL models need to place the multimodal rope. ``image_token_id`` is
+    ``model.config.image_token_id`` (``video_token_id``, ``model.config.video_token_id``, is
+    needed for batches holding a video: they add ``pixel_values_videos``, normalized on
+    ``device`` too, ``video_grid_thw`` and, for Qwen2.5-VL, ``second_per_grid_ts``). A packed
+    batch: use ``batch.packs(device)``.
     """
     if batch.packed:
         raise ConfigError("a packed batch: give model(**pack) for each pack in batch.packs(device)")
@@ -47,11 +52,17 @@ def model_inputs(
         if name in batch.tensors:
             t = torch.from_numpy(batch.tensors[name])
             out[name] = t if device is None else t.to(device)
-    out["mm_token_type_ids"] = (out["input_ids"] == image_token_id).int()
+    kinds = (out["input_ids"] == image_token_id).int()
+    if "pixel_values_videos" in batch.tensors:
+        if video_token_id is None:
+            raise ConfigError("the batch holds a video: give video_token_id=model.config.video_token_id")
+        kinds = kinds + 2 * (out["input_ids"] == video_token_id).int()
+        out["pixel_values_videos"] = batch.pixel_values_videos(device=device or "cpu", dtype=pixel_dtype)
+    out["mm_token_type_ids"] = kinds
     if "pixel_values" in batch.tensors and batch.tensors["pixel_values"].shape[0]:
         out["pixel_values"] = batch.pixel_values(device=device or "cpu", dtype=pixel_dtype, pool=pool)
     else:
-        out.pop("image_grid_thw", None)  # text only: no vision tower
+        out.pop("image_grid_thw", None)  # no image: the vision tower sees none
     return out
 
 
@@ -89,11 +100,13 @@ def to_torch(
     varlen forward's inputs each (``Batch.packs``). For ``model(**...)``: :func:`model_inputs`."""
     out: Dict[str, Any] = {}
     for name, arr in batch.tensors.items():
-        if name in ("pixel_values", "pixel_lut"):
+        if name in ("pixel_values", "pixel_lut", "pixel_values_videos", "pixel_lut_videos"):
             continue
         t = torch.from_numpy(arr)
         out[name] = t if device is None else t.to(device)
     out["pixel_values"] = batch.pixel_values(device=device or "cpu", dtype=pixel_dtype, pool=pool)
+    if "pixel_values_videos" in batch.tensors:
+        out["pixel_values_videos"] = batch.pixel_values_videos(device=device or "cpu", dtype=pixel_dtype)
     if batch.packed:
         out["packs"] = batch.packs(device=device or "cpu", pixel_dtype=pixel_dtype)
     out["sample_ids"] = batch.sample_ids

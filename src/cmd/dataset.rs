@@ -4,11 +4,12 @@ use clap::Subcommand;
 use std::path::PathBuf;
 use std::sync::Arc;
 use stoker_config::{Concurrency, OnError, Preprocessing, S3Connection, Sampling, WorkerConfig};
-use stoker_worker::batch::{collate, Batch};
+use stoker_worker::batch::{collate, i64_bytes, Batch};
 use stoker_worker::dataset::index::{DatasetIndex, Progress, INDEX_KEY};
 use stoker_worker::dataset::lengths::{SampleLengths, LENGTHS_KEY};
 use stoker_worker::metrics::Metrics;
 use stoker_worker::pipeline::{open_pipeline, preprocessing_id, Pipeline, SampleShape};
+use stoker_worker::preprocess::vision::PixelBuf;
 use stoker_worker::source::Store;
 
 #[derive(Subcommand)]
@@ -227,7 +228,14 @@ async fn inspect(
     out: Option<PathBuf>,
     wire_pixels: bool,
 ) -> anyhow::Result<()> {
-    let p = open_pipeline(cfg, Metrics::new()).await?;
+    let mut p = open_pipeline(cfg, Metrics::new()).await?;
+    if out.is_some() {
+        // Saved with the tensors: each video's sampled frames as decoded.
+        Arc::get_mut(&mut p)
+            .expect("a pipeline of its own")
+            .config
+            .keep_decoded_frames = true;
+    }
     let (shard, line) = p.index.locate(sample).ok_or_else(|| {
         anyhow::anyhow!(
             "sample {sample} is beyond the {} samples",
@@ -256,10 +264,38 @@ async fn inspect(
             img.rows / (p.config.preset.merge_size * p.config.preset.merge_size) as usize
         );
     }
+    for (i, v) in s.videos.iter().enumerate() {
+        let m = (p.config.preset.merge_size * p.config.preset.merge_size) as usize;
+        println!(
+            "video {i}: frames {:?}, grid_thw {:?}, {} patches, {} tokens{}",
+            v.indices,
+            v.grid_thw,
+            v.rows,
+            v.rows / m,
+            match v.timestamps.is_empty() {
+                true => String::new(),
+                false => format!(", groups at {:?} s", v.timestamps),
+            }
+        );
+    }
     if let Some(path) = out {
+        let frames: Vec<(Vec<u8>, [usize; 4], Vec<u8>)> = (s.videos.iter())
+            .filter_map(|v| {
+                let d = v.decoded.as_ref()?;
+                let shape = [d.len(), d[0].height, d[0].width, 3];
+                let bytes = d.iter().flat_map(|f| f.data.iter().copied()).collect();
+                Some((
+                    bytes,
+                    shape,
+                    i64_bytes(&v.indices.iter().map(|&i| i as i64).collect::<Vec<_>>()),
+                ))
+            })
+            .collect();
         let batch = collate(vec![s], vec![], p.text.pad_id);
-        let pixels = SavedPixels::of(&batch, &p, wire_pixels)?;
-        write_safetensors(&path, &batch, &pixels)?;
+        let pixels = SavedPixels::of(&batch.pixel_chunks, &p, p.pixel_lut(), wire_pixels)?;
+        let luts = p.video_pixel_lut();
+        let videos = SavedPixels::of(&batch.video_chunks, &p, luts, wire_pixels)?;
+        write_safetensors(&path, &batch, &pixels, &videos, &frames)?;
         println!("wrote {}", path.display());
     }
     Ok(())
@@ -275,15 +311,15 @@ struct SavedPixels {
 }
 
 impl SavedPixels {
-    fn of(b: &Batch, p: &Pipeline, wire: bool) -> anyhow::Result<Self> {
-        let bytes: Vec<u8> = b
-            .pixel_chunks
-            .iter()
-            .flat_map(|c| c.as_bytes())
-            .copied()
-            .collect();
+    fn of(
+        chunks: &[PixelBuf],
+        p: &Pipeline,
+        lut: Option<&[u8]>,
+        wire: bool,
+    ) -> anyhow::Result<Self> {
+        let bytes: Vec<u8> = chunks.iter().flat_map(|c| c.as_bytes()).copied().collect();
         let columns = p.config.preset.patch_dim();
-        let (dtype, lut) = (p.pixel_dtype(), p.pixel_lut());
+        let dtype = p.pixel_dtype();
         let Some(lut) = lut.filter(|_| !wire) else {
             let lut = lut.map(<[u8]>::to_vec);
             return Ok(SavedPixels {
@@ -313,14 +349,19 @@ impl SavedPixels {
     }
 }
 
-/// One sample's tensors as safetensors (shapes as transformers returns them).
+/// Each video's sampled frames as decoded (`[n, H, W, 3]` u8) and their frame numbers.
+type DecodedFrames = (Vec<u8>, [usize; 4], Vec<u8>);
+
+/// One sample's tensors as safetensors (shapes as transformers returns them), and each
+/// video's decoded frames (`video_frames_K`, `video_indices_K`).
 fn write_safetensors(
     path: &std::path::Path,
     b: &Batch,
     pixels: &SavedPixels,
+    videos: &SavedPixels,
+    frames: &[DecodedFrames],
 ) -> anyhow::Result<()> {
     use safetensors::tensor::{Dtype, TensorView};
-    use stoker_worker::batch::i64_bytes;
     let st = |d: stoker_wire::DType| match d {
         stoker_wire::DType::F32 => Dtype::F32,
         stoker_wire::DType::BF16 => Dtype::BF16,
@@ -347,6 +388,44 @@ fn write_safetensors(
     if let Some(lut) = &pixels.lut {
         tensors.push(("pixel_lut", TensorView::new(Dtype::F32, vec![3, 256], lut)?));
     }
+    let video_grid = i64_bytes(&b.video_grid_thw);
+    let seconds: Vec<u8> = (b.second_per_grid_ts.iter())
+        .flat_map(|s| s.to_le_bytes())
+        .collect();
+    let names: Vec<(String, String)> = (0..frames.len())
+        .map(|k| (format!("video_frames_{k}"), format!("video_indices_{k}")))
+        .collect();
+    let mut owned: Vec<(&str, TensorView)> = Vec::new();
+    if !b.video_chunks.is_empty() {
+        let shape = vec![b.video_rows, videos.columns];
+        owned.push((
+            "pixel_values_videos",
+            TensorView::new(st(videos.dtype), shape, &videos.bytes)?,
+        ));
+        let n = b.video_grid_thw.len() / 3;
+        owned.push((
+            "video_grid_thw",
+            TensorView::new(Dtype::I64, vec![n, 3], &video_grid)?,
+        ));
+        owned.push((
+            "second_per_grid_ts",
+            TensorView::new(Dtype::F32, vec![n], &seconds)?,
+        ));
+        if let Some(lut) = &videos.lut {
+            owned.push((
+                "pixel_lut_videos",
+                TensorView::new(Dtype::F32, vec![3, 256], lut)?,
+            ));
+        }
+        for ((bytes, shape, indices), (fname, iname)) in frames.iter().zip(&names) {
+            owned.push((fname, TensorView::new(Dtype::U8, shape.to_vec(), bytes)?));
+            owned.push((
+                iname,
+                TensorView::new(Dtype::I64, vec![indices.len() / 8], indices)?,
+            ));
+        }
+    }
+    tensors.extend(owned);
     safetensors::serialize_to_file(tensors, &None, path)?;
     Ok(())
 }
@@ -379,6 +458,7 @@ async fn sample_lengths(
                         .map(|i| preset.image_tokens(i.resized) as u64)
                         .sum(),
                     images: s.images.len(),
+                    videos: s.videos.len(),
                 })
             }
         })

@@ -44,6 +44,16 @@ pub mod tensor {
     pub const PACK_IMAGES: &str = "pack_images";
     /// float32 `[3, 256]`, u8 pixels only: the normalization table, per channel and value.
     pub const PIXEL_LUT: &str = "pixel_lut";
+    /// `[P, 3·2·p·p]`, batches with a video only: every video's patches, in sample order, in
+    /// the dtype of `pixel_values` (u8 normalized on the rank with `pixel_lut_videos`).
+    pub const PIXEL_VALUES_VIDEOS: &str = "pixel_values_videos";
+    /// int64 `[n_videos, 3]`, with `pixel_values_videos`: (t, h, w) of each video, in patches.
+    pub const VIDEO_GRID_THW: &str = "video_grid_thw";
+    /// float32 `[3, 256]`, u8 pixels with a video: the video processors' normalization table
+    /// (they rescale and normalize in float32 in one step; images in float64 then float32).
+    pub const PIXEL_LUT_VIDEOS: &str = "pixel_lut_videos";
+    /// float32 `[n_videos]`, Qwen2.5-VL batches with a video: seconds per temporal patch.
+    pub const SECOND_PER_GRID_TS: &str = "second_per_grid_ts";
 }
 
 /// A metric's label set defined once, for both ends of the wire (worker and client): the

@@ -3,6 +3,7 @@
 //! fills it, packing rearranges it, the server writes it: all three import it from here.
 
 use crate::preprocess::text::IGNORE_INDEX;
+use crate::preprocess::video::VideoOut;
 use crate::preprocess::vision::{ImageOut, PixelBuf};
 use stoker_wire::Skipped;
 
@@ -12,6 +13,7 @@ pub struct PreparedSample {
     pub input_ids: Vec<i64>,
     pub labels: Vec<i64>,
     pub images: Vec<ImageOut>,
+    pub videos: Vec<VideoOut>,
     /// The rendered chat text, for `dataset inspect`.
     pub text: String,
     pub truncated: bool,
@@ -32,6 +34,12 @@ pub struct Batch {
     pub pixel_chunks: Vec<PixelBuf>,
     pub pixel_rows: usize,
     pub image_grid_thw: Vec<i64>,
+    /// The same for videos: `pixel_values_videos`' chunks and rows, `video_grid_thw`, and
+    /// (Qwen2.5-VL) `second_per_grid_ts`; empty when the batch holds no video.
+    pub video_chunks: Vec<PixelBuf>,
+    pub video_rows: usize,
+    pub video_grid_thw: Vec<i64>,
+    pub second_per_grid_ts: Vec<f32>,
     pub packing: Option<Packing>,
 }
 
@@ -41,10 +49,13 @@ impl Batch {
         let i64s = self.input_ids.len()
             + self.labels.len()
             + self.attention_mask.len()
-            + self.image_grid_thw.len();
-        let pixels: usize = self.pixel_chunks.iter().map(|c| c.as_bytes().len()).sum();
+            + self.image_grid_thw.len()
+            + self.video_grid_thw.len();
+        let pixels: usize = (self.pixel_chunks.iter().chain(&self.video_chunks))
+            .map(|c| c.as_bytes().len())
+            .sum();
         let packing = self.packing.as_ref().map_or(0, Packing::tensor_bytes);
-        (i64s * 8 + pixels) as u64 + packing
+        (i64s * 8 + pixels + self.second_per_grid_ts.len() * 4) as u64 + packing
     }
 }
 
@@ -84,6 +95,8 @@ pub fn collate(samples: Vec<PreparedSample>, skipped: Vec<Skipped>, pad_id: i64)
     let mut pixel_chunks = Vec::new();
     let mut pixel_rows = 0;
     let mut image_grid_thw = Vec::new();
+    let (mut video_chunks, mut video_rows) = (Vec::new(), 0);
+    let (mut video_grid_thw, mut second_per_grid_ts) = (Vec::new(), Vec::new());
     let mut sample_ids = Vec::with_capacity(b);
     for (i, s) in samples.into_iter().enumerate() {
         let n = s.input_ids.len();
@@ -95,6 +108,12 @@ pub fn collate(samples: Vec<PreparedSample>, skipped: Vec<Skipped>, pad_id: i64)
             pixel_rows += img.rows;
             image_grid_thw.extend_from_slice(&img.grid_thw);
             pixel_chunks.push(img.pixels);
+        }
+        for v in s.videos {
+            video_rows += v.rows;
+            video_grid_thw.extend_from_slice(&v.grid_thw);
+            second_per_grid_ts.push(v.second_per_grid as f32);
+            video_chunks.push(v.pixels);
         }
         sample_ids.push(s.sample_id);
     }
@@ -109,6 +128,10 @@ pub fn collate(samples: Vec<PreparedSample>, skipped: Vec<Skipped>, pad_id: i64)
         pixel_chunks,
         pixel_rows,
         image_grid_thw,
+        video_chunks,
+        video_rows,
+        video_grid_thw,
+        second_per_grid_ts,
         packing: None,
     }
 }

@@ -14,6 +14,10 @@ pub mod preprocess {
     pub mod preset;
     pub(crate) mod resample;
     pub(crate) mod text;
+    pub(crate) mod torch_resize;
+    pub mod video;
+    pub mod video_decode;
+    pub(crate) mod video_error;
     pub mod vision;
 }
 pub mod alloc;

@@ -7,6 +7,7 @@
 
 use crate::dataset::sample::Conversation;
 use crate::metrics::SampleErrorKind;
+use crate::preprocess::video_decode::VideoLimits;
 use crate::preprocess::vision::{DecodeLimits, ImageError};
 use serde::Serialize;
 use stoker_config::Preprocessing;
@@ -21,6 +22,8 @@ pub struct SampleLimits {
     pub object_bytes: u64,
     pub line_bytes: u64,
     pub turns: u32,
+    /// Frames a video's stream may hold.
+    pub video_frames: u64,
 }
 
 impl Default for SampleLimits {
@@ -36,7 +39,7 @@ pub enum LimitError {
     LineBytes { len: u64, max: u64 },
     #[error("{count} messages are over the limit of {max} (max-turns)")]
     Turns { count: usize, max: u32 },
-    #[error("{count} images are over the limit of {max} (max-images-per-sample)")]
+    #[error("{count} images and videos are over the limit of {max} (max-images-per-sample)")]
     Images { count: usize, max: u32 },
     #[error(
         "image {key} ({w}x{h}) would bring the sample's decoded pixels over the limit of {max} \
@@ -71,6 +74,17 @@ impl SampleLimits {
             object_bytes: c.max_object_bytes,
             line_bytes: c.max_line_bytes,
             turns: c.max_turns,
+            video_frames: c.max_video_frames,
+        }
+    }
+
+    /// A video's header limits: frames as large as an image may be, and at most
+    /// `video_frames` of them.
+    pub fn video(&self) -> VideoLimits {
+        VideoLimits {
+            max_side: self.decode.max_side,
+            max_frame_pixels: self.decode.max_pixels,
+            max_frames: self.video_frames,
         }
     }
 
@@ -94,7 +108,7 @@ impl SampleLimits {
                 max: self.turns,
             });
         }
-        let images = conv.image_paths().count();
+        let images = conv.media().count();
         if images > self.images as usize {
             return Err(LimitError::Images {
                 count: images,
@@ -152,6 +166,7 @@ mod tests {
             object_bytes: 1 << 20,
             line_bytes: 100,
             turns: 3,
+            video_frames: 1000,
         }
     }
 
@@ -187,7 +202,10 @@ mod tests {
         );
         let e = l.check_conversation(&conv(2, 3)).unwrap_err();
         assert_eq!(
-            (e.kind().as_str(), e.to_string().contains("3 images")),
+            (
+                e.kind().as_str(),
+                e.to_string().contains("3 images and videos")
+            ),
             ("too_many_images", true)
         );
     }

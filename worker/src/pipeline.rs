@@ -8,17 +8,19 @@
 use crate::batch::{collate, Batch, PreparedSample};
 use crate::dataset::index::{DatasetIndex, Shard};
 use crate::dataset::lengths::SampleLengths;
-use crate::dataset::sample::{Conversation, SampleError};
+use crate::dataset::sample::{Conversation, Media, SampleError, VideoPart, VideoSource};
 use crate::limits::{LimitError, SampleLimits};
 use crate::line_cache::{LineCache, Lookup};
 use crate::metrics::{GaugeGuard, LineCacheResult, Metrics, Queue, SampleErrorKind, Stage};
 use crate::pack::{collate_packed, RopeLayout};
 use crate::plan::{Plan, RankSlice, Shaping};
 use crate::preprocess::preset::{PixelDtype, Preset};
-use crate::preprocess::text::{TextError, TextProcessor};
+use crate::preprocess::text::{MediaTokens, TextError, TextProcessor};
+use crate::preprocess::video::{self, VideoBudget};
+use crate::preprocess::video_error::VideoError;
 use crate::preprocess::vision::{
-    check_limits, normalization_table, process_image, read_header, ImageError, ImageHeader,
-    ImageTimings, PixelLut,
+    check_limits, decode, normalization_table, process_image, read_header,
+    video_normalization_table, ImageError, ImageHeader, ImageTimings, PixelLut,
 };
 use crate::source::{resolve_relative, FetchError, PathError, Store};
 use futures::{FutureExt, StreamExt};
@@ -53,6 +55,8 @@ enum Cause {
     Path(#[from] PathError),
     #[error("image {key}: {err}")]
     Image { key: String, err: ImageError },
+    #[error("video {key}: {err}")]
+    Video { key: String, err: VideoError },
     #[error(transparent)]
     Text(#[from] TextError),
     #[error(transparent)]
@@ -86,6 +90,14 @@ impl Cause {
                 ImageError::OverBudget(_) => K::ImageOverBudget,
                 ImageError::TooManyScans { .. } => K::ImageTooManyScans,
             },
+            Cause::Video { err, .. } => match err {
+                VideoError::Unsupported | VideoError::NoVideoStream => K::VideoUnsupported,
+                VideoError::Corrupt(_) => K::VideoCorrupt,
+                VideoError::FrameTooLarge { .. } => K::VideoTooLarge,
+                VideoError::TooManyFrames { .. } => K::VideoTooLong,
+                VideoError::Sampling(_) => K::VideoSampling,
+                VideoError::SamplePixels { .. } => K::SampleTooLarge,
+            },
             Cause::Text(TextError::TooLong { .. }) => K::TooLong,
             Cause::Text(_) => K::Text,
             Cause::Limit(e) => e.kind(),
@@ -99,6 +111,11 @@ impl Cause {
     fn is_transient(&self) -> bool {
         matches!(self, Cause::Fetch(FetchError::Io(..)) | Cause::ShuttingDown)
     }
+}
+
+/// float32s as little-endian bytes (the wire's).
+fn le_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
 /// Runs `work` on the blocking pool. A panic there (a bug, or a decoder's) becomes this
@@ -148,6 +165,28 @@ pub struct SampleShape {
     pub tokens: u64,
     pub vision_tokens: u64,
     pub images: usize,
+    pub videos: usize,
+}
+
+/// Where one image or video of a sample lies in the store.
+enum MediaKey {
+    Image(String),
+    Clip(String, VideoPart),
+    Frames(Vec<String>, VideoPart),
+}
+
+/// An image's or video's bytes.
+enum Fetched {
+    Image(String, bytes::Bytes),
+    Clip(String, bytes::Bytes, VideoPart),
+    Frames(Vec<(String, bytes::Bytes)>, VideoPart),
+}
+
+fn video_cause(key: &str, err: VideoError) -> Cause {
+    Cause::Video {
+        key: key.to_string(),
+        err,
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -163,6 +202,8 @@ pub struct PipelineConfig {
     pub sample_parallelism: usize,
     /// Shard text kept in memory (the line cache); 0 reads every line on its own.
     pub line_cache_bytes: u64,
+    /// Keep each video's sampled frames as decoded (`dataset inspect` saves them).
+    pub keep_decoded_frames: bool,
 }
 
 pub struct Pipeline {
@@ -173,8 +214,11 @@ pub struct Pipeline {
     pub config: PipelineConfig,
     pub metrics: Arc<Metrics>,
     lut: PixelLut,
+    video_lut: PixelLut,
     /// With u8 pixels: the normalization table's bytes, sent with every batch.
     pixel_lut: Option<Vec<u8>>,
+    /// With u8 pixels: the video processors' table, sent with batches holding a video.
+    video_pixel_lut: Option<Vec<u8>>,
     fetch_slots: Semaphore,
     cpu_slots: Arc<Semaphore>,
     line_cache: LineCache,
@@ -195,12 +239,11 @@ impl Pipeline {
         metrics.dataset_bad_lines.set(index.bad_line_count as i64);
         Pipeline {
             lut: PixelLut::new(&config.preset),
-            pixel_lut: (config.preset.pixel_dtype == PixelDtype::U8).then(|| {
-                normalization_table(&config.preset)
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect()
-            }),
+            video_lut: PixelLut::for_videos(&config.preset),
+            pixel_lut: (config.preset.pixel_dtype == PixelDtype::U8)
+                .then(|| le_bytes(&normalization_table(&config.preset))),
+            video_pixel_lut: (config.preset.pixel_dtype == PixelDtype::U8)
+                .then(|| le_bytes(&video_normalization_table(&config.preset))),
             fetch_slots: Semaphore::new(config.max_fetches.max(1)),
             cpu_slots: Arc::new(Semaphore::new(config.cpu_threads.max(1))),
             line_cache: LineCache::new(config.line_cache_bytes),
@@ -254,6 +297,11 @@ impl Pipeline {
     /// the rank needs to normalize them exactly as this worker would have.
     pub fn pixel_lut(&self) -> Option<&[u8]> {
         self.pixel_lut.as_deref()
+    }
+
+    /// The same for `pixel_values_videos` (`pixel_lut_videos`).
+    pub fn video_pixel_lut(&self) -> Option<&[u8]> {
+        self.video_pixel_lut.as_deref()
     }
 
     /// Reads a sample's line (`range`) or a whole image, at most `max_object_bytes` of it.
@@ -359,21 +407,62 @@ impl Pipeline {
         Ok(line)
     }
 
-    /// A sample's conversation and its images' keys, limits checked.
+    /// A sample's conversation and its images' and videos' keys, limits checked.
     async fn read_sample(
         self: &Arc<Self>,
         shard: &Shard,
         (offset, len): (u64, u64),
-    ) -> Result<(Conversation, Vec<String>), Cause> {
+    ) -> Result<(Conversation, Vec<MediaKey>), Cause> {
         self.config.limits.check_line(len)?;
         let line = self.read_line(shard, offset, len).await?;
         let conv = Conversation::parse(&line)?;
         self.config.limits.check_conversation(&conv)?;
+        let key = |p: &str| resolve_relative(&shard.key, p);
         let keys = conv
-            .image_paths()
-            .map(|p| resolve_relative(&shard.key, p))
-            .collect::<Result<Vec<_>, _>>()?;
+            .media()
+            .map(|m| {
+                Ok(match m {
+                    Media::Image(p) => MediaKey::Image(key(p)?),
+                    Media::Video(v) => match &v.video {
+                        VideoSource::Clip(p) => MediaKey::Clip(key(p)?, v.clone()),
+                        VideoSource::Frames(ps) => MediaKey::Frames(
+                            ps.iter().map(|p| key(p)).collect::<Result<_, _>>()?,
+                            v.clone(),
+                        ),
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>, PathError>>()?;
         Ok((conv, keys))
+    }
+
+    /// Every object of a sample's media, read concurrently.
+    async fn fetch_media(&self, keys: Vec<MediaKey>) -> Result<Vec<Fetched>, Cause> {
+        let whole = |k: String| async move {
+            let r = self.fetch(&k, None).await;
+            r.map(|b| (k, b))
+        };
+        let fetches = keys.into_iter().map(|m| async move {
+            Ok::<_, FetchError>(match m {
+                MediaKey::Image(k) => {
+                    let (k, b) = whole(k).await?;
+                    Fetched::Image(k, b)
+                }
+                MediaKey::Clip(k, part) => {
+                    let (k, b) = whole(k).await?;
+                    Fetched::Clip(k, b, part)
+                }
+                MediaKey::Frames(ks, part) => {
+                    let frames = futures::future::join_all(ks.into_iter().map(whole)).await;
+                    Fetched::Frames(frames.into_iter().collect::<Result<_, _>>()?, part)
+                }
+            })
+        });
+        let mut out = Vec::new();
+        for r in futures::future::join_all(fetches).await {
+            out.push(r?);
+        }
+        Ok(out)
     }
 
     async fn prepare(
@@ -383,13 +472,7 @@ impl Pipeline {
         line: (u64, u64),
     ) -> Result<PreparedSample, Cause> {
         let (conv, keys) = self.read_sample(shard, line).await?;
-        let fetches = keys
-            .iter()
-            .map(|k| async move { (k.clone(), self.fetch(k, None).await) });
-        let mut images = Vec::with_capacity(keys.len());
-        for (key, r) in futures::future::join_all(fetches).await {
-            images.push((key, r?));
-        }
+        let media = self.fetch_media(keys).await?;
 
         let queued = self.metrics.queued(Queue::Cpu);
         let permit = self
@@ -402,47 +485,92 @@ impl Pipeline {
         let this = self.clone();
         on_blocking_pool(move || {
             let _permit = permit;
-            this.preprocess(sample_id, conv, images)
+            this.preprocess(sample_id, conv, media)
         })
         .await
     }
 
-    /// The CPU part: decode/resize/patchify every image, then tokenize.
+    /// The CPU part: decode/resize/patchify every image and video, then tokenize.
     fn preprocess(
         &self,
         sample_id: u64,
         conv: Conversation,
-        images: Vec<(String, bytes::Bytes)>,
+        media: Vec<Fetched>,
     ) -> Result<PreparedSample, Cause> {
         let preset = &self.config.preset;
         let limits = &self.config.limits;
         let mut timings = ImageTimings::default();
-        let mut outs = Vec::with_capacity(images.len());
+        let mut images = Vec::new();
+        let mut videos = Vec::new();
+        let mut tokens = Vec::with_capacity(media.len());
         let mut decoded_pixels = 0;
-        for (key, bytes) in images {
-            let decode = limits.next_image(decoded_pixels);
-            let out = process_image(&bytes, preset, &self.lut, decode, &mut timings)
-                .map_err(|err| image_cause(limits, &key, err))?;
-            decoded_pixels += out.original.0 as u64 * out.original.1 as u64;
-            outs.push(out);
+        let keep = self.config.keep_decoded_frames;
+        for m in media {
+            match m {
+                Fetched::Image(key, bytes) => {
+                    let decode = limits.next_image(decoded_pixels);
+                    let out = process_image(&bytes, preset, &self.lut, decode, &mut timings)
+                        .map_err(|err| image_cause(limits, &key, err))?;
+                    decoded_pixels += out.original.0 as u64 * out.original.1 as u64;
+                    tokens.push(MediaTokens::Image(preset.image_tokens(out.resized)));
+                    images.push(out);
+                }
+                Fetched::Clip(key, bytes, part) => {
+                    let t = Instant::now();
+                    let budget = VideoBudget {
+                        limits: limits.video(),
+                        pixels: limits.sample_pixels.saturating_sub(decoded_pixels),
+                    };
+                    let lut = &self.video_lut;
+                    let out = video::process_clip(bytes, &part, preset, lut, budget, keep)
+                        .map_err(|e| video_cause(&key, e))?;
+                    timings.decode += t.elapsed();
+                    decoded_pixels += out.rows as u64
+                        * u64::from(preset.patch_size.pow(2))
+                        * u64::from(preset.temporal_patch_size);
+                    tokens.push(MediaTokens::Video(out.tokens(preset)));
+                    videos.push(out);
+                }
+                Fetched::Frames(frames, part) => {
+                    let first = frames.first().map(|f| f.0.clone()).unwrap_or_default();
+                    let mut decoded = Vec::with_capacity(frames.len());
+                    for (key, bytes) in frames {
+                        let limit = limits.next_image(decoded_pixels);
+                        let rgb =
+                            decode(&bytes, limit).map_err(|err| image_cause(limits, &key, err))?;
+                        decoded_pixels += (rgb.width * rgb.height) as u64;
+                        decoded.push(rgb);
+                    }
+                    let left = limits.sample_pixels.saturating_sub(decoded_pixels);
+                    let out = video::process_frame_list(
+                        decoded,
+                        &part,
+                        preset,
+                        &self.video_lut,
+                        left,
+                        keep,
+                    )
+                    .map_err(|e| video_cause(&first, e))?;
+                    tokens.push(MediaTokens::Video(out.tokens(preset)));
+                    videos.push(out);
+                }
+            }
         }
-        if !outs.is_empty() {
+        if !tokens.is_empty() {
             self.metrics.observe_stage(Stage::Decode, timings.decode);
             self.metrics.observe_stage(Stage::Resize, timings.resize);
         }
-        let tokens: Vec<usize> = outs
-            .iter()
-            .map(|o| preset.image_tokens(o.resized))
-            .collect();
         let t = Instant::now();
         let tok = self.text.tokenize(&conv, &tokens)?;
         self.metrics.observe_stage(Stage::Tokenize, t.elapsed());
-        outs.truncate(tok.kept_images);
+        images.truncate(tok.kept_images);
+        videos.truncate(tok.kept_videos);
         Ok(PreparedSample {
             sample_id,
             input_ids: tok.input_ids,
             labels: tok.labels,
-            images: outs,
+            images,
+            videos,
             text: tok.text,
             truncated: tok.truncated,
         })
@@ -454,24 +582,70 @@ impl Pipeline {
         line: (u64, u64),
     ) -> Result<SampleShape, Cause> {
         let (conv, keys) = self.read_sample(shard, line).await?;
-        let headers = futures::future::join_all(keys.iter().map(|k| self.image_header(k))).await;
         let (preset, limits) = (&self.config.preset, &self.config.limits);
         let mut tokens = Vec::with_capacity(keys.len());
         let mut decoded_pixels = 0;
-        for (key, header) in keys.into_iter().zip(headers) {
-            let header = header?;
-            let refused = |err| image_cause(limits, &key, err);
-            let (w, h) = (header.width, header.height);
-            check_limits(w, h, limits.next_image(decoded_pixels)).map_err(refused)?;
-            decoded_pixels += u64::from(w) * u64::from(h);
-            let resized = preset.resized(header.upright()).map_err(refused)?;
-            tokens.push(preset.image_tokens(resized));
+        for m in keys {
+            match m {
+                MediaKey::Image(key) => {
+                    let header = self.image_header(&key).await?;
+                    let refused = |err| image_cause(limits, &key, err);
+                    let (w, h) = (header.width, header.height);
+                    check_limits(w, h, limits.next_image(decoded_pixels)).map_err(refused)?;
+                    decoded_pixels += u64::from(w) * u64::from(h);
+                    let resized = preset.resized(header.upright()).map_err(refused)?;
+                    tokens.push(MediaTokens::Image(preset.image_tokens(resized)));
+                }
+                MediaKey::Clip(key, part) => {
+                    // The container's index may lie at its end: the whole object is read
+                    // (never decoded).
+                    let bytes = self.fetch(&key, None).await?;
+                    let budget = VideoBudget {
+                        limits: limits.video(),
+                        pixels: limits.sample_pixels.saturating_sub(decoded_pixels),
+                    };
+                    let (preset, k) = (preset.clone(), key.clone());
+                    let (t, used) = on_blocking_pool(move || {
+                        video::measure_clip(bytes, &part, &preset, budget)
+                            .map_err(|e| video_cause(&k, e))
+                    })
+                    .await?;
+                    decoded_pixels += used;
+                    tokens.push(MediaTokens::Video(t));
+                }
+                MediaKey::Frames(keys, part) => {
+                    let mut size = None;
+                    for key in &keys {
+                        let header = self.image_header(key).await?;
+                        let refused = |err| image_cause(limits, key, err);
+                        let (w, h) = (header.width, header.height);
+                        check_limits(w, h, limits.next_image(decoded_pixels)).map_err(refused)?;
+                        decoded_pixels += u64::from(w) * u64::from(h);
+                        size.get_or_insert(header.upright());
+                    }
+                    let upright = size.expect("a frame list holds frames");
+                    let left = limits.sample_pixels.saturating_sub(decoded_pixels);
+                    let (t, _) =
+                        video::measure_frame_list(keys.len(), upright, &part, preset, left)
+                            .map_err(|e| video_cause(&keys[0], e))?;
+                    tokens.push(MediaTokens::Video(t));
+                }
+            }
         }
         let tok = self.text.tokenize(&conv, &tokens)?;
+        let kept = tok.kept_images + tok.kept_videos;
+        let vision: usize = tokens[..kept]
+            .iter()
+            .map(|t| match t {
+                MediaTokens::Image(n) => *n,
+                MediaTokens::Video(v) => v.groups * v.per_group,
+            })
+            .sum();
         Ok(SampleShape {
             tokens: tok.input_ids.len() as u64,
-            vision_tokens: tokens[..tok.kept_images].iter().sum::<usize>() as u64,
+            vision_tokens: vision as u64,
             images: tok.kept_images,
+            videos: tok.kept_videos,
         })
     }
 
@@ -539,7 +713,10 @@ impl Pipeline {
         let t = Instant::now();
         let pad = self.text.pad_id;
         let batch = match pack_sizes {
-            Some(sizes) => collate_packed(samples, &sizes, skipped, pad, self.rope_layout()),
+            Some(sizes) => {
+                let dated = self.config.preset.video.timestamps;
+                collate_packed(samples, &sizes, skipped, pad, self.rope_layout(), dated)
+            }
             None => collate(samples, skipped, pad),
         };
         self.metrics.observe_stage(Stage::Collate, t.elapsed());
@@ -547,9 +724,13 @@ impl Pipeline {
     }
 
     fn rope_layout(&self) -> RopeLayout {
+        let preset = &self.config.preset;
         RopeLayout {
             image_token: self.text.image_token(),
-            merge_size: self.config.preset.merge_size.into(),
+            video_token: self.text.video_token(),
+            merge_size: preset.merge_size.into(),
+            // The released Qwen2.5-VL checkpoints' vision_config.tokens_per_second.
+            tokens_per_second: preset.video.second_per_grid.then_some(2),
         }
     }
 }
@@ -657,6 +838,7 @@ pub async fn open_pipeline(
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
         sample_parallelism: c.sample_parallelism.unwrap_or(usize::MAX),
         line_cache_bytes: c.line_cache_mib << 20,
+        keep_decoded_frames: false,
     };
     let sizes: Vec<u64> = datasets.iter().map(|d| d.index.num_samples()).collect();
     let mut plan = Plan::new(

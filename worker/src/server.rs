@@ -92,14 +92,26 @@ fn connection_error(code: ErrorCode, message: String) -> ErrorFrame {
     }
 }
 
+/// Values per row of the batch's video patches (the same row layout as its images').
+fn pixel_dim_of(batch: &Batch, dtype: stoker_wire::DType) -> u64 {
+    let bytes: u64 = (batch.video_chunks.iter())
+        .map(|c| c.as_bytes().len() as u64)
+        .sum();
+    match batch.video_rows {
+        0 => 0,
+        rows => bytes / rows as u64 / dtype.size() as u64,
+    }
+}
+
 /// Writes a batch frame: head, then each tensor's padding and chunks, with no staging copy.
-/// `pixel_lut` (u8 pixels only) goes along as a `[3, 256]` float32 tensor.
+/// `pixel_lut` (u8 pixels only) goes along as a `[3, 256]` float32 tensor, and with a video
+/// `pixel_lut_videos`, the video processors' own table.
 async fn write_batch<W: AsyncWrite + Unpin>(
     w: &mut W,
     req: BatchRequest,
     batch: &Batch,
     pixel_dtype: stoker_wire::DType,
-    pixel_lut: Option<&[u8]>,
+    (pixel_lut, video_lut): (Option<&[u8]>, Option<&[u8]>),
 ) -> std::io::Result<u64> {
     let b = batch.rows as u64;
     let l = batch.seq_len as u64;
@@ -140,6 +152,31 @@ async fn write_batch<W: AsyncWrite + Unpin>(
             &grid,
         ),
     ];
+    let video_grid = i64_bytes(&batch.video_grid_thw);
+    let seconds: Vec<u8> = (batch.second_per_grid_ts.iter())
+        .flat_map(|s| s.to_le_bytes())
+        .collect();
+    if !batch.video_chunks.is_empty() {
+        tensors.push(TensorRef {
+            name: tensor::PIXEL_VALUES_VIDEOS,
+            dtype: pixel_dtype,
+            shape: vec![batch.video_rows as u64, pixel_dim_of(batch, pixel_dtype)],
+            chunks: batch.video_chunks.iter().map(|c| c.as_bytes()).collect(),
+        });
+        tensors.push(i64_tensor(
+            tensor::VIDEO_GRID_THW,
+            vec![batch.video_grid_thw.len() as u64 / 3, 3],
+            &video_grid,
+        ));
+        if batch.second_per_grid_ts.iter().any(|&s| s > 0.0) {
+            tensors.push(TensorRef {
+                name: tensor::SECOND_PER_GRID_TS,
+                dtype: stoker_wire::DType::F32,
+                shape: vec![batch.second_per_grid_ts.len() as u64],
+                chunks: vec![&seconds],
+            });
+        }
+    }
     let packing = batch.packing.as_ref().map(|p| {
         let cu: Vec<u8> = p.cu_seqlens.iter().flat_map(|x| x.to_le_bytes()).collect();
         (p, i64_bytes(&p.position_ids), cu, i64_bytes(&p.pack_images))
@@ -154,13 +191,20 @@ async fn write_batch<W: AsyncWrite + Unpin>(
         });
         tensors.push(i64_tensor(tensor::PACK_IMAGES, vec![b], images));
     }
-    if let Some(lut) = pixel_lut {
-        tensors.push(TensorRef {
-            name: tensor::PIXEL_LUT,
-            dtype: stoker_wire::DType::F32,
-            shape: vec![3, 256],
-            chunks: vec![lut],
-        });
+    let with_videos = !batch.video_chunks.is_empty();
+    let luts = [
+        (tensor::PIXEL_LUT, pixel_lut, true),
+        (tensor::PIXEL_LUT_VIDEOS, video_lut, with_videos),
+    ];
+    for (name, lut, wanted) in luts {
+        if let (Some(lut), true) = (lut, wanted) {
+            tensors.push(TensorRef {
+                name,
+                dtype: stoker_wire::DType::F32,
+                shape: vec![3, 256],
+                chunks: vec![lut],
+            });
+        }
     }
     let (head, pads) = BatchHead::layout(
         req,
@@ -509,8 +553,8 @@ impl Server {
                         _budget,
                     } = *ready;
                     let t = Instant::now();
-                    let lut = self.pipeline.pixel_lut();
-                    let n = write_batch(&mut wr, request, &batch, pixel_dtype, lut).await?;
+                    let luts = (self.pipeline.pixel_lut(), self.pipeline.video_pixel_lut());
+                    let n = write_batch(&mut wr, request, &batch, pixel_dtype, luts).await?;
                     metrics.observe_stage(Stage::Send, t.elapsed());
                     metrics
                         .request_seconds
@@ -733,6 +777,10 @@ mod tests {
             pixel_chunks: vec![PixelBuf::F32(vec![0.0; 1000])],
             pixel_rows: 1,
             image_grid_thw: vec![1, 1, 1],
+            video_chunks: vec![],
+            video_rows: 0,
+            video_grid_thw: vec![],
+            second_per_grid_ts: vec![],
             packing: None,
         };
         assert_eq!(batch.tensor_bytes(), 33 * 8 + 4000);

@@ -588,10 +588,10 @@ impl<'a> ShardLines<'a> {
 
 fn validate_line(shard: &str, line: &[u8], keys: &HashSet<Box<str>>) -> Result<(), String> {
     let conv = Conversation::parse(line).map_err(|e| e.to_string())?;
-    for path in conv.image_paths() {
+    for path in conv.object_paths() {
         let key = resolve_relative(shard, path).map_err(|e| e.to_string())?;
         if !keys.contains(key.as_str()) {
-            return Err(format!("image {path:?} (key {key}) does not exist"));
+            return Err(format!("object {path:?} (key {key}) does not exist"));
         }
     }
     Ok(())

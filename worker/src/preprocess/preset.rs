@@ -22,6 +22,44 @@ pub struct Preset {
     pub pixel_dtype: PixelDtype,
     /// Longest token sequence per sample; see docs/preprocessing.md for the truncation policy.
     pub max_length: usize,
+    pub video: VideoPreset,
+}
+
+/// How a model family's video processor samples and sizes a clip (transformers 5.23's
+/// `Qwen2VLVideoProcessor` and `Qwen3VLVideoProcessor` defaults).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VideoPreset {
+    /// Frames sampled per second of video, unless a sample says otherwise.
+    pub fps: f64,
+    pub min_frames: u32,
+    pub max_frames: u32,
+    /// `size.shortest_edge` / `size.longest_edge`: per frame, or for the whole video.
+    pub min_pixels: u64,
+    pub max_pixels: u64,
+    pub sampling: FrameSampling,
+    pub budget: PixelBudget,
+    /// Qwen2.5-VL's `second_per_grid_ts` goes with the batch.
+    pub second_per_grid: bool,
+    /// Qwen3-VL's `<t seconds>` before each temporal group.
+    pub timestamps: bool,
+}
+
+/// Which frames of a clip are kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FrameSampling {
+    /// Qwen2-VL / Qwen2.5-VL: n floored to the temporal patch, `arange(0, total, total / n).int()`.
+    Arange,
+    /// Qwen3-VL: `linspace(0, total - 1, n).round()`; a clip without a frame rate counts as 24.
+    Linspace,
+}
+
+/// What `min_pixels` / `max_pixels` bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PixelBudget {
+    /// Each frame on its own (the image `smart_resize`).
+    PerFrame,
+    /// frames × height × width (Qwen3-VL's video `smart_resize`).
+    WholeVideo,
 }
 
 impl Preset {
@@ -42,6 +80,17 @@ impl Preset {
             // a quarter of float32's bytes for the worker to write and the NIC to carry.
             pixel_dtype: PixelDtype::U8,
             max_length: 8192,
+            video: VideoPreset {
+                fps: 2.0,
+                min_frames: 4,
+                max_frames: 768,
+                min_pixels: 128 * 28 * 28,
+                max_pixels: 768 * 28 * 28,
+                sampling: FrameSampling::Arange,
+                budget: PixelBudget::PerFrame,
+                second_per_grid: name == PresetName::Qwen25Vl,
+                timestamps: false,
+            },
         };
         match name {
             PresetName::Qwen2Vl | PresetName::Qwen25Vl => qwen2,
@@ -51,6 +100,15 @@ impl Preset {
                 image_std: [0.5; 3],
                 min_pixels: 65_536,
                 max_pixels: 16_777_216,
+                video: VideoPreset {
+                    min_pixels: 128 * 32 * 32,
+                    max_pixels: 768 * 32 * 32,
+                    sampling: FrameSampling::Linspace,
+                    budget: PixelBudget::WholeVideo,
+                    second_per_grid: false,
+                    timestamps: true,
+                    ..qwen2.video
+                },
                 ..qwen2
             },
         }
@@ -114,7 +172,7 @@ impl Preset {
 }
 
 /// Python's `round` (ties to even) of a non-negative f64.
-fn round_half_even(x: f64) -> f64 {
+pub(crate) fn round_half_even(x: f64) -> f64 {
     let r = x.round();
     if (x - x.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
         r - 1.0

@@ -2,6 +2,7 @@
 //! expansion, assistant-only labels and truncation.
 
 use super::preset::Preset;
+use super::video::VideoTokens;
 use crate::dataset::sample::{Conversation, Message, Part};
 use std::path::Path;
 use tokenizers::Tokenizer;
@@ -32,16 +33,28 @@ pub enum TextError {
     Tokenizer(String),
     #[error("the template rendered {rendered} image placeholders for {images} images")]
     ImageCount { rendered: usize, images: usize },
+    #[error("the template rendered {rendered} video placeholders for {videos} videos")]
+    VideoCount { rendered: usize, videos: usize },
     #[error("sample has {len} tokens; truncated to max_length {max} it keeps no assistant token")]
     TooLong { len: usize, max: usize },
 }
 
-/// The tokenized sample. `kept_images` < the number of images when truncation cut some off.
+/// What one image or video of a sample expands to, in conversation order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MediaTokens {
+    /// `<|image_pad|>` × n.
+    Image(usize),
+    Video(VideoTokens),
+}
+
+/// The tokenized sample. `kept_images` (`kept_videos`) < the number of images (videos) when
+/// truncation cut some off.
 #[derive(Debug, Clone)]
 pub struct Tokenized {
     pub input_ids: Vec<i64>,
     pub labels: Vec<i64>,
     pub kept_images: usize,
+    pub kept_videos: usize,
     pub truncated: bool,
     /// The rendered chat text (one placeholder per image), for `dataset inspect`.
     pub text: String,
@@ -51,8 +64,7 @@ pub struct TextProcessor {
     tokenizer: Tokenizer,
     env: minijinja::Environment<'static>,
     image_pad: u32,
-    vision_start: u32,
-    vision_end: u32,
+    video_pad: u32,
     pub pad_id: i64,
     max_length: usize,
     /// What the template writes after an assistant turn's content (`<|im_end|>\n`), trained
@@ -87,6 +99,11 @@ impl TextProcessor {
     /// The token id an image's placeholder expands to (one per merged patch).
     pub fn image_token(&self) -> i64 {
         self.image_pad.into()
+    }
+
+    /// The token a video's placeholder expands to.
+    pub fn video_token(&self) -> i64 {
+        self.video_pad.into()
     }
 
     /// `tokenizer` is a tokenizer.json or a folder holding one. `template` overrides the
@@ -146,8 +163,7 @@ impl TextProcessor {
             .unwrap_or(0);
         let mut text = TextProcessor {
             image_pad: token_id(&tokenizer, "<|image_pad|>")?,
-            vision_start: token_id(&tokenizer, "<|vision_start|>")?,
-            vision_end: token_id(&tokenizer, "<|vision_end|>")?,
+            video_pad: token_id(&tokenizer, "<|video_pad|>")?,
             tokenizer,
             env,
             pad_id,
@@ -284,74 +300,183 @@ impl TextProcessor {
         (single == (text, spans)).then_some(turn_end)
     }
 
-    /// Tokenizes `conv`, expanding image `k`'s placeholder to `image_tokens[k]` pad tokens.
+    /// Tokenizes `conv`, expanding its images' and videos' placeholders as `media` says (in
+    /// conversation order): an image's `<|image_pad|>` to n pads, a video's `<|video_pad|>` to
+    /// its pads, Qwen3-VL's dated per temporal group (`<t seconds>`, then the group's vision
+    /// span: the text is rewritten before tokenizing, as transformers' processor does).
     pub fn tokenize(
         &self,
         conv: &Conversation,
-        image_tokens: &[usize],
+        media: &[MediaTokens],
     ) -> Result<Tokenized, TextError> {
-        let (text, spans) = self.render_with_spans(conv)?;
+        let (mut text, mut spans) = self.render_with_spans(conv)?;
+        let images = media.iter().filter(|m| matches!(m, MediaTokens::Image(_)));
+        let videos: Vec<&VideoTokens> = media
+            .iter()
+            .filter_map(|m| match m {
+                MediaTokens::Video(v) => Some(v),
+                MediaTokens::Image(_) => None,
+            })
+            .collect();
+        let (image_count, video_count) = (images.count(), videos.len());
+        // Each placeholder's byte span in the text, in order, and its media's kind.
+        let places = placeholders(&text);
+        let rendered_images = places.iter().filter(|p| p.kind == Kind::Image).count();
+        let rendered_videos = places.len() - rendered_images;
+        if rendered_images != image_count {
+            return Err(TextError::ImageCount {
+                rendered: rendered_images,
+                images: image_count,
+            });
+        }
+        if rendered_videos != video_count {
+            return Err(TextError::VideoCount {
+                rendered: rendered_videos,
+                videos: video_count,
+            });
+        }
+        // Qwen3-VL: the video's pad becomes per-group placeholders (back to front, so earlier
+        // positions hold); spans after a rewrite shift by its growth.
+        let mut media_spans: Vec<(usize, usize)> = places.iter().map(|p| p.span).collect();
+        let mut video_k = video_count;
+        for (k, place) in places.iter().enumerate().rev() {
+            if place.kind != Kind::Video {
+                continue;
+            }
+            video_k -= 1;
+            let v = videos[video_k];
+            if v.timestamps.is_empty() {
+                continue;
+            }
+            let pad = "<|video_pad|>";
+            let mut dated = String::new();
+            for t in &v.timestamps {
+                dated += &format!(
+                    "<{} seconds><|vision_start|>{pad}<|vision_end|>",
+                    one_decimal(*t)
+                );
+            }
+            let grow = dated.len() - pad.len();
+            let at = place.pad;
+            text.replace_range(at..at + pad.len(), &dated);
+            media_spans[k].1 += grow;
+            for later in &mut media_spans[k + 1..] {
+                later.0 += grow;
+                later.1 += grow;
+            }
+            for span in &mut spans {
+                if span.0 >= at + pad.len() {
+                    span.0 += grow;
+                }
+                if span.1 >= at + pad.len() {
+                    span.1 += grow;
+                }
+            }
+        }
         let enc = self
             .tokenizer
             .encode(text.as_str(), true)
             .map_err(|e| TextError::Tokenizer(e.to_string()))?;
-        let rendered = enc
+        // Pads per run, in text order: an image's one run, a video's one run or one per group.
+        let mut runs = Vec::new();
+        let mut video_k = 0;
+        let mut image_tokens = media.iter().filter_map(|m| match m {
+            MediaTokens::Image(n) => Some(*n),
+            MediaTokens::Video(_) => None,
+        });
+        for place in &places {
+            match place.kind {
+                Kind::Image => runs.push((self.image_pad, image_tokens.next().expect("counted"))),
+                Kind::Video => {
+                    let v = videos[video_k];
+                    video_k += 1;
+                    match v.timestamps.is_empty() {
+                        true => runs.push((self.video_pad, v.groups * v.per_group)),
+                        false => runs.extend((0..v.groups).map(|_| (self.video_pad, v.per_group))),
+                    }
+                }
+            }
+        }
+        let pads = enc
             .get_ids()
             .iter()
-            .filter(|&&t| t == self.image_pad)
+            .filter(|&&t| t == self.image_pad || t == self.video_pad)
             .count();
-        if rendered != image_tokens.len() {
-            return Err(TextError::ImageCount {
-                rendered,
-                images: image_tokens.len(),
-            });
+        if pads != runs.len() {
+            return Err(TextError::Template(format!(
+                "the text holds {pads} image or video pads where its {} media need {}",
+                media.len(),
+                runs.len()
+            )));
         }
-        let total: usize = enc.len() - rendered + image_tokens.iter().sum::<usize>();
+        let total: usize = enc.len() - pads + runs.iter().map(|r| r.1).sum::<usize>();
         let mut input_ids = Vec::with_capacity(total);
         let mut labels = Vec::with_capacity(total);
-        let mut next_image = image_tokens.iter();
-        for (&id, &(s, _)) in enc.get_ids().iter().zip(enc.get_offsets()) {
-            if id == self.image_pad {
-                let n = *next_image.next().expect("counted above");
+        // Each media's token range, from its text span.
+        let mut media_tokens = vec![(usize::MAX, 0usize); media_spans.len()];
+        let mut next_run = runs.iter();
+        for (&id, &(s, e)) in enc.get_ids().iter().zip(enc.get_offsets()) {
+            let at = input_ids.len();
+            let n = if id == self.image_pad || id == self.video_pad {
+                let &(expected, n) = next_run.next().expect("counted above");
+                if id != expected {
+                    return Err(TextError::Template(
+                        "image and video pads came out in another order than their media".into(),
+                    ));
+                }
                 input_ids.extend(std::iter::repeat_n(id as i64, n));
                 labels.extend(std::iter::repeat_n(IGNORE_INDEX, n));
-                continue;
+                n
+            } else {
+                input_ids.push(id as i64);
+                let trained = spans.iter().any(|&(a, b)| s >= a && s < b);
+                labels.push(if trained { id as i64 } else { IGNORE_INDEX });
+                1
+            };
+            for (m, &(a, b)) in media_tokens.iter_mut().zip(&media_spans) {
+                if s >= a && e <= b && e > s {
+                    m.0 = m.0.min(at);
+                    m.1 = m.1.max(at + n);
+                }
             }
-            input_ids.push(id as i64);
-            let trained = spans.iter().any(|&(a, b)| s >= a && s < b);
-            labels.push(if trained { id as i64 } else { IGNORE_INDEX });
         }
-        let mut tok = self.truncate(input_ids, labels, image_tokens.len())?;
+        let kinds: Vec<Kind> = places.iter().map(|p| p.kind).collect();
+        let mut tok = self.truncate(input_ids, labels, &media_tokens, &kinds)?;
         tok.text = text;
         Ok(tok)
     }
 
     /// Truncation policy: keep the first `max_length` tokens, but never cut inside an image's
-    /// `<|vision_start|> … <|vision_end|>` run — the cut moves before it and that image (and
-    /// any later one) is dropped with its pixels. A sample left with no trained token fails.
+    /// or a video's tokens — the cut moves before it and that media (and any later one) is
+    /// dropped with its pixels. A sample left with no trained token fails.
     fn truncate(
         &self,
         mut ids: Vec<i64>,
         mut labels: Vec<i64>,
-        images: usize,
+        media: &[(usize, usize)],
+        kinds: &[Kind],
     ) -> Result<Tokenized, TextError> {
         let len = ids.len();
+        let count = |kind: Kind, cut: usize| {
+            media
+                .iter()
+                .zip(kinds)
+                .filter(|(m, k)| **k == kind && m.1 <= cut)
+                .count()
+        };
         if len <= self.max_length {
             return Ok(Tokenized {
                 input_ids: ids,
                 labels,
-                kept_images: images,
+                kept_images: count(Kind::Image, len),
+                kept_videos: count(Kind::Video, len),
                 truncated: false,
                 text: String::new(),
             });
         }
         let mut cut = self.max_length;
-        let (vs, ve) = (self.vision_start as i64, self.vision_end as i64);
-        if let Some(open) = ids[..cut].iter().rposition(|&t| t == vs) {
-            let closed = ids[open..cut].contains(&ve);
-            if !closed {
-                cut = open;
-            }
+        if let Some(&(start, _)) = media.iter().find(|&&(a, b)| a < cut && cut < b) {
+            cut = start;
         }
         ids.truncate(cut);
         labels.truncate(cut);
@@ -361,15 +486,65 @@ impl TextProcessor {
                 max: self.max_length,
             });
         }
-        let kept_images = ids.iter().filter(|&&t| t == ve).count();
         Ok(Tokenized {
             input_ids: ids,
             labels,
-            kept_images,
+            kept_images: count(Kind::Image, cut),
+            kept_videos: count(Kind::Video, cut),
             truncated: true,
             text: String::new(),
         })
     }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Image,
+    Video,
+}
+
+/// One image's or video's placeholder in rendered text.
+struct Place {
+    /// Its byte span, with the `<|vision_start|>` before and `<|vision_end|>` after when the
+    /// template writes them (the Qwen templates do).
+    span: (usize, usize),
+    /// Where its pad token lies.
+    pad: usize,
+    kind: Kind,
+}
+
+/// Each image's and video's placeholder in rendered text, in order.
+fn placeholders(text: &str) -> Vec<Place> {
+    const START: &str = "<|vision_start|>";
+    const END: &str = "<|vision_end|>";
+    let mut out = Vec::new();
+    for (pad, kind) in [
+        ("<|image_pad|>", Kind::Image),
+        ("<|video_pad|>", Kind::Video),
+    ] {
+        for (at, _) in text.match_indices(pad) {
+            let start = match text[..at].ends_with(START) {
+                true => at - START.len(),
+                false => at,
+            };
+            let mut end = at + pad.len();
+            if text[end..].starts_with(END) {
+                end += END.len();
+            }
+            out.push(Place {
+                span: (start, end),
+                pad: at,
+                kind,
+            });
+        }
+    }
+    out.sort_by_key(|p| p.pad);
+    out
+}
+
+/// Python's `f"{t:.1f}"`: the exact binary value rounded to one decimal, ties to even.
+fn one_decimal(t: f64) -> String {
+    format!("{t:.1}")
 }
 
 /// `conv` with each assistant turn's content between the content markers.

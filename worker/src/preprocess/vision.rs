@@ -413,7 +413,15 @@ pub enum PixelLut {
 
 impl PixelLut {
     pub fn new(preset: &Preset) -> Self {
-        let table = normalization_table(preset);
+        Self::of(preset, normalization_table(preset))
+    }
+
+    /// The lookup for videos (the video processors normalize their own way).
+    pub fn for_videos(preset: &Preset) -> Self {
+        Self::of(preset, video_normalization_table(preset))
+    }
+
+    fn of(preset: &Preset, table: Vec<f32>) -> Self {
         match preset.pixel_dtype {
             PixelDtype::F32 => PixelLut::F32(table),
             PixelDtype::Bf16 => PixelLut::Bf16(
@@ -443,26 +451,58 @@ pub(crate) fn normalization_table(preset: &Preset) -> Vec<f32> {
         .collect()
 }
 
+/// The video processors' normalization as a table, `[3, 256]` like [`normalization_table`]:
+/// transformers' torchvision backend fuses rescale into normalize, all in float32 —
+/// `(x − mean·255) / (std·255)` with `mean·255` and `std·255` float32 products — which
+/// differs from the image path's float64 rescale in the last bit of most values.
+pub(crate) fn video_normalization_table(preset: &Preset) -> Vec<f32> {
+    // 1 / rescale_factor, as torch casts the scalar: 255 in float32.
+    let scale = (1.0f64 / (1.0f64 / 255.0)) as f32;
+    (0..3)
+        .flat_map(|c| {
+            let (mean, std) = (preset.image_mean[c] * scale, preset.image_std[c] * scale);
+            (0..=255u8).map(move |v| (f32::from(v) - mean) / std)
+        })
+        .collect()
+}
+
 /// Normalizes and patchifies a resized RGB image into `pixel_values` rows.
 ///
 /// Row order is (h-block, w-block, merge-row, merge-col) and within a row (c, t, py, px), the
 /// transformers layout; the temporal frames are copies of the one image.
 pub(crate) fn patchify(rgb: &Rgb, preset: &Preset, lut: &PixelLut) -> (PixelBuf, usize, [i64; 3]) {
+    patchify_frames(std::slice::from_ref(rgb), preset, lut)
+}
+
+/// Normalizes and patchifies frames of one size: one image (its temporal frames copies of
+/// it), or a video's frames, a multiple of the temporal patch size (`pixel_values_videos`,
+/// rows ordered by temporal group first).
+pub(crate) fn patchify_frames(
+    frames: &[Rgb],
+    preset: &Preset,
+    lut: &PixelLut,
+) -> (PixelBuf, usize, [i64; 3]) {
     let p = preset.patch_size as usize;
-    let (gh, gw) = (rgb.height / p, rgb.width / p);
+    let t = preset.temporal_patch_size as usize;
+    assert!(
+        frames.len() == 1 || frames.len().is_multiple_of(t),
+        "one image, or whole temporal groups"
+    );
+    let gt = frames.len().div_ceil(t);
+    let (gh, gw) = (frames[0].height / p, frames[0].width / p);
     let pixels = match lut {
-        PixelLut::F32(t) => PixelBuf::F32(patchify_with(rgb, preset, |c, src, out| {
-            lookup(t, c, src, out)
+        PixelLut::F32(tab) => PixelBuf::F32(patchify_with(frames, preset, |c, src, out| {
+            lookup(tab, c, src, out)
         })),
-        PixelLut::Bf16(t) => PixelBuf::Bf16(patchify_with(rgb, preset, |c, src, out| {
-            lookup(t, c, src, out)
+        PixelLut::Bf16(tab) => PixelBuf::Bf16(patchify_with(frames, preset, |c, src, out| {
+            lookup(tab, c, src, out)
         })),
         // Not normalized: the bytes themselves, no table (a third faster than an identity one).
-        PixelLut::U8 => PixelBuf::U8(patchify_with(rgb, preset, |_, src, out| {
+        PixelLut::U8 => PixelBuf::U8(patchify_with(frames, preset, |_, src, out| {
             out.extend((0..src.len().div_ceil(3)).map(|i| src[i * 3]))
         })),
     };
-    (pixels, gh * gw, [1, gh as i64, gw as i64])
+    (pixels, gt * gh * gw, [gt as i64, gh as i64, gw as i64])
 }
 
 /// One patch row of channel `c` through its row of a `[3, 256]` table; `src` holds the row's
@@ -479,45 +519,55 @@ fn lookup<T: Copy>(table: &[T], c: usize, src: &[u8], out: &mut Vec<T>) {
 /// The patchify loop for one output type; `emit(c, src, out)` appends channel `c`'s values
 /// of one patch row (`src`: the row's bytes, that channel's at every third).
 fn patchify_with<T: Copy>(
-    rgb: &Rgb,
+    frames: &[Rgb],
     preset: &Preset,
     emit: impl Fn(usize, &[u8], &mut Vec<T>),
 ) -> Vec<T> {
     // The model families' patch sizes as constants, so the per-row loop unrolls.
     match preset.patch_size {
-        14 => patchify_inline(rgb, preset, emit, 14),
-        16 => patchify_inline(rgb, preset, emit, 16),
-        p => patchify_inline(rgb, preset, emit, p as usize),
+        14 => patchify_inline(frames, preset, emit, 14),
+        16 => patchify_inline(frames, preset, emit, 16),
+        p => patchify_inline(frames, preset, emit, p as usize),
     }
 }
 
 #[inline(always)]
 fn patchify_inline<T: Copy>(
-    rgb: &Rgb,
+    frames: &[Rgb],
     preset: &Preset,
     emit: impl Fn(usize, &[u8], &mut Vec<T>),
     p: usize,
 ) -> Vec<T> {
     let m = preset.merge_size as usize;
     let t = preset.temporal_patch_size as usize;
-    let (gh, gw) = (rgb.height / p, rgb.width / p);
+    let (width, height) = (frames[0].width, frames[0].height);
+    let (gh, gw) = (height / p, width / p);
     let row_len = 3 * t * p * p;
     let frame = p * p;
-    // Written once, front to back (no zero-fill); later temporal frames copy the first.
-    let mut out = Vec::with_capacity(gh * gw * row_len);
-    for bh in 0..gh / m {
-        for bw in 0..gw / m {
-            for mh in 0..m {
-                for mw in 0..m {
-                    let (y0, x0) = ((bh * m + mh) * p, (bw * m + mw) * p);
-                    for c in 0..3 {
-                        let first = out.len();
-                        for py in 0..p {
-                            let start = ((y0 + py) * rgb.width + x0) * 3 + c;
-                            emit(c, &rgb.data[start..start + 3 * (p - 1) + 1], &mut out);
-                        }
-                        for _ in 1..t {
-                            out.extend_from_within(first..first + frame);
+    // One image: its later temporal frames copy the first.
+    let image = frames.len() == 1;
+    // Written once, front to back (no zero-fill).
+    let mut out = Vec::with_capacity(frames.len().div_ceil(t) * gh * gw * row_len);
+    for group in frames.chunks(t) {
+        for bh in 0..gh / m {
+            for bw in 0..gw / m {
+                for mh in 0..m {
+                    for mw in 0..m {
+                        let (y0, x0) = ((bh * m + mh) * p, (bw * m + mw) * p);
+                        for c in 0..3 {
+                            let first = out.len();
+                            let sources = if image { &group[..1] } else { group };
+                            for rgb in sources {
+                                for py in 0..p {
+                                    let start = ((y0 + py) * width + x0) * 3 + c;
+                                    emit(c, &rgb.data[start..start + 3 * (p - 1) + 1], &mut out);
+                                }
+                            }
+                            if image {
+                                for _ in 1..t {
+                                    out.extend_from_within(first..first + frame);
+                                }
+                            }
                         }
                     }
                 }

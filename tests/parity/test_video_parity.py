@@ -1,0 +1,200 @@
+"""Parity of Stoker's video preprocessing with transformers 5.23's Qwen-VL video processors.
+
+Clips are made here with Debian's ffmpeg (H.264, H.265, VP9 and AV1 in MP4, MKV and WebM; 24,
+25, 30 and 59.94 fps, a variable frame rate, a rotated clip, odd sizes, a clip shorter than 4
+frames), plus a frame-list video and a `video_start`/`video_end` part. For every sample and
+preset, `stoker dataset inspect --out` writes what Stoker produces, including the sampled frames
+as it decoded them; then:
+
+- decoded frames: Stoker's (FFmpeg 5.1 from Debian, through ffmpeg-next) against PyAV's (its own
+  FFmpeg build), rotated the same way; the difference is reported and bounded (see DECODE_BOUND);
+- given the same decoded frames (Stoker's, at the positions it sampled), transformers' processor
+  (video processor + chat template + tokenizer) must give the same frame indices, the same
+  `pixel_values_videos` bit for bit, `video_grid_thw`, `second_per_grid_ts` and token ids —
+  Qwen3-VL's `<t seconds>` timestamps included;
+- the rope positions of a sample with a video equal the model's own `get_rope_index`.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from served import STOKER, TOKENIZER  # noqa: E402
+
+av = pytest.importorskip("av")
+torch = pytest.importorskip("torch")
+import video_reference as ref  # noqa: E402
+
+FFMPEG = shutil.which("ffmpeg")
+pytestmark = pytest.mark.skipif(FFMPEG is None, reason="ffmpeg is not installed (scripts/setup-test-deps.sh)")
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATES = {"qwen2-vl": "qwen2-vl.jinja", "qwen2.5-vl": "qwen2-vl.jinja", "qwen3-vl": "qwen3-vl.jinja"}
+# Largest |Δ| of one 8-bit value between Stoker's decoded frames and PyAV's: the decoders are
+# bit-exact by their specifications; what may differ is swscale's YUV → RGB conversion between
+# FFmpeg builds (Debian's 5.1 vs PyAV's bundled one).
+DECODE_BOUND = 2
+
+# name: (ffmpeg output arguments, source filter)
+CLIPS = {
+    "h264.mp4": (["-c:v", "libx264", "-pix_fmt", "yuv420p"], "testsrc2=size=320x240:rate=30", 3.0),
+    "vp9.webm": (["-c:v", "libvpx-vp9", "-deadline", "realtime", "-cpu-used", "8"], "testsrc2=size=318x178:rate=25", 2.0),
+    "hevc.mkv": (["-c:v", "libx265", "-pix_fmt", "yuv420p", "-x265-params", "log-level=error"], "testsrc2=size=160x90:rate=24", 1.5),
+    "av1.mp4": (["-c:v", "libaom-av1", "-cpu-used", "8", "-row-mt", "1"], "testsrc2=size=200x112:rate=30", 1.0),
+    "ntsc.mp4": (["-c:v", "libx264", "-pix_fmt", "yuv420p"], "testsrc2=size=176x144:rate=60000/1001", 2.0),
+    "short.mp4": (["-c:v", "libx264", "-pix_fmt", "yuv420p", "-frames:v", "3"], "testsrc2=size=128x96:rate=30", 1.0),
+}
+
+
+def ffmpeg(*args):
+    subprocess.run([FFMPEG, "-hide_banner", "-loglevel", "error", "-y", *args], check=True)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("videos")
+    clips = root / "clips"
+    clips.mkdir()
+    for name, (codec, src, secs) in CLIPS.items():
+        ffmpeg("-f", "lavfi", "-i", src, "-t", str(secs), *codec, str(clips / name))
+    # Variable frame rate: the second half at half the rate.
+    ffmpeg("-f", "lavfi", "-i", "testsrc2=size=192x108:rate=30", "-t", "2",
+           "-vf", "setpts='if(lt(N,30),N,30+(N-30)*2)/30/TB'", "-fps_mode", "vfr",
+           "-c:v", "libx264", "-pix_fmt", "yuv420p", str(clips / "vfr.mkv"))
+    # Rotation metadata (a display matrix): players, and Stoker, turn the frames upright.
+    ffmpeg("-i", str(clips / "h264.mp4"), "-c", "copy", "-metadata:s:v", "rotate=90", str(clips / "rotated.mp4"))
+    frames = root / "frames"
+    frames.mkdir()
+    ffmpeg("-f", "lavfi", "-i", "testsrc2=size=160x120:rate=10", "-t", "0.5", "-q:v", "2",
+           str(frames / "f%d.jpg"))
+    listed = [f"frames/f{i}.jpg" for i in range(1, 6)]
+
+    def video(path, **kw):
+        return {"type": "video", "video": path, **kw}
+
+    def sample(*parts, text="Describe the video."):
+        return {"messages": [
+            {"role": "user", "content": [*parts, {"type": "text", "text": text}]},
+            {"role": "assistant", "content": "A test pattern."}]}
+
+    lines = [sample(video(f"clips/{n}")) for n in [*CLIPS, "vfr.mkv", "rotated.mp4"]]
+    lines.append(sample(video("clips/h264.mp4", video_start=0.5, video_end=2.5, fps=1.0)))
+    lines.append(sample(video(listed, fps=2.0)))
+    lines.append(sample({"type": "image", "image": "frames/f1.jpg"}, video("clips/hevc.mkv"),
+                        text="Image, then video: the same?"))
+    lines.append({"video": "clips/vp9.webm", "conversations": [
+        {"from": "human", "value": "<video>\nWhat moves?"}, {"from": "gpt", "value": "Colours."}]})
+    (root / "data.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    subprocess.run([STOKER, "dataset", "index", str(root)], check=True, capture_output=True)
+    return root, lines
+
+
+def pyav_frames(path: Path):
+    """Every frame as PyAV decodes it (rgb24), the stream's frame count and average rate."""
+    with av.open(str(path)) as c:
+        s = c.streams.video[0]
+        frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+        return np.stack(frames), s.frames or len(frames), float(s.average_rate)
+
+
+def inspect(root: Path, i: int, preset: str, tmp: Path):
+    out = tmp / f"{preset}-{i}.safetensors"
+    r = subprocess.run(
+        [STOKER, "dataset", "inspect", str(root), "--sample", str(i), "--preset", preset,
+         "--tokenizer", str(TOKENIZER), "--pixel-dtype", "f32", "--out", str(out)],
+        capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return load_file(str(out)), r.stdout
+
+
+def hf_messages(sample):
+    """The sample as transformers' chat template takes it (video items as they are)."""
+    if "messages" in sample:
+        return sample["messages"]
+    return [{"role": "user", "content": [{"type": "video", "video": sample["video"]},
+                                         {"type": "text", "text": "\nWhat moves?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Colours."}]}]
+
+
+def videos_of(sample):
+    return [p for m in hf_messages(sample) for p in (m["content"] if isinstance(m["content"], list) else [])
+            if p.get("type") == "video"]
+
+
+@pytest.mark.parametrize("preset", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_video_samples_match_transformers(dataset, tmp_path, preset):
+    root, lines = dataset
+    proc = ref.processor(preset)
+    template = (ROOT / "worker/templates" / TEMPLATES[preset]).read_text()
+    worst_decode, checked = 0, 0
+    for i, sample in enumerate(lines):
+        ours, _ = inspect(root, i, preset, tmp_path)
+        parts = videos_of(sample)
+        grids, seconds, expansions = [], [], []
+        for k, part in enumerate(parts):
+            frames = ours[f"video_frames_{k}"]
+            indices = ours[f"video_indices_{k}"].tolist()
+            if isinstance(part["video"], list):
+                # A frame list: every frame, dated at its fps; HF takes the frames as given.
+                want = ref.process_frames(preset, frames, part.get("fps", 2.0), sampled=False)
+                video_fps = part.get("fps", 2.0)
+                np.testing.assert_array_equal(want["indices"], np.arange(len(frames)))
+            else:
+                decoded, total, video_fps = pyav_frames(root / part["video"])
+                # Rotated clips: Stoker turns the frames upright (ffmpeg's autorotate); PyAV
+                # hands them as coded.
+                if decoded.shape[1:3] != frames.shape[1:3]:
+                    decoded = np.rot90(decoded, k=1, axes=(1, 2))
+                d = np.abs(decoded[indices].astype(int) - frames.astype(int))
+                worst_decode = max(worst_decode, int(d.max()))
+                assert d.max() <= DECODE_BOUND, f"{part['video']}: decoded frames differ by {d.max()}"
+                # The reference's input: Stoker's own decoded frames where it sampled (the
+                # others are never read).
+                first = int(np.ceil(part.get("video_start", 0) * video_fps))
+                last = int(np.floor(part["video_end"] * video_fps)) if "video_end" in part else total - 1
+                clip = np.zeros((last - first + 1, *frames.shape[1:]), np.uint8)
+                clip[np.asarray(indices) - first] = frames
+                want = ref.process_frames(preset, clip, video_fps, sampled=True, fps=part.get("fps", 2.0))
+                assert (want["indices"] + first).tolist() == indices, f"sample {i}: frame indices"
+            grids.append(want["video_grid_thw"][0])
+            if "second_per_grid_ts" in want:
+                seconds.append(float(want["second_per_grid_ts"][0]))
+            expansions.append((indices, video_fps))
+            ours_rows = ours["pixel_values_videos"]
+            row = sum(int(np.prod(g)) for g in grids[:-1])
+            rows = int(np.prod(grids[-1]))
+            d = np.abs(ours_rows[row:row + rows] - want["pixel_values_videos"])
+            assert d.max() == 0.0, f"sample {i} video {k}: pixel_values_videos max |Δ| {d.max()}"
+            checked += 1
+        np.testing.assert_array_equal(ours["video_grid_thw"], np.stack(grids))
+        if preset == "qwen2.5-vl":
+            np.testing.assert_array_equal(ours["second_per_grid_ts"], np.asarray(seconds, np.float32))
+        # Token ids: the chat template's text, each video expanded by the processor.
+        text = proc.tokenizer.apply_chat_template(hf_messages(sample), chat_template=template, tokenize=False)
+        ids = expand(preset, proc, text, ours, grids, expansions)
+        assert ours["input_ids"][0].tolist() == ids, f"sample {i} ({preset}): token ids differ"
+    print(f"\n[{preset}] {checked} videos bit-identical given the same frames; decode |Δ| ≤ {worst_decode}",
+          file=sys.stderr)
+    assert checked >= len(lines)
+
+
+def expand(preset, proc, text, ours, grids, expansions):
+    """The processor's text expansion of images and videos, then its tokenizer."""
+    images = []
+    if "image_grid_thw" in ours and len(ours["image_grid_thw"]):
+        merge = proc.image_processor.merge_size ** 2
+        images = ["<|image_pad|>" * int(np.prod(g) // merge) for g in ours["image_grid_thw"]]
+    inputs = {"video_grid_thw": torch.as_tensor(np.stack(grids))}
+    if preset == "qwen3-vl":
+        inputs["video_metadata"] = [ref.VideoMetadata(total_num_frames=len(ix), fps=f, frames_indices=list(ix))
+                                    for ix, f in expansions]
+    videos = [proc.replace_video_token(inputs, video_idx=k) for k in range(len(grids))]
+    out, _ = proc.get_text_with_replacements([text], images_replacements=images, videos_replacements=videos)
+    return proc.tokenizer(out[0])["input_ids"]

@@ -1,0 +1,35 @@
+//! Why a video could not become frames: each variant is one metric label (see
+//! `SampleErrorKind`), and its message names what was wrong.
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum VideoError {
+    #[error("not a container or codec this worker decodes")]
+    Unsupported,
+    #[error("the container holds no video stream")]
+    NoVideoStream,
+    #[error("corrupt video: {0}")]
+    Corrupt(String),
+    #[error(
+        "frames of {w}x{h} are over the limit (max side {max_side}, max {max_pixels} pixels); not decoded"
+    )]
+    FrameTooLarge {
+        w: u32,
+        h: u32,
+        max_side: u32,
+        max_pixels: u64,
+    },
+    #[error("{frames} frames are over the limit of {max} (max-video-frames); not decoded")]
+    TooManyFrames { frames: u64, max: u64 },
+    #[error("{0}")]
+    Sampling(String),
+    #[error(
+        "its {frames} sampled frames of {w}x{h} would bring the sample's pixels over the limit of \
+         {max} (max-sample-pixels); not decoded"
+    )]
+    SamplePixels {
+        frames: usize,
+        w: u32,
+        h: u32,
+        max: u64,
+    },
+}
