@@ -43,6 +43,10 @@ pub struct Pack {
     pub images: Range<usize>,
     /// Its rows of `pixel_values`.
     pub pixel_rows: Range<usize>,
+    /// Its rows of `video_grid_thw` (and `second_per_grid_ts`); empty without videos.
+    pub videos: Range<usize>,
+    /// Its rows of `pixel_values_videos`.
+    pub video_rows: Range<usize>,
 }
 
 /// One tensor of a batch: metadata and its bytes, borrowed from the batch payload.
@@ -140,19 +144,16 @@ fn ints(
 
 /// The packs a packed batch's tensors describe, every range checked against the tensor it
 /// points into: a worker of another version (or a hostile one) never makes a trainer index
-/// past a tensor, and every sample and image belongs to exactly one pack.
+/// past a tensor, and every sample, image and video belongs to exactly one pack.
 fn packs(batch: &Batch) -> std::result::Result<Vec<Pack>, String> {
     let (cu, cu_shape) = ints(batch, tensor::CU_SEQLENS, 2)?;
-    let (pack_images, _) = ints(batch, tensor::PACK_IMAGES, 1)?;
-    let (grid, _) = ints(batch, tensor::IMAGE_GRID_THW, 2)?;
     let (rows, width) = match batch.tensor(tensor::INPUT_IDS).map(|t| t.shape) {
         Some(&[rows, width]) => (rows as usize, width as usize),
         shape => return Err(format!("input_ids has shape {shape:?}")),
     };
-    if cu_shape[0] != rows || cu_shape[1] == 0 || pack_images.len() != rows {
+    if cu_shape[0] != rows || cu_shape[1] == 0 {
         return Err(format!(
-            "input_ids has {rows} rows, cu_seqlens shape {cu_shape:?}, pack_images {} rows",
-            pack_images.len()
+            "input_ids has {rows} rows, cu_seqlens shape {cu_shape:?}"
         ));
     }
     let positions = batch.tensor(tensor::POSITION_IDS).map(|t| t.shape);
@@ -161,25 +162,18 @@ fn packs(batch: &Batch) -> std::result::Result<Vec<Pack>, String> {
             "position_ids has shape {positions:?}, not [4, {rows}, {width}]"
         ));
     }
-    let first_pixel_row = pixel_row_starts(&grid)?;
+    let images = media_ranges(batch, rows, Media::IMAGES)?;
+    let videos = match batch.tensor(tensor::PACK_VIDEOS) {
+        Some(_) => media_ranges(batch, rows, Media::VIDEOS)?,
+        None => vec![(0..0, 0..0); rows],
+    };
     let mut out: Vec<Pack> = Vec::with_capacity(rows);
-    for (row, (bounds, &images)) in cu.chunks_exact(cu_shape[1]).zip(&pack_images).enumerate() {
+    for (row, bounds) in cu.chunks_exact(cu_shape[1]).enumerate() {
         let cu_seqlens = sample_bounds(bounds, width).map_err(|e| format!("pack {row}: {e}"))?;
-        // Each pack's samples and images follow the previous pack's.
-        let (first_sample, first_image) =
-            out.last().map_or((0, 0), |p| (p.samples.end, p.images.end));
-        let samples = first_sample..first_sample + cu_seqlens.len() - 1;
-        let images = usize::try_from(images)
-            .ok()
-            .and_then(|n| first_image.checked_add(n))
-            .filter(|&end| end < first_pixel_row.len())
-            .map(|end| first_image..end)
-            .ok_or_else(|| {
-                format!(
-                    "pack {row}: {images} images, past image_grid_thw's {}",
-                    grid.len() / 3
-                )
-            })?;
+        // Each pack's samples follow the previous pack's.
+        let first_sample = out.last().map_or(0, |p| p.samples.end);
+        let (images, pixel_rows) = images[row].clone();
+        let (videos, video_rows) = videos[row].clone();
         out.push(Pack {
             row,
             tokens: *cu_seqlens.last().unwrap() as usize,
@@ -188,36 +182,100 @@ fn packs(batch: &Batch) -> std::result::Result<Vec<Pack>, String> {
                 .map(|w| w[1] - w[0])
                 .max()
                 .unwrap_or(0),
+            samples: first_sample..first_sample + cu_seqlens.len() - 1,
             cu_seqlens,
-            samples,
-            pixel_rows: first_pixel_row[images.start]..first_pixel_row[images.end],
             images,
+            pixel_rows,
+            videos,
+            video_rows,
         });
     }
-    let pixel_rows = batch
-        .tensor(tensor::PIXEL_VALUES)
-        .map_or(0, |t| t.shape.first().copied().unwrap_or(0) as usize);
-    let ends = out.last().map_or((0, 0, 0), |p| {
-        (p.samples.end, p.images.end, p.pixel_rows.end)
-    });
-    let want = (batch.sample_ids.len(), grid.len() / 3, pixel_rows);
-    if ends != want {
+    let samples = out.last().map_or(0, |p| p.samples.end);
+    if samples != batch.sample_ids.len() {
         return Err(format!(
-            "packs hold (samples, images, pixel rows) {ends:?}, the batch {want:?}"
+            "packs hold {samples} samples, the batch {}",
+            batch.sample_ids.len()
         ));
     }
     Ok(out)
 }
 
-/// Each image's first row of `pixel_values` (t·h·w rows per image), and the end.
-fn pixel_row_starts(grid: &[i64]) -> std::result::Result<Vec<usize>, String> {
+/// One kind of media in a packed batch: its per-pack counts, grids and pixel tensors.
+struct Media {
+    what: &'static str,
+    counts: &'static str,
+    grid: &'static str,
+    pixels: &'static str,
+}
+
+impl Media {
+    const IMAGES: Media = Media {
+        what: "images",
+        counts: tensor::PACK_IMAGES,
+        grid: tensor::IMAGE_GRID_THW,
+        pixels: tensor::PIXEL_VALUES,
+    };
+    const VIDEOS: Media = Media {
+        what: "videos",
+        counts: tensor::PACK_VIDEOS,
+        grid: tensor::VIDEO_GRID_THW,
+        pixels: tensor::PIXEL_VALUES_VIDEOS,
+    };
+}
+
+/// Each pack's (grid rows, pixel rows) of one kind of media, packs one after another, all of
+/// the batch's media in them.
+type MediaRanges = Vec<(Range<usize>, Range<usize>)>;
+
+fn media_ranges(batch: &Batch, rows: usize, m: Media) -> std::result::Result<MediaRanges, String> {
+    let (counts, _) = ints(batch, m.counts, 1)?;
+    let (grid, _) = ints(batch, m.grid, 2)?;
+    if counts.len() != rows {
+        return Err(format!(
+            "input_ids has {rows} rows, {} {}",
+            m.counts,
+            counts.len()
+        ));
+    }
+    let first_row = pixel_row_starts(&grid, m.grid)?;
+    let mut out: MediaRanges = Vec::with_capacity(rows);
+    for (row, &n) in counts.iter().enumerate() {
+        let first = out.last().map_or(0, |p| p.0.end);
+        let items = usize::try_from(n)
+            .ok()
+            .and_then(|n| first.checked_add(n))
+            .filter(|&end| end < first_row.len())
+            .map(|end| first..end)
+            .ok_or_else(|| {
+                let have = grid.len() / 3;
+                format!("pack {row}: {n} {}, past {}'s {have}", m.what, m.grid)
+            })?;
+        let pixels = first_row[items.start]..first_row[items.end];
+        out.push((items, pixels));
+    }
+    let pixel_rows = batch
+        .tensor(m.pixels)
+        .map_or(0, |t| t.shape.first().copied().unwrap_or(0) as usize);
+    let ends = out.last().map_or((0, 0), |p| (p.0.end, p.1.end));
+    let want = (grid.len() / 3, pixel_rows);
+    if ends != want {
+        return Err(format!(
+            "packs hold ({}, {} rows) {ends:?}, the batch {want:?}",
+            m.grid, m.pixels
+        ));
+    }
+    Ok(out)
+}
+
+/// Each image's (video's) first row of its pixel tensor (t·h·w rows each), and the end.
+fn pixel_row_starts(grid: &[i64], name: &str) -> std::result::Result<Vec<usize>, String> {
     let mut starts = vec![0usize];
     for thw in grid.chunks_exact(3) {
         let rows = thw.iter().try_fold(1usize, |n, &d| {
             usize::try_from(d).ok().and_then(|d| n.checked_mul(d))
         });
         let end = rows.and_then(|r| starts.last().unwrap().checked_add(r));
-        starts.push(end.ok_or_else(|| format!("image_grid_thw holds {thw:?}"))?);
+        starts.push(end.ok_or_else(|| format!("{name} holds {thw:?}"))?);
     }
     Ok(starts)
 }
@@ -319,7 +377,9 @@ mod tests {
                     max_seqlen: 3,
                     samples: 0..2,
                     images: 0..2,
-                    pixel_rows: 0..6
+                    pixel_rows: 0..6,
+                    videos: 0..0,
+                    video_rows: 0..0,
                 },
                 Pack {
                     row: 1,
@@ -328,7 +388,9 @@ mod tests {
                     max_seqlen: 4,
                     samples: 2..3,
                     images: 2..2,
-                    pixel_rows: 6..6
+                    pixel_rows: 6..6,
+                    videos: 0..0,
+                    video_rows: 0..0,
                 },
             ]
         );
@@ -374,7 +436,7 @@ mod tests {
                 with("cu_seqlens", vec![1, 3], i32s(&[0, 3, 5])),
                 "cu_seqlens shape",
             ),
-            (4, tensors(), "samples, images, pixel rows"),
+            (4, tensors(), "packs hold 3 samples, the batch 4"),
             (
                 3,
                 with("pack_images", vec![2], i64s(&[2, 1])),
@@ -384,7 +446,7 @@ mod tests {
             (
                 3,
                 with("pack_images", vec![2], i64s(&[1, 0])),
-                "samples, images, pixel rows",
+                "packs hold (image_grid_thw, pixel_values rows)",
             ),
             (
                 3,

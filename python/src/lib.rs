@@ -315,8 +315,18 @@ create_exception!(
     "A batch could not be served; the message names the epoch, batch, rank and worker."
 );
 
-/// (row, tokens, cu_seqlens, max_seqlen, images, pixel rows): a pack for `Batch.packs()`.
-type PackRanges = (usize, usize, Vec<i32>, i32, (usize, usize), (usize, usize));
+/// (row, tokens, cu_seqlens, max_seqlen, images, pixel rows, videos, video pixel rows): a
+/// pack for `Batch.packs()`.
+type PackRanges = (
+    usize,
+    usize,
+    Vec<i32>,
+    i32,
+    (usize, usize),
+    (usize, usize),
+    (usize, usize),
+    (usize, usize),
+);
 
 fn pack_ranges(p: &stoker_client::Pack) -> PackRanges {
     let range = |r: &std::ops::Range<usize>| (r.start, r.end);
@@ -327,6 +337,8 @@ fn pack_ranges(p: &stoker_client::Pack) -> PackRanges {
         p.max_seqlen,
         range(&p.images),
         range(&p.pixel_rows),
+        range(&p.videos),
+        range(&p.video_rows),
     )
 }
 

@@ -67,7 +67,7 @@ def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-_PackRanges = Tuple[int, int, List[int], int, Tuple[int, int], Tuple[int, int]]
+_PackRanges = Tuple[int, int, List[int], int, Tuple[int, int], Tuple[int, int], Tuple[int, int], Tuple[int, int]]
 
 
 @dataclass
@@ -91,7 +91,8 @@ class Batch:
     worker: str
     payload: Any = field(repr=False)
     # A packed batch's packs as the native client checked them against the tensors: (row,
-    # tokens, cu_seqlens, max_seqlen, image rows, pixel rows); None for a plain batch.
+    # tokens, cu_seqlens, max_seqlen, image rows, pixel rows, video rows, video pixel rows);
+    # None for a plain batch.
     pack_ranges: Optional[List[_PackRanges]] = field(default=None, repr=False)
     # Where pixel_values() writes by default: the loader's pool (reused once nothing views
     # a buffer), or fresh memory.
@@ -198,8 +199,9 @@ class Batch:
             raise ConfigError("not a packed batch: start the workers with --pack-max-tokens")
         t = self.tensors
         pixels = self.pixel_values(device=device, dtype=pixel_dtype, pool=pool)
+        videos = self.pixel_values_videos(device=device, dtype=pixel_dtype) if "pixel_values_videos" in t else None
         out = []
-        for row, tokens, bounds, longest, images, rows in self.pack_ranges:
+        for row, tokens, bounds, longest, images, rows, vids, video_rows in self.pack_ranges:
             cu = np.asarray(bounds, dtype=np.int32)
             pack = {
                 "input_ids": t["input_ids"][row : row + 1, :tokens],
@@ -209,11 +211,17 @@ class Batch:
                 "cu_seq_lens_q": cu,
                 "cu_seq_lens_k": cu,
             }
+            if videos is not None:
+                pack["video_grid_thw"] = t["video_grid_thw"][slice(*vids)]
+                if "second_per_grid_ts" in t:
+                    pack["second_per_grid_ts"] = t["second_per_grid_ts"][slice(*vids)]
             if device is not None:
                 import torch
 
                 pack = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in pack.items()}
             pack["pixel_values"] = pixels[slice(*rows)]
+            if videos is not None:
+                pack["pixel_values_videos"] = videos[slice(*video_rows)]
             pack["max_length_q"] = pack["max_length_k"] = longest
             # transformers separates packed samples only without a KV cache (training).
             pack["use_cache"] = False

@@ -42,6 +42,8 @@ pub mod tensor {
     pub const CU_SEQLENS: &str = "cu_seqlens";
     /// int64 `[B]`, packed batches only: images per pack.
     pub const PACK_IMAGES: &str = "pack_images";
+    /// int64 `[B]`, packed batches holding a video: videos per pack.
+    pub const PACK_VIDEOS: &str = "pack_videos";
     /// float32 `[3, 256]`, u8 pixels only: the normalization table, per channel and value.
     pub const PIXEL_LUT: &str = "pixel_lut";
     /// `[P, 3·2·p·p]`, batches with a video only: every video's patches, in sample order, in

@@ -71,12 +71,14 @@ pub struct Packing {
     pub max_samples: usize,
     /// `[rows]`: each row's images (their `pixel_values` rows follow each other in order).
     pub pack_images: Vec<i64>,
+    /// `[rows]`: each row's videos, likewise.
+    pub pack_videos: Vec<i64>,
 }
 
 impl Packing {
     pub fn tensor_bytes(&self) -> u64 {
-        (self.position_ids.len() * 8 + self.cu_seqlens.len() * 4 + self.pack_images.len() * 8)
-            as u64
+        let counts = self.pack_images.len() + self.pack_videos.len();
+        (self.position_ids.len() * 8 + self.cu_seqlens.len() * 4 + counts * 8) as u64
     }
 }
 

@@ -138,6 +138,7 @@ pub fn collate_packed(
     let mut positions: Vec<[Vec<i64>; 4]> = Vec::with_capacity(pack_sizes.len());
     let mut cu_seqlens = Vec::with_capacity(pack_sizes.len() * (max_samples + 1));
     let mut pack_images = Vec::with_capacity(pack_sizes.len());
+    let mut pack_videos = Vec::with_capacity(pack_sizes.len());
     for &n in pack_sizes {
         let mut row = PreparedSample {
             sample_id: 0,
@@ -170,6 +171,7 @@ pub fn collate_packed(
         bounds.resize(max_samples + 1, end);
         cu_seqlens.extend(bounds);
         pack_images.push(row.images.len() as i64);
+        pack_videos.push(row.videos.len() as i64);
         positions.push(pos);
         rows.push(row);
     }
@@ -188,6 +190,7 @@ pub fn collate_packed(
         cu_seqlens,
         max_samples,
         pack_images,
+        pack_videos,
     });
     batch
 }

@@ -621,7 +621,15 @@ impl Pipeline {
                         let (w, h) = (header.width, header.height);
                         check_limits(w, h, limits.next_image(decoded_pixels)).map_err(refused)?;
                         decoded_pixels += u64::from(w) * u64::from(h);
-                        size.get_or_insert(header.upright());
+                        let first = *size.get_or_insert(header.upright());
+                        if header.upright() != first {
+                            let (a, b) = (header.upright(), first);
+                            let err = VideoError::Corrupt(format!(
+                                "frame {key} is {}x{}, the list's first {}x{} (HxW): sizes may not change",
+                                a.0, a.1, b.0, b.1
+                            ));
+                            return Err(video_cause(key, err));
+                        }
                     }
                     let upright = size.expect("a frame list holds frames");
                     let left = limits.sample_pixels.saturating_sub(decoded_pixels);

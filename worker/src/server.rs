@@ -179,9 +179,10 @@ async fn write_batch<W: AsyncWrite + Unpin>(
     }
     let packing = batch.packing.as_ref().map(|p| {
         let cu: Vec<u8> = p.cu_seqlens.iter().flat_map(|x| x.to_le_bytes()).collect();
-        (p, i64_bytes(&p.position_ids), cu, i64_bytes(&p.pack_images))
+        let counts = (i64_bytes(&p.pack_images), i64_bytes(&p.pack_videos));
+        (p, i64_bytes(&p.position_ids), cu, counts)
     });
-    if let Some((p, positions, cu, images)) = &packing {
+    if let Some((p, positions, cu, (images, videos))) = &packing {
         tensors.push(i64_tensor(tensor::POSITION_IDS, vec![4, b, l], positions));
         tensors.push(TensorRef {
             name: tensor::CU_SEQLENS,
@@ -190,6 +191,9 @@ async fn write_batch<W: AsyncWrite + Unpin>(
             chunks: vec![cu],
         });
         tensors.push(i64_tensor(tensor::PACK_IMAGES, vec![b], images));
+        if !batch.video_chunks.is_empty() {
+            tensors.push(i64_tensor(tensor::PACK_VIDEOS, vec![b], videos));
+        }
     }
     let with_videos = !batch.video_chunks.is_empty();
     let luts = [

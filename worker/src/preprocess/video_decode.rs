@@ -69,10 +69,10 @@ fn open<R: Read + Seek + Send + 'static>(reader: R) -> Result<Opened, VideoError
     init();
     let io = ff::format::context::StreamIo::from_read_seek(reader)
         .map_err(|e| corrupt("opening the container", e))?;
-    let input = ff::format::input_from_stream(io, None, None).map_err(|e| match e {
-        ff::Error::InvalidData => VideoError::Unsupported,
-        e => corrupt("opening the container", e),
-    })?;
+    // FFmpeg says "invalid data" alike for a file no demuxer knows and one cut short before its
+    // index: both are the data's fault, named with FFmpeg's words.
+    let input = ff::format::input_from_stream(io, None, None)
+        .map_err(|e| corrupt("opening the container", e))?;
     let stream = input
         .streams()
         .best(ff::media::Type::Video)

@@ -3,7 +3,7 @@
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum VideoError {
-    #[error("not a container or codec this worker decodes")]
+    #[error("a codec this worker does not decode")]
     Unsupported,
     #[error("the container holds no video stream")]
     NoVideoStream,

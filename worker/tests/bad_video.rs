@@ -1,0 +1,149 @@
+//! Videos: a good clip becomes its tensors and tokens; a bad one — cut short, not a video, over a
+//! limit, a part holding no frame, a frame list of mixed sizes — fails by name with its kind
+//! counted, whether served or measured from its header; the worker goes on.
+
+use stoker_config::WorkerConfig;
+use stoker_worker::metrics::Metrics;
+use stoker_worker::pipeline::open_pipeline;
+
+/// One second of 64x48 H.264 at 30 fps (moov first, so a cut keeps the header).
+const CLIP: &[u8] = include_bytes!("fixtures/clip.mp4");
+
+fn line(video: &str) -> String {
+    format!(
+        r#"{{"messages": [{{"role": "user", "content": [{video}, {{"type": "text", "text": "What happens?"}}]}}, {{"role": "assistant", "content": "Colours move."}}]}}"#
+    )
+}
+
+fn png(w: u32, h: u32) -> Vec<u8> {
+    let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8, y as u8, 7]));
+    let mut out = std::io::Cursor::new(Vec::new());
+    image::DynamicImage::from(img)
+        .write_to(&mut out, image::ImageFormat::Png)
+        .unwrap();
+    out.into_inner()
+}
+
+fn dataset() -> tempfile::TempDir {
+    let root = tempfile::tempdir().unwrap();
+    let clips = root.path().join("clips");
+    std::fs::create_dir_all(&clips).unwrap();
+    std::fs::write(clips.join("good.mp4"), CLIP).unwrap();
+    std::fs::write(clips.join("cut.mp4"), &CLIP[..CLIP.len() / 2]).unwrap();
+    std::fs::write(clips.join("notes.mp4"), b"a shopping list, not a video").unwrap();
+    std::fs::write(clips.join("a.png"), png(40, 30)).unwrap();
+    std::fs::write(clips.join("b.png"), png(30, 40)).unwrap();
+    let lines = [
+        line(r#"{"type": "video", "video": "clips/good.mp4"}"#),
+        line(r#"{"type": "video", "video": "clips/cut.mp4"}"#),
+        line(r#"{"type": "video", "video": "clips/notes.mp4"}"#),
+        line(r#"{"type": "video", "video": "clips/good.mp4", "video_start": 5, "video_end": 6}"#),
+        line(r#"{"type": "video", "video": ["clips/a.png", "clips/b.png"]}"#),
+        line(r#"{"type": "video", "video": ["clips/a.png", "clips/a.png", "clips/a.png"]}"#),
+    ];
+    std::fs::write(root.path().join("data.jsonl"), lines.join("\n") + "\n").unwrap();
+    root
+}
+
+fn config(root: &tempfile::TempDir) -> WorkerConfig {
+    let mut c = WorkerConfig {
+        data: root.path().to_str().unwrap().to_string(),
+        ..WorkerConfig::default()
+    };
+    c.sampling.global_batch_size = 1;
+    c
+}
+
+#[tokio::test]
+async fn bad_videos_fail_by_name_and_kind_and_good_ones_make_their_tensors() {
+    let root = dataset();
+    let metrics = Metrics::new();
+    let p = open_pipeline(&config(&root), metrics.clone())
+        .await
+        .unwrap();
+
+    // The good clip: 30 frames at 30 fps, qwen2-vl samples 4 (min_frames), resized per frame.
+    let s = p.load_sample(0).await.unwrap();
+    let v = &s.videos[0];
+    assert_eq!(v.indices, [0, 7, 15, 22]);
+    let [t, h, w] = v.grid_thw;
+    assert_eq!(t, 2);
+    let pads = s.input_ids.iter().filter(|&&id| id == 151_656).count() as i64;
+    assert_eq!(pads, t * h * w / 4, "one <|video_pad|> per merged patch");
+    let shape = p.measure_sample(0).await.unwrap();
+    assert_eq!(
+        shape.tokens,
+        s.input_ids.len() as u64,
+        "measured from the header alone"
+    );
+    assert_eq!((shape.videos, shape.vision_tokens), (1, pads as u64));
+
+    // A frame list of three frames is padded to four (the last repeated).
+    let s = p.load_sample(5).await.unwrap();
+    assert_eq!(s.videos[0].indices, [0, 1, 2]);
+    assert_eq!(s.videos[0].grid_thw[0], 2);
+
+    let cases = [
+        (1, "video_corrupt", "clips/cut.mp4: corrupt video: decoding frame"),
+        (
+            2,
+            "video_corrupt",
+            "clips/notes.mp4: corrupt video: opening the container",
+        ),
+        (3, "video_sampling", "holds no frame"),
+        (4, "video_corrupt", "sizes may not change"),
+    ];
+    for (id, kind, says) in cases {
+        let e = p.load_sample(id).await.err().expect("a bad video fails");
+        assert_eq!(e.kind, kind, "sample {id}: {e}");
+        assert!(e.to_string().contains(says), "sample {id}: {e}");
+        assert!(
+            !e.transient,
+            "the data's fault: skipped under on_error skip"
+        );
+        if id != 1 {
+            // Measured from the header: the same refusal.
+            let m = p
+                .measure_sample(id)
+                .await
+                .err()
+                .expect("refused from the header");
+            assert_eq!(m.kind, kind, "measured sample {id}: {m}");
+        }
+    }
+    let count = |kind: &str| metrics.sample_errors_total.with_label_values(&[kind]).get();
+    assert!(count("video_corrupt") >= 3 && count("video_sampling") >= 1);
+}
+
+#[tokio::test]
+async fn clips_over_the_frame_and_size_limits_are_refused_from_the_header() {
+    let root = dataset();
+    let mut c = config(&root);
+    c.preprocessing.max_video_frames = 29;
+    let p = open_pipeline(&c, Metrics::new()).await.unwrap();
+    let e = p.load_sample(0).await.err().unwrap();
+    assert_eq!(e.kind, "video_too_long");
+    assert!(
+        e.to_string().contains("30 frames are over the limit of 29"),
+        "{e}"
+    );
+    assert_eq!(
+        p.measure_sample(0).await.err().unwrap().kind,
+        "video_too_long"
+    );
+
+    let mut c = config(&root);
+    c.preprocessing.max_image_side = 48;
+    let p = open_pipeline(&c, Metrics::new()).await.unwrap();
+    let e = p.load_sample(0).await.err().unwrap();
+    assert_eq!(e.kind, "video_too_large");
+    assert!(e.to_string().contains("frames of 64x48"), "{e}");
+
+    // Sampled frames bounded by the sample's pixel budget: 4 frames scaled up to qwen2-vl's
+    // 100,352 pixels each are over 300,000.
+    let mut c = config(&root);
+    c.preprocessing.max_sample_pixels = 300_000;
+    let p = open_pipeline(&c, Metrics::new()).await.unwrap();
+    let e = p.load_sample(0).await.err().unwrap();
+    assert_eq!(e.kind, "sample_too_large", "{e}");
+}
