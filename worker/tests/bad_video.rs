@@ -84,7 +84,11 @@ async fn bad_videos_fail_by_name_and_kind_and_good_ones_make_their_tensors() {
     assert_eq!(s.videos[0].grid_thw[0], 2);
 
     let cases = [
-        (1, "video_corrupt", "clips/cut.mp4: corrupt video: decoding frame"),
+        (
+            1,
+            "video_corrupt",
+            "clips/cut.mp4: corrupt video: decoding frame",
+        ),
         (
             2,
             "video_corrupt",
@@ -103,11 +107,7 @@ async fn bad_videos_fail_by_name_and_kind_and_good_ones_make_their_tensors() {
         );
         if id != 1 {
             // Measured from the header: the same refusal.
-            let m = p
-                .measure_sample(id)
-                .await
-                .err()
-                .expect("refused from the header");
+            let m = (p.measure_sample(id).await).expect_err("refused from the header");
             assert_eq!(m.kind, kind, "measured sample {id}: {m}");
         }
     }
