@@ -198,3 +198,100 @@ def expand(preset, proc, text, ours, grids, expansions):
     videos = [proc.replace_video_token(inputs, video_idx=k) for k in range(len(grids))]
     out, _ = proc.get_text_with_replacements([text], images_replacements=images, videos_replacements=videos)
     return proc.tokenizer(out[0])["input_ids"]
+
+
+VIDEO_TOKEN = 151656  # <|video_pad|>
+PACK = 8192
+
+
+@pytest.mark.parametrize("preset", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_packed_video_samples_have_the_models_rope_positions(dataset, tmp_path, preset):
+    """Packed (`--pack-max-tokens`): each sample of each pack is its unpacked self (tokens, video
+    pixels, grids) and its rope rows are the model's `get_rope_index` on it alone."""
+    from served import epoch, serve
+
+    root, lines = dataset
+    subprocess.run([STOKER, "dataset", "stats", str(root), "--preset", preset, "--tokenizer",
+                    str(TOKENIZER), "--write-lengths"], check=True, capture_output=True)
+    alone = [inspect(root, i, preset, tmp_path)[0] for i in range(len(lines))]
+    proc, addr = serve(root, "--preset", preset, "--pack-max-tokens", str(PACK), "--pixel-dtype", "f32",
+                       global_batch=4)
+    checked = 0
+    try:
+        for b in epoch(addr):
+            ids = iter(b.sample_ids)
+            for pack in b.packs():
+                bounds = pack["cu_seq_lens_q"]
+                video_row = video = 0
+                for lo, hi in zip(bounds[:-1], bounds[1:]):
+                    want = alone[next(ids)]
+                    tokens = pack["input_ids"][0, lo:hi]
+                    np.testing.assert_array_equal(tokens, want["input_ids"][0])
+                    n = len(want["video_grid_thw"])
+                    grids = pack["video_grid_thw"][video:video + n]
+                    np.testing.assert_array_equal(grids, want["video_grid_thw"])
+                    rows = int(grids.prod(axis=1).sum())
+                    np.testing.assert_array_equal(pack["pixel_values_videos"][video_row:video_row + rows],
+                                                  want["pixel_values_videos"])
+                    seconds = pack.get("second_per_grid_ts")
+                    rope = ref.rope_index(preset, tokens, grids,
+                                          None if seconds is None else seconds[video:video + n],
+                                          image_grid_thw=want["image_grid_thw"] if len(want["image_grid_thw"]) else None)
+                    np.testing.assert_array_equal(pack["position_ids"][1:, 0, lo:hi], rope[:, 0],
+                                                  f"{preset}: rope rows of a packed video sample")
+                    video, video_row = video + n, video_row + rows
+                    checked += 1
+    finally:
+        proc.kill()
+    assert checked == len(lines)
+
+
+def test_a_packed_video_forward_is_each_samples_own_forward(dataset, tmp_path):
+    """A tiny Qwen2-VL (the real model code, tiny widths) on a whole packed batch of videos gives
+    every sample the logits of its own unpacked forward."""
+    from served import epoch, serve
+    from transformers import Qwen2VLConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLForConditionalGeneration
+
+    root, lines = dataset
+    torch.manual_seed(0)
+    config = Qwen2VLConfig(
+        text_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=32, vocab_size=152064,
+                         rope_parameters={"rope_type": "default", "mrope_section": [4, 2, 2], "rope_theta": 10000.0}),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2),
+    )
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    subprocess.run([STOKER, "dataset", "stats", str(root), "--preset", "qwen2-vl", "--tokenizer",
+                    str(TOKENIZER), "--write-lengths"], check=True, capture_output=True)
+    alone = {i: inspect(root, i, "qwen2-vl", tmp_path)[0] for i in range(len(lines))}
+    proc, addr = serve(root, "--pack-max-tokens", str(PACK), global_batch=4)
+    compared = 0
+    try:
+        b = epoch(addr)[0]
+        ids = iter(b.sample_ids)
+        for pack in b.packs(device="cpu"):
+            pack.pop("labels")
+            kinds = (pack["input_ids"] == VIDEO_TOKEN).int() * 2 + (pack["input_ids"] == IMAGE_TOKEN).int()
+            with torch.no_grad():
+                packed = model(**pack, mm_token_type_ids=kinds).logits[0]
+            bounds = pack["cu_seq_lens_q"].tolist()
+            for lo, hi in zip(bounds[:-1], bounds[1:]):
+                s = alone[next(ids)]
+                inputs = {"input_ids": torch.from_numpy(s["input_ids"]),
+                          "pixel_values_videos": torch.from_numpy(s["pixel_values_videos"]),
+                          "video_grid_thw": torch.from_numpy(s["video_grid_thw"])}
+                if len(s["image_grid_thw"]):
+                    inputs.update(pixel_values=torch.from_numpy(s["pixel_values"]),
+                                  image_grid_thw=torch.from_numpy(s["image_grid_thw"]))
+                kinds = (inputs["input_ids"] == VIDEO_TOKEN).int() * 2 + (inputs["input_ids"] == IMAGE_TOKEN).int()
+                with torch.no_grad():
+                    own = model(**inputs, mm_token_type_ids=kinds).logits[0]
+                torch.testing.assert_close(packed[lo:hi], own, rtol=1e-4, atol=1e-4)
+                compared += 1
+    finally:
+        proc.kill()
+    assert compared >= 2
+
+
+IMAGE_TOKEN = 151655  # <|image_pad|>

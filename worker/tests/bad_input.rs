@@ -321,7 +321,7 @@ async fn samples_over_a_work_limit_are_skipped_by_name_on_every_worker() {
     pre.max_object_bytes = 20_000;
     pre.max_sample_pixels = 4000; // one 60x40 image is 2400 pixels
     let expect = [
-        (1, "too_many_images", "3 images are over the limit of 2"),
+        (1, "too_many_images", "3 images and videos are over the limit of 2"),
         (2, "too_many_turns", "6 messages are over the limit of 4"),
         (
             3,
