@@ -9,7 +9,7 @@ use stoker_testkit::embedded_s3::{EmbeddedS3, Faults, StoreBehaviour};
 use stoker_testkit::http;
 use stoker_testkit::synth::{generate, SynthFormat, SynthOptions};
 use stoker_worker::metrics::Metrics;
-use stoker_worker::pipeline::open_pipeline;
+use stoker_worker::open::open_pipeline;
 use stoker_worker::server::{Server, ServerConfig};
 
 const TOKEN: &str = "client-test-token";

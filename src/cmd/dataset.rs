@@ -7,8 +7,10 @@ use stoker_config::{Concurrency, OnError, Preprocessing, S3Connection, Sampling,
 use stoker_worker::batch::{collate, i64_bytes, Batch};
 use stoker_worker::dataset::index::{DatasetIndex, Progress, INDEX_KEY};
 use stoker_worker::dataset::lengths::{SampleLengths, LENGTHS_KEY};
+use stoker_worker::identity::preprocessing_id;
 use stoker_worker::metrics::Metrics;
-use stoker_worker::pipeline::{open_pipeline, preprocessing_id, Pipeline, SampleShape};
+use stoker_worker::open::open_pipeline;
+use stoker_worker::pipeline::{Pipeline, SampleShape};
 use stoker_worker::preprocess::vision::PixelBuf;
 use stoker_worker::source::Store;
 

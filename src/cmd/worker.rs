@@ -3,7 +3,7 @@
 use std::time::Duration;
 use stoker_config::WorkerConfig;
 use stoker_worker::metrics::{serve_http, Metrics};
-use stoker_worker::pipeline::open_pipeline;
+use stoker_worker::open::open_pipeline;
 use stoker_worker::server::{Server, ServerConfig};
 
 /// The token from --token-file, else $STOKER_TOKEN; none only with --no-auth.

@@ -21,11 +21,15 @@ pub mod preprocess {
     pub mod vision;
 }
 pub mod alloc;
+pub(crate) mod assemble;
 pub mod batch;
 pub mod connection;
+pub(crate) mod failure;
+pub mod identity;
 pub(crate) mod limits;
 pub(crate) mod line_cache;
 pub mod metrics;
+pub mod open;
 pub(crate) mod pack;
 pub mod pipeline;
 pub mod plan;

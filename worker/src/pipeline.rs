@@ -5,17 +5,16 @@
 //! bounded by a second semaphore sized to the cores. A request's samples are loaded
 //! concurrently, so a slow object delays only its own batch, never other requests.
 
-use crate::batch::{collate, Batch, PreparedSample};
+use crate::batch::PreparedSample;
 use crate::dataset::index::{DatasetIndex, Shard};
-use crate::dataset::lengths::SampleLengths;
-use crate::dataset::sample::{Conversation, Media, SampleError, VideoPart, VideoSource};
-use crate::limits::{LimitError, SampleLimits};
+use crate::dataset::sample::{Conversation, Media, VideoPart, VideoSource};
+use crate::failure::{image_cause, on_blocking_pool, video_cause, Cause};
+use crate::limits::SampleLimits;
 use crate::line_cache::{LineCache, Lookup};
-use crate::metrics::{GaugeGuard, LineCacheResult, Metrics, Queue, SampleErrorKind, Stage};
-use crate::pack::{collate_packed, RopeLayout};
-use crate::plan::{Plan, RankSlice, Shaping};
+use crate::metrics::{GaugeGuard, LineCacheResult, Metrics, Queue, Stage};
+use crate::plan::Plan;
 use crate::preprocess::preset::{PixelDtype, Preset};
-use crate::preprocess::text::{MediaTokens, TextError, TextProcessor};
+use crate::preprocess::text::{MediaTokens, TextProcessor};
 use crate::preprocess::video::{self, VideoBudget};
 use crate::preprocess::video_error::VideoError;
 use crate::preprocess::vision::{
@@ -23,136 +22,19 @@ use crate::preprocess::vision::{
     video_normalization_table, ImageError, ImageHeader, ImageTimings, PixelLut,
 };
 use crate::source::{resolve_relative, FetchError, PathError, Store};
-use futures::{FutureExt, StreamExt};
+use futures::FutureExt;
 use std::sync::Arc;
 use std::time::Instant;
-use stoker_config::WorkerConfig;
-use stoker_wire::{DType, Skipped};
+use stoker_wire::DType;
 use tokio::sync::Semaphore;
 
+pub use crate::failure::SampleFailure;
+
 pub use stoker_config::OnError;
-
-/// Why one sample failed; `kind` is the metric label, the message names the object or line.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("sample {sample_id} ({location}): {message}")]
-pub struct SampleFailure {
-    pub sample_id: u64,
-    pub location: String,
-    pub kind: &'static str,
-    pub message: String,
-    /// The store failed, not the data: retrying may succeed, so the sample is never skipped
-    /// for it (two workers would serve different bytes for one request).
-    pub transient: bool,
-}
-
-#[derive(Debug, thiserror::Error)]
-enum Cause {
-    #[error(transparent)]
-    Fetch(#[from] FetchError),
-    #[error(transparent)]
-    Sample(#[from] SampleError),
-    #[error(transparent)]
-    Path(#[from] PathError),
-    #[error("image {key}: {err}")]
-    Image { key: String, err: ImageError },
-    #[error("video {key}: {err}")]
-    Video { key: String, err: VideoError },
-    #[error(transparent)]
-    Text(#[from] TextError),
-    #[error(transparent)]
-    Limit(#[from] LimitError),
-    #[error("sample id is not in the index")]
-    NoSuchSample,
-    #[error("preprocessing panicked: {0}")]
-    Panicked(String),
-    /// The runtime is going away (the worker stops or is killed) and cancelled the sample's
-    /// work: not the data's fault, so never a skip.
-    #[error("the worker is shutting down; the sample was not prepared")]
-    ShuttingDown,
-}
-
-impl Cause {
-    fn kind(&self) -> SampleErrorKind {
-        use SampleErrorKind as K;
-        match self {
-            Cause::Fetch(FetchError::NotFound(_)) => K::ObjectMissing,
-            Cause::Fetch(FetchError::Io(..)) => K::ObjectStore,
-            Cause::Fetch(FetchError::TooLarge { .. }) => K::ObjectTooLarge,
-            Cause::Sample(SampleError::NotUtf8(_)) => K::NotUtf8,
-            Cause::Sample(SampleError::Json(_)) => K::InvalidJson,
-            Cause::Sample(SampleError::Schema(_)) => K::InvalidSample,
-            Cause::Path(_) => K::PathRefused,
-            Cause::Image { err, .. } => match err {
-                ImageError::Unsupported => K::ImageUnsupported,
-                ImageError::Corrupt(_) => K::ImageCorrupt,
-                ImageError::TooLarge { .. } => K::ImageTooLarge,
-                ImageError::AspectRatio { .. } => K::ImageAspectRatio,
-                ImageError::OverBudget(_) => K::ImageOverBudget,
-                ImageError::TooManyScans { .. } => K::ImageTooManyScans,
-            },
-            Cause::Video { err, .. } => match err {
-                VideoError::Unsupported | VideoError::NoVideoStream => K::VideoUnsupported,
-                VideoError::Corrupt(_) => K::VideoCorrupt,
-                VideoError::FrameTooLarge { .. } => K::VideoTooLarge,
-                VideoError::TooManyFrames { .. } => K::VideoTooLong,
-                VideoError::Sampling(_) => K::VideoSampling,
-                VideoError::SamplePixels { .. } => K::SampleTooLarge,
-            },
-            Cause::Text(TextError::TooLong { .. }) => K::TooLong,
-            Cause::Text(_) => K::Text,
-            Cause::Limit(e) => e.kind(),
-            Cause::NoSuchSample => K::NoSuchSample,
-            Cause::Panicked(_) => K::Panic,
-            Cause::ShuttingDown => K::ShuttingDown,
-        }
-    }
-
-    /// The store or the worker failed, not the data: another attempt may succeed.
-    fn is_transient(&self) -> bool {
-        matches!(self, Cause::Fetch(FetchError::Io(..)) | Cause::ShuttingDown)
-    }
-}
 
 /// float32s as little-endian bytes (the wire's).
 fn le_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-/// Runs `work` on the blocking pool. A panic there (a bug, or a decoder's) becomes this
-/// sample's failure, named and counted like any other, never a request left unanswered.
-async fn on_blocking_pool<T: Send + 'static>(
-    work: impl FnOnce() -> Result<T, Cause> + Send + 'static,
-) -> Result<T, Cause> {
-    tokio::task::spawn_blocking(work)
-        .await
-        .unwrap_or_else(|e| Err(blocking_failure(e)))
-}
-
-/// Why blocking work did not finish: it panicked, or shutdown cancelled it (a killed
-/// worker's last answers once served such samples as skipped).
-fn blocking_failure(e: tokio::task::JoinError) -> Cause {
-    match e.try_into_panic() {
-        Ok(payload) => Cause::Panicked(
-            payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a non-text panic".into()),
-        ),
-        Err(_) => Cause::ShuttingDown,
-    }
-}
-
-/// An image's error as a sample failure: the image's own fault, or (refused only because of
-/// the sample's pixel budget) the sample's.
-fn image_cause(limits: &SampleLimits, key: &str, err: ImageError) -> Cause {
-    match limits.classify(key.to_string(), err) {
-        Ok(err) => Cause::Image {
-            key: key.to_string(),
-            err,
-        },
-        Err(over) => Cause::Limit(over),
-    }
 }
 
 /// Bytes of an image read first for its header: JPEG's frame header and EXIF, and PNG's
@@ -180,13 +62,6 @@ enum Fetched {
     Image(String, bytes::Bytes),
     Clip(String, bytes::Bytes, VideoPart),
     Frames(Vec<(String, bytes::Bytes)>, VideoPart),
-}
-
-fn video_cause(key: &str, err: VideoError) -> Cause {
-    Cause::Video {
-        key: key.to_string(),
-        err,
-    }
 }
 
 #[derive(Debug, Clone)]
@@ -672,241 +547,5 @@ impl Pipeline {
         read_header(&whole, true)
             .map_err(image_error)?
             .ok_or_else(|| image_error(ImageError::Corrupt("no image header".into())))
-    }
-
-    /// Loads a rank slice's samples (concurrently, in order) and collates them, packed if the
-    /// slice is. Under `OnError::Skip` failed samples are listed in `skipped` (a pack gets
-    /// shorter); under `Fail`, and for a transient store failure always, the first failure is
-    /// returned.
-    pub async fn build_batch(self: &Arc<Self>, slice: &RankSlice) -> Result<Batch, SampleFailure> {
-        let ids = &slice.samples;
-        let mut pack_sizes = slice.packs.clone();
-        // Each sample's pack, so a skipped sample shortens its own.
-        let pack_of: Vec<usize> = slice
-            .packs
-            .iter()
-            .flatten()
-            .enumerate()
-            .flat_map(|(p, &n)| std::iter::repeat_n(p, n))
-            .collect();
-        let mut pack_of = pack_of.into_iter();
-        let results: Vec<Result<PreparedSample, SampleFailure>> =
-            futures::stream::iter(ids.iter().copied())
-                .map(|id| {
-                    let this = self.clone();
-                    async move { this.load_sample(id).await }
-                })
-                .buffered(self.config.sample_parallelism.clamp(1, ids.len().max(1)))
-                .collect()
-                .await;
-        let mut samples = Vec::with_capacity(results.len());
-        let mut skipped = Vec::new();
-        for r in results {
-            let pack = pack_of.next();
-            match r {
-                Ok(s) => samples.push(s),
-                Err(f) if self.config.on_error == OnError::Skip && !f.transient => {
-                    if let (Some(sizes), Some(p)) = (&mut pack_sizes, pack) {
-                        sizes[p] -= 1;
-                    }
-                    tracing::warn!("skipping {f}");
-                    skipped.push(Skipped {
-                        sample_id: f.sample_id,
-                        reason: f.to_string(),
-                    })
-                }
-                Err(f) => return Err(f),
-            }
-        }
-        let t = Instant::now();
-        let pad = self.text.pad_id;
-        let batch = match pack_sizes {
-            Some(sizes) => {
-                let dated = self.config.preset.video.timestamps;
-                collate_packed(samples, &sizes, skipped, pad, self.rope_layout(), dated)
-            }
-            None => collate(samples, skipped, pad),
-        };
-        self.metrics.observe_stage(Stage::Collate, t.elapsed());
-        Ok(batch)
-    }
-
-    fn rope_layout(&self) -> RopeLayout {
-        let preset = &self.config.preset;
-        RopeLayout {
-            image_token: self.text.image_token(),
-            video_token: self.text.video_token(),
-            merge_size: preset.merge_size.into(),
-            // The released Qwen2.5-VL checkpoints' vision_config.tokens_per_second.
-            tokens_per_second: preset.video.second_per_grid.then_some(2),
-        }
-    }
-}
-
-/// What fixes a sample's tensors besides its data: preset, limits, tokenizer and template.
-pub fn preprocessing_parts(config: &PipelineConfig, text_fingerprint: u64) -> [Vec<u8>; 3] {
-    [
-        serde_json::to_vec(&config.preset).expect("preset serializes"),
-        serde_json::to_vec(&config.limits).expect("limits serialize"),
-        text_fingerprint.to_le_bytes().to_vec(),
-    ]
-}
-
-/// [`preprocessing_parts`] as one number: the lengths `--balance-ranks` reads must have been
-/// measured with the same.
-pub fn preprocessing_id(config: &PipelineConfig, text_fingerprint: u64) -> u64 {
-    let parts = preprocessing_parts(config, text_fingerprint);
-    crate::dataset::index::fingerprint(&parts)
-}
-
-/// One dataset of a pipeline: where it is, its weight in a mix, its own store (its index
-/// and lengths live at its root) and index.
-struct Dataset {
-    uri: String,
-    weight: u32,
-    store: Store,
-    index: DatasetIndex,
-}
-
-impl Dataset {
-    async fn open(uri: &str, weight: u32, cfg: &WorkerConfig) -> anyhow::Result<Dataset> {
-        let store = Store::open(uri, &cfg.s3).await?;
-        let index = DatasetIndex::load_or_build(&store).await?;
-        if let Some(first) = index.bad_lines.first() {
-            tracing::warn!(
-                "{uri}: {} invalid lines are excluded from the plan (first: {first}); `stoker dataset index` lists them",
-                index.bad_line_count,
-            );
-        }
-        anyhow::ensure!(index.num_samples() > 0, "{uri}: no valid samples");
-        Ok(Dataset {
-            uri: uri.to_string(),
-            weight,
-            store,
-            index,
-        })
-    }
-
-    /// Its samples' lengths for these preprocessing settings, each fitting a pack if packing.
-    async fn lengths(&self, preprocessing: u64, shaping: Shaping) -> anyhow::Result<Vec<u32>> {
-        let n = self.index.num_samples();
-        let lengths =
-            SampleLengths::load(&self.store, self.index.version, preprocessing, n).await?;
-        if let Some(max) = shaping.pack_max_tokens {
-            lengths
-                .check_fit(max)
-                .map_err(|e| e.context(self.uri.clone()))?;
-        }
-        Ok(lengths.tokens)
-    }
-}
-
-/// The main dataset and those mixed in.
-async fn open_datasets(cfg: &WorkerConfig) -> anyhow::Result<Vec<Dataset>> {
-    let mut datasets = vec![Dataset::open(&cfg.data, cfg.sampling.data_weight, cfg).await?];
-    for m in &cfg.sampling.mix {
-        datasets.push(Dataset::open(&m.data, m.weight, cfg).await?);
-    }
-    Ok(datasets)
-}
-
-/// The datasets read through one store with one index: the main dataset's own, or for a mix
-/// a store rooted at the datasets' common folder and their indexes concatenated.
-async fn combine(
-    mut datasets: Vec<Dataset>,
-    cfg: &WorkerConfig,
-) -> anyhow::Result<(Store, DatasetIndex)> {
-    if datasets.len() == 1 {
-        let d = datasets.pop().expect("one dataset");
-        return Ok((d.store, d.index));
-    }
-    let uris: Vec<&str> = datasets.iter().map(|d| d.uri.as_str()).collect();
-    let (root, folders) = crate::source::common_root(&uris)?;
-    let store = Store::open(&root, &cfg.s3).await?;
-    let parts = folders.into_iter().zip(datasets).map(|(f, d)| (f, d.index));
-    Ok((store, DatasetIndex::concat(parts.collect())))
-}
-
-/// Opens the datasets, loads (or builds) their indexes and assembles the pipeline `cfg`
-/// describes.
-pub async fn open_pipeline(
-    cfg: &WorkerConfig,
-    metrics: Arc<Metrics>,
-) -> anyhow::Result<Arc<Pipeline>> {
-    let datasets = open_datasets(cfg).await?;
-    let text = crate::tokenizer_source::text_processor(&cfg.preprocessing, &cfg.s3).await?;
-    let c = &cfg.concurrency;
-    let config = PipelineConfig {
-        preset: Preset::from_config(&cfg.preprocessing),
-        limits: SampleLimits::from_config(&cfg.preprocessing),
-        on_error: cfg.sampling.on_error,
-        max_fetches: c.max_fetches,
-        cpu_threads: c
-            .cpu_threads
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
-        sample_parallelism: c.sample_parallelism.unwrap_or(usize::MAX),
-        line_cache_bytes: c.line_cache_mib << 20,
-        keep_decoded_frames: false,
-    };
-    let sizes: Vec<u64> = datasets.iter().map(|d| d.index.num_samples()).collect();
-    let mut plan = Plan::new(
-        sizes.iter().sum(),
-        cfg.sampling.global_batch_size,
-        cfg.sampling.seed,
-    )
-    .with_order(cfg.sampling.order);
-    if datasets.len() > 1 {
-        let weights: Vec<u32> = datasets.iter().map(|d| d.weight).collect();
-        plan = plan.with_mix(&sizes, &weights);
-    }
-    let shaping = Shaping {
-        balance_ranks: cfg.sampling.balance_ranks,
-        bucket_by_length: cfg.sampling.bucket_by_length,
-        pack_max_tokens: cfg.sampling.pack_max_tokens,
-    };
-    if shaping != Shaping::default() {
-        let id = preprocessing_id(&config, text.fingerprint);
-        let mut lengths = Vec::with_capacity(plan.num_samples as usize);
-        for d in &datasets {
-            lengths.extend(d.lengths(id, shaping).await?);
-        }
-        plan = plan.with_lengths(lengths, shaping);
-    }
-    let names = datasets.iter().map(|d| d.uri.clone()).zip(sizes).collect();
-    let (store, index) = combine(datasets, cfg).await?;
-    let pipeline = Pipeline::new(store, index, plan, text, config, metrics);
-    Ok(Arc::new(pipeline.with_dataset_names(names)))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn a_panic_in_preprocessing_becomes_the_samples_named_failure() {
-        let err = on_blocking_pool::<()>(|| panic!("decoder bug in x.jpg"))
-            .await
-            .unwrap_err();
-        assert_eq!(err.kind(), SampleErrorKind::Panic);
-        assert_eq!(
-            err.to_string(),
-            "preprocessing panicked: decoder bug in x.jpg"
-        );
-        assert_eq!(on_blocking_pool(|| Ok(7)).await.unwrap(), 7);
-    }
-
-    /// A killed worker's runtime cancels the blocking work still to start; the sample must
-    /// fail as transient (asked again elsewhere), never be skipped as if its data were bad.
-    #[tokio::test]
-    async fn preprocessing_cancelled_by_shutdown_is_transient_never_a_skip() {
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        let handle = rt.handle().clone();
-        rt.shutdown_background();
-        let cancelled = handle.spawn_blocking(|| ()).await.unwrap_err();
-        assert!(cancelled.is_cancelled());
-        let cause = blocking_failure(cancelled);
-        assert_eq!(cause.kind(), SampleErrorKind::ShuttingDown);
-        assert!(cause.is_transient());
-        assert!(!Cause::Panicked("bug".into()).is_transient());
     }
 }

@@ -8,8 +8,9 @@
 //! stops reading, and TCP pushes back. A Cancel frame aborts a waiting or running request.
 
 use crate::batch::{i64_bytes, Batch};
+use crate::identity::plan_id;
 use crate::metrics::{Queue, RefusalReason, Stage};
-use crate::pipeline::{preprocessing_parts, Pipeline};
+use crate::pipeline::Pipeline;
 use futures::StreamExt;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -730,37 +731,6 @@ impl Server {
             Err(f) => err(ErrorCode::Failed, f.to_string()),
         }
     }
-}
-
-/// The identity of what a worker serves: data version, order and every preprocessing knob.
-pub fn plan_id(p: &Pipeline) -> u64 {
-    let mut parts: Vec<Vec<u8>> = vec![
-        p.index.version.to_le_bytes().to_vec(),
-        p.plan.seed.to_le_bytes().to_vec(),
-        p.plan.global_batch_size.to_le_bytes().to_vec(),
-    ];
-    parts.extend(preprocessing_parts(&p.config, p.text.fingerprint));
-    // Shaped plans are other plans (unshaped ones keep their ids).
-    let shaping = p.plan.shaping();
-    if shaping.balance_ranks {
-        parts.push(b"balance-ranks".to_vec());
-    }
-    if shaping.bucket_by_length {
-        parts.push(b"bucket-by-length".to_vec());
-    }
-    if let Some(max) = shaping.pack_max_tokens {
-        parts.push(format!("pack-max-tokens={max}").into_bytes());
-    }
-    // `shuffle` plans keep the ids they had before there was a choice.
-    if p.plan.order() != crate::plan::SampleOrder::Shuffle {
-        parts.push(format!("order={}", p.plan.order().as_str()).into_bytes());
-    }
-    // A mix's datasets are in the index version; their shares are here.
-    let draws = p.plan.draws_per_epoch();
-    if draws.len() > 1 {
-        parts.push(format!("mix={draws:?}").into_bytes());
-    }
-    crate::dataset::index::fingerprint(&parts)
 }
 
 #[cfg(test)]

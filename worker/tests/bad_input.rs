@@ -212,7 +212,7 @@ async fn lengths_from_headers_and_a_packed_batch_without_its_skipped_samples() {
     assert!(tokens[0] > 0 && tokens[1] > 0, "{tokens:?}");
     let lengths = SampleLengths {
         index_version: p.index.version,
-        preprocessing: stoker_worker::pipeline::preprocessing_id(&p.config, p.text.fingerprint),
+        preprocessing: stoker_worker::identity::preprocessing_id(&p.config, p.text.fingerprint),
         tokens: tokens.clone(),
     };
     p.store.put(LENGTHS_KEY, lengths.to_bytes()).await.unwrap();
@@ -321,7 +321,11 @@ async fn samples_over_a_work_limit_are_skipped_by_name_on_every_worker() {
     pre.max_object_bytes = 20_000;
     pre.max_sample_pixels = 4000; // one 60x40 image is 2400 pixels
     let expect = [
-        (1, "too_many_images", "3 images and videos are over the limit of 2"),
+        (
+            1,
+            "too_many_images",
+            "3 images and videos are over the limit of 2",
+        ),
         (2, "too_many_turns", "6 messages are over the limit of 4"),
         (
             3,

@@ -4,7 +4,7 @@
 
 use stoker_config::WorkerConfig;
 use stoker_worker::metrics::Metrics;
-use stoker_worker::pipeline::open_pipeline;
+use stoker_worker::open::open_pipeline;
 
 /// One second of 64x48 H.264 at 30 fps (moov first, so a cut keeps the header).
 const CLIP: &[u8] = include_bytes!("fixtures/clip.mp4");

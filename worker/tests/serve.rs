@@ -275,7 +275,7 @@ async fn fetches_its_tokenizer_from_the_object_store() {
     assert_eq!(head.sample_ids.len(), 4);
 
     cfg.preprocessing.tokenizer = Some("s3://bucket/models/qwen/wrong.json".into());
-    let e = stoker_worker::pipeline::open_pipeline(&cfg, stoker_worker::metrics::Metrics::new())
+    let e = stoker_worker::open::open_pipeline(&cfg, stoker_worker::metrics::Metrics::new())
         .await
         .err()
         .expect("a JSON that is no tokenizer is refused");

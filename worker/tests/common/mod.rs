@@ -11,7 +11,7 @@ use stoker_testkit::synth::{generate, SynthFormat, SynthOptions};
 use stoker_wire::{BatchHead, BatchRequest, ErrorFrame, Welcome};
 pub use stoker_worker::connection::{Answer, Connection};
 use stoker_worker::metrics::Metrics;
-use stoker_worker::pipeline::open_pipeline;
+use stoker_worker::open::open_pipeline;
 use stoker_worker::server::{Server, ServerConfig};
 
 pub const TOKEN: &str = "test-token";
