@@ -380,13 +380,7 @@ pub fn process_clip(
     budget: VideoBudget,
     keep_decoded: bool,
 ) -> Result<VideoOut, VideoError> {
-    let header = probe(Cursor::new(bytes.clone()), budget.limits)?;
-    let plan = plan_frames(
-        preset,
-        &header,
-        part.fps,
-        (part.video_start, part.video_end),
-    )?;
+    let (header, plan) = clip_plan(bytes.clone(), part, preset, budget)?;
     let upright = header.upright();
     sized(preset, plan.indices.len(), upright, budget.pixels)?;
     let mut frames = FrameCollector::new(preset, plan.indices.len(), upright, keep_decoded)?;
@@ -432,14 +426,21 @@ pub fn measure_clip(
     preset: &Preset,
     budget: VideoBudget,
 ) -> Result<(VideoTokens, u64), VideoError> {
-    let header = probe(Cursor::new(bytes), budget.limits)?;
-    let plan = plan_frames(
-        preset,
-        &header,
-        part.fps,
-        (part.video_start, part.video_end),
-    )?;
+    let (header, plan) = clip_plan(bytes, part, preset, budget)?;
     measured(preset, &plan, header.upright(), budget.pixels)
+}
+
+/// A clip's header, checked, and the frames the preset samples from it.
+fn clip_plan(
+    bytes: bytes::Bytes,
+    part: &VideoPart,
+    preset: &Preset,
+    budget: VideoBudget,
+) -> Result<(VideoHeader, FramePlan), VideoError> {
+    let header = probe(Cursor::new(bytes), budget.limits)?;
+    let part_range = (part.video_start, part.video_end);
+    let plan = plan_frames(preset, &header, part.fps, part_range)?;
+    Ok((header, plan))
 }
 
 /// A frame list's tokens from its frames' (upright) size.
