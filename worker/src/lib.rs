@@ -33,6 +33,7 @@ pub mod open;
 pub(crate) mod pack;
 pub mod pipeline;
 pub mod plan;
+pub(crate) mod range_reader;
 pub mod server;
 pub mod source;
 pub mod tokenizer_source;

@@ -21,9 +21,10 @@ use crate::preprocess::vision::{
     check_limits, decode, normalization_table, process_image, read_header,
     video_normalization_table, ImageError, ImageHeader, ImageTimings, PixelLut,
 };
+use crate::range_reader::{FetchRange, RangeReader};
 use crate::source::{resolve_relative, FetchError, PathError, Store};
 use futures::FutureExt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use stoker_wire::DType;
 use tokio::sync::Semaphore;
@@ -31,6 +32,15 @@ use tokio::sync::Semaphore;
 pub use crate::failure::SampleFailure;
 
 pub use stoker_config::OnError;
+
+/// A clip's failure: the store's when a read failed (transient: asked again, never skipped),
+/// else the clip's own.
+fn clip_cause(key: &str, err: VideoError, failure: &Mutex<Option<FetchError>>) -> Cause {
+    match failure.lock().expect("not poisoned").take() {
+        Some(fetch) => Cause::Fetch(fetch),
+        None => video_cause(key, err),
+    }
+}
 
 /// float32s as little-endian bytes (the wire's).
 fn le_bytes(v: &[f32]) -> Vec<u8> {
@@ -57,10 +67,10 @@ enum MediaKey {
     Frames(Vec<String>, VideoPart),
 }
 
-/// An image's or video's bytes.
+/// An image's or video's bytes (a clip's are read by ranges as it is decoded).
 enum Fetched {
     Image(String, bytes::Bytes),
-    Clip(String, bytes::Bytes, VideoPart),
+    Clip(String, u64, VideoPart),
     Frames(Vec<(String, bytes::Bytes)>, VideoPart),
 }
 
@@ -324,8 +334,8 @@ impl Pipeline {
                     Fetched::Image(k, b)
                 }
                 MediaKey::Clip(k, part) => {
-                    let (k, b) = whole(k).await?;
-                    Fetched::Clip(k, b, part)
+                    let size = self.clip_size(&k).await?;
+                    Fetched::Clip(k, size, part)
                 }
                 MediaKey::Frames(ks, part) => {
                     let frames = futures::future::join_all(ks.into_iter().map(whole)).await;
@@ -367,7 +377,7 @@ impl Pipeline {
 
     /// The CPU part: decode/resize/patchify every image and video, then tokenize.
     fn preprocess(
-        &self,
+        self: &Arc<Self>,
         sample_id: u64,
         conv: Conversation,
         media: Vec<Fetched>,
@@ -390,15 +400,17 @@ impl Pipeline {
                     tokens.push(MediaTokens::Image(preset.image_tokens(out.resized)));
                     images.push(out);
                 }
-                Fetched::Clip(key, bytes, part) => {
+                Fetched::Clip(key, size, part) => {
                     let t = Instant::now();
                     let budget = VideoBudget {
                         limits: limits.video(),
                         pixels: limits.sample_pixels.saturating_sub(decoded_pixels),
                     };
                     let lut = &self.video_lut;
-                    let out = video::process_clip(bytes, &part, preset, lut, budget, keep)
-                        .map_err(|e| video_cause(&key, e))?;
+                    let failure = Arc::default();
+                    let open = || self.clip_reader(&key, size, &failure);
+                    let out = video::process_clip(open, &part, preset, lut, budget, keep)
+                        .map_err(|e| clip_cause(&key, e, &failure))?;
                     timings.decode += t.elapsed();
                     decoded_pixels += out.rows as u64
                         * u64::from(preset.patch_size.pow(2))
@@ -472,17 +484,18 @@ impl Pipeline {
                     tokens.push(MediaTokens::Image(preset.image_tokens(resized)));
                 }
                 MediaKey::Clip(key, part) => {
-                    // The container's index may lie at its end: the whole object is read
-                    // (never decoded).
-                    let bytes = self.fetch(&key, None).await?;
+                    // Only what the container's header needs is read (never a frame decoded).
+                    let size = self.clip_size(&key).await?;
                     let budget = VideoBudget {
                         limits: limits.video(),
                         pixels: limits.sample_pixels.saturating_sub(decoded_pixels),
                     };
-                    let (preset, k) = (preset.clone(), key.clone());
+                    let this = self.clone();
                     let (t, used) = on_blocking_pool(move || {
-                        video::measure_clip(bytes, &part, &preset, budget)
-                            .map_err(|e| video_cause(&k, e))
+                        let failure = Arc::default();
+                        let reader = this.clip_reader(&key, size, &failure);
+                        video::measure_clip(reader, &part, &this.config.preset, budget)
+                            .map_err(|e| clip_cause(&key, e, &failure))
                     })
                     .await?;
                     decoded_pixels += used;
@@ -530,6 +543,35 @@ impl Pipeline {
             images: tok.kept_images,
             videos: tok.kept_videos,
         })
+    }
+
+    /// A clip's size, from one HEAD, within `max_object_bytes`.
+    async fn clip_size(&self, key: &str) -> Result<u64, FetchError> {
+        let size = self.store.head(key).await?.size;
+        let max = self.config.limits.object_bytes;
+        if size > max {
+            let what = self.store.describe(key);
+            return Err(FetchError::TooLarge {
+                what,
+                len: size,
+                max,
+            });
+        }
+        Ok(size)
+    }
+
+    /// A clip read by ranges through this pipeline's reads, from blocking code (the demuxer's).
+    fn clip_reader(
+        self: &Arc<Self>,
+        key: &str,
+        size: u64,
+        failure: &Arc<Mutex<Option<FetchError>>>,
+    ) -> RangeReader {
+        let (this, key) = (self.clone(), key.to_string());
+        let runtime = tokio::runtime::Handle::current();
+        let fetch: FetchRange =
+            Box::new(move |start, len| runtime.block_on(this.fetch(&key, Some((start, len)))));
+        RangeReader::new(size, fetch, failure.clone())
     }
 
     /// An image's header: from its first bytes, or the whole object when they do not hold it.

@@ -147,3 +147,51 @@ async fn clips_over_the_frame_and_size_limits_are_refused_from_the_header() {
     let e = p.load_sample(0).await.err().unwrap();
     assert_eq!(e.kind, "sample_too_large", "{e}");
 }
+
+/// Through S3 (aws-sdk-s3 against the embedded server) a clip is read by ranges as it is
+/// decoded, and gives the tensors the local folder gives; measuring it reads its header's
+/// ranges, never more than the object.
+#[tokio::test]
+async fn a_clip_read_by_ranges_from_s3_is_the_clip_read_locally() {
+    use stoker_testkit::embedded_s3::EmbeddedS3;
+    let local = dataset();
+    let root = tempfile::tempdir().unwrap();
+    let data = root.path().join("bucket/data");
+    std::fs::create_dir_all(data.join("clips")).unwrap();
+    std::fs::write(data.join("clips/good.mp4"), CLIP).unwrap();
+    let lines = std::fs::read_to_string(local.path().join("data.jsonl")).unwrap();
+    std::fs::write(
+        data.join("data.jsonl"),
+        lines.lines().next().unwrap().to_string() + "\n",
+    )
+    .unwrap();
+    let s3 = EmbeddedS3::start(root.path(), "127.0.0.1:0", std::time::Duration::ZERO)
+        .await
+        .unwrap();
+    let mut c = WorkerConfig {
+        data: "s3://bucket/data".into(),
+        s3: s3.s3_options(),
+        ..WorkerConfig::default()
+    };
+    c.sampling.global_batch_size = 1;
+    let metrics = Metrics::new();
+    let remote = open_pipeline(&c, metrics.clone()).await.unwrap();
+    let here = open_pipeline(&config(&local), Metrics::new())
+        .await
+        .unwrap();
+    let before = metrics.object_bytes_total.get();
+    let shape = remote.measure_sample(0).await.unwrap();
+    let measured = metrics.object_bytes_total.get() - before;
+    assert_eq!(shape, here.measure_sample(0).await.unwrap());
+    assert!(
+        measured <= CLIP.len() as u64 + 4096,
+        "measuring read {measured} bytes"
+    );
+    let (a, b) = (
+        remote.load_sample(0).await.unwrap(),
+        here.load_sample(0).await.unwrap(),
+    );
+    assert_eq!(a.input_ids, b.input_ids);
+    assert_eq!(a.videos[0].grid_thw, b.videos[0].grid_thw);
+    assert_eq!(a.videos[0].pixels.as_bytes(), b.videos[0].pixels.as_bytes());
+}

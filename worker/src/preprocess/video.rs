@@ -9,7 +9,7 @@ use super::video_decode::{decode, probe, VideoHeader, VideoLimits};
 use super::video_error::VideoError;
 use super::vision::{patchify_frames, PixelBuf, PixelLut, Rgb};
 use crate::dataset::sample::VideoPart;
-use std::io::Cursor;
+use std::io::{Read, Seek};
 
 /// Frames of a clip to decode, and the rate that dates them.
 #[derive(Debug, Clone, PartialEq)]
@@ -371,22 +371,21 @@ fn sized(
     Ok((h, w))
 }
 
-/// A clip's tensors: header checked, frames sampled, decoded, resized, patchified.
-pub fn process_clip(
-    bytes: bytes::Bytes,
+/// A clip's tensors: header checked, frames sampled, decoded, resized, patchified. `open`
+/// gives a reader of the clip from its start (it is read twice: header, then frames).
+pub fn process_clip<R: Read + Seek + Send + 'static>(
+    mut open: impl FnMut() -> R,
     part: &VideoPart,
     preset: &Preset,
     lut: &PixelLut,
     budget: VideoBudget,
     keep_decoded: bool,
 ) -> Result<VideoOut, VideoError> {
-    let (header, plan) = clip_plan(bytes.clone(), part, preset, budget)?;
+    let (header, plan) = clip_plan(open(), part, preset, budget)?;
     let upright = header.upright();
     sized(preset, plan.indices.len(), upright, budget.pixels)?;
     let mut frames = FrameCollector::new(preset, plan.indices.len(), upright, keep_decoded)?;
-    decode(Cursor::new(bytes), &header, &plan.indices, |_, rgb| {
-        frames.push(rgb)
-    })?;
+    decode(open(), &header, &plan.indices, |_, rgb| frames.push(rgb))?;
     Ok(frames.finish(lut, &plan))
 }
 
@@ -420,24 +419,24 @@ fn frame_list_plan(count: usize, part: &VideoPart) -> FramePlan {
 }
 
 /// A clip's tokens from its header alone: no frame is decoded.
-pub fn measure_clip(
-    bytes: bytes::Bytes,
+pub fn measure_clip<R: Read + Seek + Send + 'static>(
+    reader: R,
     part: &VideoPart,
     preset: &Preset,
     budget: VideoBudget,
 ) -> Result<(VideoTokens, u64), VideoError> {
-    let (header, plan) = clip_plan(bytes, part, preset, budget)?;
+    let (header, plan) = clip_plan(reader, part, preset, budget)?;
     measured(preset, &plan, header.upright(), budget.pixels)
 }
 
 /// A clip's header, checked, and the frames the preset samples from it.
-fn clip_plan(
-    bytes: bytes::Bytes,
+fn clip_plan<R: Read + Seek + Send + 'static>(
+    reader: R,
     part: &VideoPart,
     preset: &Preset,
     budget: VideoBudget,
 ) -> Result<(VideoHeader, FramePlan), VideoError> {
-    let header = probe(Cursor::new(bytes), budget.limits)?;
+    let header = probe(reader, budget.limits)?;
     let part_range = (part.video_start, part.video_end);
     let plan = plan_frames(preset, &header, part.fps, part_range)?;
     Ok((header, plan))
