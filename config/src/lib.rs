@@ -212,6 +212,19 @@ pub struct Preprocessing {
     #[schemars(range(min = 1))]
     #[cfg_attr(feature = "clap", arg(long))]
     pub max_pixels: Option<u64>,
+    /// Lower bound on a video's resized pixels (per frame for qwen2-vl and qwen2.5-vl, for
+    /// the whole video for qwen3-vl: the video processor's `size.shortest_edge`); absent: the
+    /// preset's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub video_min_pixels: Option<u64>,
+    /// Upper bound on a video's resized pixels (`size.longest_edge`, per frame or whole video
+    /// as above); absent: the preset's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub video_max_pixels: Option<u64>,
     /// pixel_values dtype on the wire; absent: u8, normalized on the rank (the client's
     /// `pixel_values()`, bit-identical to the processor's float32) with 4x fewer bytes than
     /// f32 to write, send and receive; f32 or bf16 normalize on the worker.
@@ -322,6 +335,8 @@ impl Default for Preprocessing {
             preset: PresetName::default(),
             min_pixels: None,
             max_pixels: None,
+            video_min_pixels: None,
+            video_max_pixels: None,
             pixel_dtype: None,
             max_length: None,
             tokenizer: None,
@@ -726,6 +741,8 @@ impl Preprocessing {
         a.value("preset", self.preset.as_str());
         a.optional("min-pixels", self.min_pixels);
         a.optional("max-pixels", self.max_pixels);
+        a.optional("video-min-pixels", self.video_min_pixels);
+        a.optional("video-max-pixels", self.video_max_pixels);
         a.optional("pixel-dtype", self.pixel_dtype.map(PixelDtype::as_str));
         a.optional("max-length", self.max_length);
         a.optional("tokenizer", self.tokenizer.as_ref());
@@ -837,6 +854,8 @@ mod tests {
                 preset: PresetName::Qwen3Vl,
                 min_pixels: Some(1024),
                 max_pixels: Some(1 << 20),
+                video_min_pixels: Some(3136),
+                video_max_pixels: Some(1 << 22),
                 pixel_dtype: Some(PixelDtype::Bf16),
                 max_length: Some(4096),
                 tokenizer: Some("s3://models/qwen/tokenizer.json".into()),

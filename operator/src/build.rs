@@ -519,6 +519,8 @@ mod tests {
         dp.spec.preprocessing = stoker_config::Preprocessing {
             preset: stoker_config::PresetName::Qwen3Vl,
             min_pixels: Some(4096),
+            video_min_pixels: None,
+            video_max_pixels: Some(1 << 23),
             max_pixels: Some(1 << 21),
             pixel_dtype: Some(stoker_config::PixelDtype::U8),
             max_length: Some(2048),

@@ -164,6 +164,12 @@ impl Preset {
         if let Some(v) = c.max_pixels {
             p.max_pixels = v;
         }
+        if let Some(v) = c.video_min_pixels {
+            p.video.min_pixels = v;
+        }
+        if let Some(v) = c.video_max_pixels {
+            p.video.max_pixels = v;
+        }
         if let Some(v) = c.max_length {
             p.max_length = v as usize;
         }
@@ -239,6 +245,28 @@ mod tests {
             smart_resize(10, 2100, 28, 3136, 1_003_520),
             Err(ImageError::AspectRatio { .. })
         ));
+    }
+
+    #[test]
+    fn video_bounds_are_the_processors_unless_overridden() {
+        let q2 = Preset::new(PresetName::Qwen25Vl);
+        assert_eq!(
+            (q2.video.min_pixels, q2.video.max_pixels),
+            (100_352, 602_112)
+        );
+        assert!(q2.video.second_per_grid && !q2.video.timestamps);
+        let hub = stoker_config::Preprocessing {
+            preset: PresetName::Qwen25Vl,
+            video_min_pixels: Some(3136),
+            video_max_pixels: Some(12_845_056),
+            ..Default::default()
+        };
+        let p = Preset::from_config(&hub);
+        assert_eq!((p.video.min_pixels, p.video.max_pixels), (3136, 12_845_056));
+        assert_eq!(p.video.budget, PixelBudget::PerFrame);
+        let q3 = Preset::new(PresetName::Qwen3Vl);
+        assert_eq!(q3.video.budget, PixelBudget::WholeVideo);
+        assert_eq!(q3.video.sampling, FrameSampling::Linspace);
     }
 
     #[test]
