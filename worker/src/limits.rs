@@ -7,6 +7,7 @@
 
 use crate::dataset::sample::Conversation;
 use crate::metrics::SampleErrorKind;
+use crate::preprocess::video::VideoBudget;
 use crate::preprocess::video_decode::VideoLimits;
 use crate::preprocess::vision::{DecodeLimits, ImageError};
 use serde::Serialize;
@@ -78,14 +79,23 @@ impl SampleLimits {
         }
     }
 
-    /// A video's header limits: frames as large as an image may be, and at most
-    /// `video_frames` of them.
-    pub fn video(&self) -> VideoLimits {
-        VideoLimits {
-            max_side: self.decode.max_side,
-            max_frame_pixels: self.decode.max_pixels,
-            max_frames: self.video_frames,
+    /// The next video's budget when `used` pixels of the sample are taken: its header's
+    /// limits (frames as large as an image may be, at most `video_frames` of them) and the
+    /// pixels its resized frames may take.
+    pub fn next_video(&self, used: u64) -> VideoBudget {
+        VideoBudget {
+            limits: VideoLimits {
+                max_side: self.decode.max_side,
+                max_frame_pixels: self.decode.max_pixels,
+                max_frames: self.video_frames,
+            },
+            pixels: self.pixels_left(used),
         }
+    }
+
+    /// The sample's pixels left when `used` are taken.
+    pub fn pixels_left(&self, used: u64) -> u64 {
+        self.sample_pixels.saturating_sub(used)
     }
 
     /// Before the line is fetched: its length is in the index.
@@ -122,10 +132,7 @@ impl SampleLimits {
     /// per-image limits, tightened to what the sample has left.
     pub fn next_image(&self, used: u64) -> DecodeLimits {
         DecodeLimits {
-            max_pixels: self
-                .decode
-                .max_pixels
-                .min(self.sample_pixels.saturating_sub(used)),
+            max_pixels: self.decode.max_pixels.min(self.pixels_left(used)),
             ..self.decode
         }
     }

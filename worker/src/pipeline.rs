@@ -15,7 +15,7 @@ use crate::metrics::{GaugeGuard, LineCacheResult, Metrics, Queue, Stage};
 use crate::plan::Plan;
 use crate::preprocess::preset::{PixelDtype, Preset};
 use crate::preprocess::text::{MediaTokens, TextProcessor};
-use crate::preprocess::video::{self, VideoBudget};
+use crate::preprocess::video;
 use crate::preprocess::video_error::VideoError;
 use crate::preprocess::vision::{
     check_limits, decode, normalization_table, process_image, read_header,
@@ -402,10 +402,7 @@ impl Pipeline {
                 }
                 Fetched::Clip(key, size, part) => {
                     let t = Instant::now();
-                    let budget = VideoBudget {
-                        limits: limits.video(),
-                        pixels: limits.sample_pixels.saturating_sub(decoded_pixels),
-                    };
+                    let budget = limits.next_video(decoded_pixels);
                     let lut = &self.video_lut;
                     let failure = Arc::default();
                     let open = || self.clip_reader(&key, size, &failure);
@@ -428,7 +425,7 @@ impl Pipeline {
                         decoded_pixels += (rgb.width * rgb.height) as u64;
                         decoded.push(rgb);
                     }
-                    let left = limits.sample_pixels.saturating_sub(decoded_pixels);
+                    let left = limits.pixels_left(decoded_pixels);
                     let out = video::process_frame_list(
                         decoded,
                         &part,
@@ -486,10 +483,7 @@ impl Pipeline {
                 MediaKey::Clip(key, part) => {
                     // Only what the container's header needs is read (never a frame decoded).
                     let size = self.clip_size(&key).await?;
-                    let budget = VideoBudget {
-                        limits: limits.video(),
-                        pixels: limits.sample_pixels.saturating_sub(decoded_pixels),
-                    };
+                    let budget = limits.next_video(decoded_pixels);
                     let this = self.clone();
                     let (t, used) = on_blocking_pool(move || {
                         let failure = Arc::default();
@@ -510,17 +504,11 @@ impl Pipeline {
                         check_limits(w, h, limits.next_image(decoded_pixels)).map_err(refused)?;
                         decoded_pixels += u64::from(w) * u64::from(h);
                         let first = *size.get_or_insert(header.upright());
-                        if header.upright() != first {
-                            let (a, b) = (header.upright(), first);
-                            let err = VideoError::Corrupt(format!(
-                                "frame {key} is {}x{}, the list's first {}x{} (HxW): sizes may not change",
-                                a.0, a.1, b.0, b.1
-                            ));
-                            return Err(video_cause(key, err));
-                        }
+                        video::same_size(key, header.upright(), first)
+                            .map_err(|e| video_cause(key, e))?;
                     }
                     let upright = size.expect("a frame list holds frames");
-                    let left = limits.sample_pixels.saturating_sub(decoded_pixels);
+                    let left = limits.pixels_left(decoded_pixels);
                     let (t, _) =
                         video::measure_frame_list(keys.len(), upright, &part, preset, left)
                             .map_err(|e| video_cause(&keys[0], e))?;

@@ -288,16 +288,9 @@ impl<'a> FrameCollector<'a> {
     }
 
     fn push(&mut self, rgb: Rgb) -> Result<(), VideoError> {
-        if (rgb.height, rgb.width) != self.from {
-            return Err(VideoError::Corrupt(format!(
-                "frame {} is {}x{}, the clip's first {}x{} (HxW): sizes may not change",
-                self.frames.len(),
-                rgb.height,
-                rgb.width,
-                self.from.0,
-                self.from.1
-            )));
-        }
+        let size = |(h, w): (usize, usize)| (h as u32, w as u32);
+        let frame = self.frames.len().to_string();
+        same_size(&frame, size((rgb.height, rgb.width)), size(self.from))?;
         if self.keep_decoded {
             self.decoded.push(Rgb {
                 width: rgb.width,
@@ -340,6 +333,18 @@ impl<'a> FrameCollector<'a> {
             indices: plan.indices.clone(),
             decoded: self.keep_decoded.then_some(self.decoded),
         }
+    }
+}
+
+/// A video's frames all have the first's (height, width): a frame of another size (a clip's
+/// frame `frame`, or a listed image) is refused by name.
+pub(crate) fn same_size(frame: &str, got: (u32, u32), first: (u32, u32)) -> Result<(), VideoError> {
+    match got == first {
+        true => Ok(()),
+        false => Err(VideoError::Corrupt(format!(
+            "frame {frame} is {}x{}, the first {}x{} (HxW): sizes may not change",
+            got.0, got.1, first.0, first.1
+        ))),
     }
 }
 
