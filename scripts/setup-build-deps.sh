@@ -14,7 +14,10 @@ pkgs=()
 if ! pkg-config --exists libavcodec libavformat libavutil libswscale 2>/dev/null; then
   pkgs+=(libavcodec-dev libavformat-dev libavutil-dev libswscale-dev)
 fi
-if ! ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 && ! ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1; then
+# libclang itself (bindgen loads libclang.so or libclang-N.so): libclang-cpp, which other
+# packages bring, is not it.
+if ! ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/x86_64-linux-gnu/libclang-[0-9]*.so* \
+  /usr/lib/x86_64-linux-gnu/libclang.so* >/dev/null 2>&1; then
   pkgs+=(libclang-dev clang)
 fi
 [ ${#missing[@]} -eq 0 ] && [ ${#pkgs[@]} -eq 0 ] && exit 0
