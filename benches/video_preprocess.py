@@ -9,6 +9,9 @@ figure that counts is clips per CPU-second (user + system time of each side's pr
 the machines here are 2 shared cores.
 
     python benches/video_preprocess.py [--clips 24] [--preset qwen2-vl] [--baseline-clips 8]
+
+`stoker-lab bench preprocess` runs it with `--baseline-only` for the video rows of its
+table (it serves the same clips through S3 and a worker itself).
 """
 
 import argparse
@@ -97,8 +100,13 @@ def main():
     ap.add_argument("--baseline-clips", type=int, default=8)
     ap.add_argument("--preset", default="qwen2-vl", choices=list(TEMPLATES))
     ap.add_argument("--dir", type=Path, default=CACHE / "bench/video")
+    ap.add_argument("--baseline-only", action="store_true",
+                    help="make the clips, run only the baseline, print its row as one JSON line")
     a = ap.parse_args()
     lines = make_clips(a.dir, a.clips)
+    if a.baseline_only:
+        print(json.dumps(baseline(a.dir, lines, a.preset, a.baseline_clips)))
+        return
     rows = [("stoker dataset stats --decode (worker pipeline)", ours(a.dir, a.preset, a.clips)),
             ("transformers processor + PyAV, Python loop", baseline(a.dir, lines, a.preset, a.baseline_clips))]
     print(f"\nVideo preprocessing, {a.preset}, clips of 6-8 s (H.264 640x360@30, H.265 480x270@25, "

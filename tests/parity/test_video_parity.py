@@ -50,6 +50,12 @@ CLIPS = {
     "av1.mp4": (["-c:v", "libaom-av1", "-cpu-used", "8", "-row-mt", "1"], "testsrc2=size=200x112:rate=30", 1.0),
     "ntsc.mp4": (["-c:v", "libx264", "-pix_fmt", "yuv420p"], "testsrc2=size=176x144:rate=60000/1001", 2.0),
     "short.mp4": (["-c:v", "libx264", "-pix_fmt", "yuv420p", "-frames:v", "3"], "testsrc2=size=128x96:rate=30", 1.0),
+    # Open GOPs and B-frames referenced by B-frames: the worker leaves out H.264's
+    # non-reference frames that are not sampled, numbering frames by timestamp (Matroska's
+    # first packets carry none to decode by).
+    **{f"pyramid.{ext}": (["-c:v", "libx264", "-pix_fmt", "yuv420p", "-x264-params",
+                           "open-gop=1:keyint=24:bframes=4:b-pyramid=strict"],
+                          "testsrc2=size=224x128:rate=25", 3.0) for ext in ["mp4", "mkv"]},
 }
 
 

@@ -96,6 +96,15 @@ pub struct PreprocessBench {
     /// Python with transformers (as installed by scripts/setup-test-deps.sh).
     #[arg(long)]
     python: Option<PathBuf>,
+    /// Clips for the video rows (made with the `ffmpeg` command; 0: no video rows).
+    #[arg(long, default_value_t = 24)]
+    clips: usize,
+    /// Clips for the transformers video processor loop.
+    #[arg(long, default_value_t = 8)]
+    baseline_clips: usize,
+    /// Clips per global batch in the video rows.
+    #[arg(long, default_value_t = 4)]
+    clip_batch_size: u32,
     #[command(flatten)]
     pre: Preprocessing,
 }
@@ -215,7 +224,7 @@ async fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    let served = served_pipeline(&b, &root, &bucket).await?;
+    let served = served_pipeline(&b, &root, &bucket, b.global_batch_size).await?;
     let python = python_baselines(&b, &dir, &tokenizer).await;
 
     let [one_thread, all_cores] = ceilings;
@@ -267,7 +276,176 @@ async fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
     for m in missing {
         println!("{m}");
     }
+    if b.clips > 0 {
+        video_rows(&b, &root).await?;
+    }
     Ok(())
+}
+
+/// The video rows: the same clips served (embedded S3 → worker → TCP) and through
+/// transformers' video processor in a Python loop (benches/video_preprocess.py, which makes
+/// the clips), per CPU-second.
+async fn video_rows(b: &PreprocessBench, root: &Path) -> anyhow::Result<()> {
+    let bucket = format!("video-{}", b.clips);
+    let preset = b.pre.preset.as_str();
+    let out = python_bench(b, "video_preprocess.py", |c| {
+        c.arg("--dir")
+            .arg(root.join(&bucket))
+            .args(["--clips", &b.clips.to_string()])
+            .args(["--baseline-clips", &b.baseline_clips.to_string()])
+            .args(["--preset", preset, "--baseline-only"]);
+    })
+    .await?;
+    let v: serde_json::Value = serde_json::from_slice(&out)?;
+    let baseline = Row {
+        name: "transformers video processor + PyAV, loop",
+        samples: v["clips"].as_u64().unwrap_or(0) as usize,
+        wall_s: v["wall_s"].as_f64().unwrap_or(f64::NAN),
+        cpu_s: v["cpu_s"].as_f64().unwrap_or(f64::NAN),
+        note: "1 process; every frame decoded (transformers' PyAV way)".into(),
+    };
+    let (served, _) = served_pipeline(b, root, &bucket, b.clip_batch_size).await?;
+    println!();
+    println!(
+        "Video preprocessing, {preset} preset, clips of 6-8 s (H.264 640x360@30, H.265 \
+         480x270@25, VP9 640x360@24)"
+    );
+    println!(
+        "{:<44} {:>8} {:>9} {:>12}  note",
+        "pipeline", "clips", "wall s", "clips/CPU-s"
+    );
+    for r in [&served, &baseline] {
+        println!(
+            "{:<44} {:>8} {:>9.2} {:>12.2}  {}",
+            r.name,
+            r.samples,
+            r.wall_s,
+            r.per_core(),
+            r.note
+        );
+    }
+    println!(
+        "served / transformers loop (per CPU-second): {:.1}x",
+        served.per_core() / baseline.per_core()
+    );
+    decode_rows(
+        &Preset::from_config(&b.pre),
+        &root.join(&bucket).join("clips"),
+    )
+}
+
+/// Decoding alone, one thread, the same clips twice: H.264's unsampled non-reference frames
+/// left out (the worker's way) vs every frame up to the last sampled one decoded.
+fn decode_rows(preset: &Preset, clips: &Path) -> anyhow::Result<()> {
+    use std::collections::BTreeMap;
+    use stoker_worker::preprocess::video::plan_frames;
+    use stoker_worker::preprocess::video_decode::{decode, probe, Skipping, VideoLimits};
+    #[derive(Default)]
+    struct Totals {
+        clips: usize,
+        frames: u64,
+        sampled: usize,
+        decoded: [u64; 2],
+        again: usize,
+        time: [Duration; 2],
+    }
+    let unbounded = VideoLimits {
+        max_side: u32::MAX,
+        max_frame_pixels: u64::MAX,
+        max_frames: u64::MAX,
+    };
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(clips)?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<Result<_, _>>()?;
+    paths.sort();
+    let mut by_container = BTreeMap::<String, Totals>::new();
+    for path in paths {
+        let bytes = std::sync::Arc::<[u8]>::from(std::fs::read(&path)?);
+        let open = || std::io::Cursor::new(bytes.clone());
+        let header = probe(open(), unbounded)?;
+        let plan = plan_frames(preset, &header, None, (None, None))?;
+        let kind = path.extension().unwrap_or_default().to_string_lossy();
+        let t = by_container.entry(kind.into_owned()).or_default();
+        t.clips += 1;
+        t.frames += header.frames;
+        t.sampled += plan.indices.len();
+        for (i, skipping) in [Skipping::NonReference, Skipping::Off]
+            .into_iter()
+            .enumerate()
+        {
+            let start = Instant::now();
+            let stats = decode(open, &header, &plan.indices, skipping, |_, _| Ok(()))?;
+            t.time[i] += start.elapsed();
+            t.decoded[i] += stats.decoded;
+            t.again += usize::from(stats.decoded_again);
+        }
+    }
+    println!();
+    println!(
+        "Video decoding alone, 1 thread, same clips: H.264's unsampled non-reference frames \
+         left out (first) vs every frame up to the last sampled decoded (second)"
+    );
+    println!(
+        "{:<10} {:>5} {:>8} {:>8} {:>9} {:>9} {:>10} {:>10} {:>8}  note",
+        "container",
+        "clips",
+        "frames",
+        "sampled",
+        "decoded",
+        "decoded",
+        "ms/clip",
+        "ms/clip",
+        "speedup"
+    );
+    for (kind, t) in &by_container {
+        let ms = |d: Duration| 1e3 * d.as_secs_f64() / t.clips as f64;
+        println!(
+            "{:<10} {:>5} {:>8} {:>8} {:>9} {:>9} {:>10.1} {:>10.1} {:>7.2}x  {} decoded again whole",
+            kind,
+            t.clips,
+            t.frames,
+            t.sampled,
+            t.decoded[0],
+            t.decoded[1],
+            ms(t.time[0]),
+            ms(t.time[1]),
+            t.time[1].as_secs_f64() / t.time[0].as_secs_f64(),
+            t.again
+        );
+    }
+    Ok(())
+}
+
+/// Runs `benches/<script>` with the benchmark's Python, `args` given; its standard output.
+async fn python_bench(
+    b: &PreprocessBench,
+    script: &str,
+    args: impl FnOnce(&mut tokio::process::Command),
+) -> anyhow::Result<Vec<u8>> {
+    let python = b
+        .python
+        .clone()
+        .unwrap_or_else(|| cache_root().join("venv/bin/python"));
+    let mut command = tokio::process::Command::new(&python);
+    command.arg(repo().join("benches").join(script));
+    args(&mut command);
+    let out = command
+        .env("STOKER_BIN", product_binary()?)
+        .stderr(Stdio::inherit())
+        .output()
+        .await
+        .map_err(|e| anyhow::anyhow!("{}: {e}", python.display()))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "benches/{script} exited with {}",
+        out.status
+    );
+    Ok(out.stdout)
+}
+
+/// The repository root, where `benches/` lives (this crate is `lab/` inside it).
+fn repo() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
 }
 
 /// Ours: an embedded S3 server in this process, `stoker worker` as a child process, and a
@@ -276,6 +454,7 @@ async fn served_pipeline(
     b: &PreprocessBench,
     root: &Path,
     bucket: &str,
+    global_batch_size: u32,
 ) -> anyhow::Result<(Row, f64)> {
     let s3 = EmbeddedS3::start(root, "127.0.0.1:0", Duration::ZERO).await?;
     let mut config = WorkerConfig {
@@ -288,7 +467,7 @@ async fn served_pipeline(
         ..WorkerConfig::default()
     };
     config.s3.path_style = true;
-    config.sampling.global_batch_size = b.global_batch_size;
+    config.sampling.global_batch_size = global_batch_size;
     config.concurrency.cpu_threads = b.cpu_threads;
     let env = s3.env();
     let pin = b.pin_worker.clone();
@@ -341,9 +520,8 @@ async fn served_pipeline(
         wall_s: wall,
         cpu_s: cpu,
         note: format!(
-            "{batches} batches of {}, depth {}, {skipped} skipped; {requests} S3 requests \
-             ({:.2} per sample); {}worker stage means: {stages}",
-            b.global_batch_size,
+            "{batches} batches of {global_batch_size}, depth {}, {skipped} skipped; {requests} \
+             S3 requests ({:.2} per sample); {}worker stage means: {stages}",
             b.depth,
             requests as f64 / samples.max(1) as f64,
             match &b.pin_worker {
@@ -482,37 +660,23 @@ async fn python_baselines(
     dir: &Path,
     tokenizer: &Path,
 ) -> anyhow::Result<Vec<Row>> {
-    let python = b
-        .python
-        .clone()
-        .unwrap_or_else(|| cache_root().join("venv/bin/python"));
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = tokio::process::Command::new(&python)
-        .arg(repo.join("benches/preprocess_baseline.py"))
-        .arg("--data")
-        .arg(dir)
-        .args([
-            "--samples",
-            &b.baseline_samples.to_string(),
-            "--batch",
-            &b.global_batch_size.to_string(),
-        ])
-        .arg("--tokenizer")
-        .arg(tokenizer)
-        .arg("--template")
-        .arg(repo.join("worker/templates/qwen2-vl.jinja"))
-        .stderr(Stdio::inherit())
-        .output()
-        .await
-        .map_err(|e| anyhow::anyhow!("{}: {e}", python.display()))?;
-    anyhow::ensure!(
-        out.status.success(),
-        "{} exited with {}",
-        python.display(),
-        out.status
-    );
+    let out = python_bench(b, "preprocess_baseline.py", |c| {
+        c.arg("--data")
+            .arg(dir)
+            .args([
+                "--samples",
+                &b.baseline_samples.to_string(),
+                "--batch",
+                &b.global_batch_size.to_string(),
+            ])
+            .arg("--tokenizer")
+            .arg(tokenizer)
+            .arg("--template")
+            .arg(repo().join("worker/templates/qwen2-vl.jinja"));
+    })
+    .await?;
     let mut rows = Vec::new();
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
+    for line in String::from_utf8_lossy(&out).lines() {
         let v: serde_json::Value = serde_json::from_str(line)?;
         let mode = v["mode"].as_str().unwrap_or("");
         let name = if mode == "loop" {

@@ -5,7 +5,7 @@
 
 use super::preset::{round_half_even, FrameSampling, PixelBudget, Preset};
 use super::torch_resize::FrameResizer;
-use super::video_decode::{decode, probe, VideoHeader, VideoLimits};
+use super::video_decode::{decode, probe, Skipping, VideoHeader, VideoLimits};
 use super::video_error::VideoError;
 use super::vision::{patchify_frames, PixelBuf, PixelLut, Rgb};
 use crate::dataset::sample::VideoPart;
@@ -287,9 +287,12 @@ impl<'a> FrameCollector<'a> {
         })
     }
 
-    fn push(&mut self, rgb: Rgb) -> Result<(), VideoError> {
+    /// Takes sampled frame `k` (a decode that starts again hands frames from 0 again).
+    fn push(&mut self, k: usize, rgb: Rgb) -> Result<(), VideoError> {
+        self.frames.truncate(k);
+        self.decoded.truncate(k);
         let size = |(h, w): (usize, usize)| (h as u32, w as u32);
-        let frame = self.frames.len().to_string();
+        let frame = k.to_string();
         same_size(&frame, size((rgb.height, rgb.width)), size(self.from))?;
         if self.keep_decoded {
             self.decoded.push(Rgb {
@@ -390,7 +393,13 @@ pub fn process_clip<R: Read + Seek + Send + 'static>(
     let upright = header.upright();
     sized(preset, plan.indices.len(), upright, budget.pixels)?;
     let mut frames = FrameCollector::new(preset, plan.indices.len(), upright, keep_decoded)?;
-    decode(open(), &header, &plan.indices, |_, rgb| frames.push(rgb))?;
+    decode(
+        open,
+        &header,
+        &plan.indices,
+        Skipping::NonReference,
+        |k, rgb| frames.push(k, rgb),
+    )?;
     Ok(frames.finish(lut, &plan))
 }
 
@@ -409,8 +418,8 @@ pub fn process_frame_list(
     let upright = (first.height as u32, first.width as u32);
     sized(preset, decoded.len(), upright, pixels)?;
     let mut frames = FrameCollector::new(preset, decoded.len(), upright, keep_decoded)?;
-    for rgb in decoded {
-        frames.push(rgb)?;
+    for (k, rgb) in decoded.into_iter().enumerate() {
+        frames.push(k, rgb)?;
     }
     Ok(frames.finish(lut, &plan))
 }

@@ -3,12 +3,13 @@
 //!
 //! A container is read through any `Read + Seek` (a whole object in memory, or ranges of it
 //! from the store), its header checked against the limits before a packet is decoded, and only
-//! the frames a sampling asks for are converted to RGB: the rest are decoded (inter-coded
-//! streams need them as references) and dropped.
+//! the frames a sampling asks for are converted to RGB. Of the rest, those no other frame
+//! refers to are not decoded at all (H.264); the others are decoded as references and dropped.
 
 use super::video_error::VideoError;
 use super::vision::Rgb;
 use ffmpeg_next as ff;
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::io::{Read, Seek};
 use std::sync::Once;
 
@@ -171,24 +172,81 @@ fn check(h: &VideoHeader, limits: VideoLimits) -> Result<(), VideoError> {
     Ok(())
 }
 
-/// Decodes the video stream of the container `reader` holds (whose header [`probe`] gave)
+/// Whether the decoder may leave out frames that are neither sampled nor referenced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Skipping {
+    /// H.264's non-reference frames (`nal_ref_idc` 0: no other frame is predicted from them)
+    /// that no index asks for are not decoded. Other codecs decode every frame: HEVC's
+    /// "non-reference" marks are per temporal sub-layer, and a higher one may refer to them.
+    NonReference,
+    /// Every frame up to the last sampled is decoded.
+    Off,
+}
+
+/// What one decode did, for tests and benchmarks.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeStats {
+    /// Packets sent to the decoder.
+    pub sent: u64,
+    /// Frames it decoded and put out (those it left out never come out).
+    pub decoded: u64,
+    /// The stream's timestamps did not let frames be known before decoding, so it was decoded
+    /// again with nothing skipped.
+    pub decoded_again: bool,
+}
+
+/// Decodes the video stream of the container `open()` reads (whose header [`probe`] gave)
 /// and hands `frame(k, rgb)` the upright RGB frame at each of `indices` (frame numbers in
 /// presentation order, ascending, repeats allowed), `k` being its place in `indices`.
+///
+/// Frame numbers are those of a decoder that outputs every frame (PyAV's): the n-th frame
+/// out. When `skipping` lets frames be left out, a frame's number comes from its timestamp
+/// instead, ranked among the stream's; where the timestamps cannot say it before decoding
+/// (missing, repeated, decode order going back, a frame the rank did not foresee), the clip is
+/// opened again and decoded whole, and `frame` is called again from `k = 0`.
 pub fn decode<R: Read + Seek + Send + 'static>(
+    mut open: impl FnMut() -> R,
+    header: &VideoHeader,
+    indices: &[u64],
+    skipping: Skipping,
+    mut frame: impl FnMut(usize, Rgb) -> Result<(), VideoError>,
+) -> Result<DecodeStats, VideoError> {
+    debug_assert!(indices.windows(2).all(|w| w[0] <= w[1]));
+    if indices.is_empty() {
+        return Ok(DecodeStats::default());
+    }
+    if skipping == Skipping::NonReference {
+        match run(open(), header, indices, true, &mut frame) {
+            // Any failure with frames left out is retried with none: the whole decode's own
+            // answer (a frame, or the error that names what is wrong) is the one that counts.
+            Ok(stats) => return Ok(stats),
+            Err(_) => {
+                let stats = run(open(), header, indices, false, &mut frame)?;
+                return Ok(DecodeStats {
+                    decoded_again: true,
+                    ..stats
+                });
+            }
+        }
+    }
+    run(open(), header, indices, false, &mut frame)
+}
+
+/// One pass over the stream; `skip` asks to leave non-reference frames out where the codec
+/// allows it.
+fn run<R: Read + Seek + Send + 'static>(
     reader: R,
     header: &VideoHeader,
     indices: &[u64],
-    mut frame: impl FnMut(usize, Rgb) -> Result<(), VideoError>,
-) -> Result<(), VideoError> {
-    debug_assert!(indices.windows(2).all(|w| w[0] <= w[1]));
-    if indices.is_empty() {
-        return Ok(());
-    }
+    skip: bool,
+    frame: &mut impl FnMut(usize, Rgb) -> Result<(), VideoError>,
+) -> Result<DecodeStats, VideoError> {
     let mut opened = open(reader)?;
     let stream = opened.input.stream(opened.stream).expect("found in open");
     let mut ctx = ff::codec::context::Context::from_parameters(stream.parameters())
         .map_err(|e| corrupt("reading the codec parameters", e))?;
-    // One thread per clip: the worker already decodes samples side by side on every core.
+    // One thread per clip: the worker already decodes samples side by side on every core
+    // (and a skip decision must reach the decoder with its packet).
     ctx.set_threading(ff::codec::threading::Config {
         kind: ff::codec::threading::Type::None,
         count: 1,
@@ -198,63 +256,253 @@ pub fn decode<R: Read + Seek + Send + 'static>(
         ff::Error::DecoderNotFound => VideoError::Unsupported,
         e => corrupt("opening the decoder", e),
     })?;
+    let skip = skip && decoder.id() == ff::codec::Id::H264;
+    let mut out = Output {
+        header,
+        indices,
+        next: 0,
+        number: 0,
+        converter: Converter::default(),
+        decoded: ff::frame::Video::empty(),
+        order: skip.then(Order::default),
+        last_rank: None,
+        frame,
+    };
+    let mut stats = DecodeStats::default();
     let index = opened.stream;
-    let mut converter = Converter::default();
-    let mut decoded = ff::frame::Video::empty();
-    let (mut next, mut number) = (0usize, 0u64);
-    let mut take =
-        |decoded: &ff::frame::Video, number: u64, next: &mut usize| -> Result<(), VideoError> {
-            while *next < indices.len() && indices[*next] == number {
-                let rgb = converter.rgb(decoded, header.rotation)?;
-                frame(*next, rgb)?;
-                *next += 1;
-            }
-            Ok(())
-        };
+    // Packets waiting for their frame number (known once decode order has passed their time).
+    let mut waiting: VecDeque<(ff::Packet, Option<i64>)> = VecDeque::new();
+    let mut skipping_now = false;
     let mut packets = opened.input.packets();
-    let mut eof = false;
-    while next < indices.len() {
-        match decoder.receive_frame(&mut decoded) {
-            Ok(()) => {
-                if number > header.frames {
-                    // More frames than the header said: the header bounded the work.
-                    return Err(VideoError::TooManyFrames {
-                        frames: number,
-                        max: header.frames,
-                    });
+    while out.next < indices.len() {
+        let packet = packets.by_ref().find(|(s, _)| s.index() == index);
+        let Some(order) = out.order.as_mut() else {
+            match packet {
+                Some((_, packet)) => {
+                    stats.sent += 1;
+                    out.send(&mut decoder, &packet)?;
+                    continue;
                 }
-                take(&decoded, number, &mut next)?;
-                number += 1;
-                continue;
+                None => {
+                    out.finish(&mut decoder)?;
+                    break;
+                }
             }
-            Err(ff::Error::Eof) => break,
-            Err(ff::Error::Other {
-                errno: ff::util::error::EAGAIN,
-            }) => {}
-            Err(e) => return Err(corrupt(&format!("decoding frame {number}"), e)),
+        };
+        match packet {
+            Some((_, packet)) => {
+                // The demuxer's own discards (before an edit list's start) are decoded as
+                // references and never output: they take no number.
+                let pts = match discarded(&packet) {
+                    true => None,
+                    false => {
+                        order.add(packet.pts(), packet.dts())?;
+                        packet.pts()
+                    }
+                };
+                waiting.push_back((packet, pts));
+                if waiting.len() > MAX_REORDER {
+                    return Err(unforeseen("frames reordered further than any codec"));
+                }
+            }
+            None => order.finish(),
         }
-        if eof {
+        let ended = order.ended;
+        while let Some(&(_, pts)) = waiting.front() {
+            let rank = match pts {
+                Some(pts) => match out.order.as_ref().and_then(|o| o.rank(pts)) {
+                    Some(rank) => Some(rank),
+                    None => break,
+                },
+                None => None,
+            };
+            let (packet, _) = waiting.pop_front().expect("looked at above");
+            let leave_out = rank.is_some_and(|r| indices.binary_search(&r).is_err());
+            if leave_out != skipping_now {
+                decoder.skip_frame(match leave_out {
+                    true => ff::Discard::NonReference,
+                    false => ff::Discard::Default,
+                });
+                skipping_now = leave_out;
+            }
+            stats.sent += 1;
+            out.send(&mut decoder, &packet)?;
+            if out.next == indices.len() {
+                break;
+            }
+        }
+        if ended {
+            out.finish(&mut decoder)?;
             break;
         }
-        match packets.by_ref().find(|(s, _)| s.index() == index) {
-            Some((_, packet)) => decoder
-                .send_packet(&packet)
-                .map_err(|e| corrupt(&format!("decoding frame {number}"), e))?,
-            None => {
-                eof = true;
-                decoder
-                    .send_eof()
-                    .map_err(|e| corrupt("flushing the decoder", e))?
-            }
-        }
     }
-    if next < indices.len() {
+    if out.next < indices.len() {
         return Err(VideoError::Corrupt(format!(
-            "the stream ended after {number} frames; its header says {} (frame {} was sampled)",
-            header.frames, indices[next]
+            "the stream ended after {} frames; its header says {} (frame {} was sampled)",
+            out.number, header.frames, indices[out.next]
         )));
     }
-    Ok(())
+    Ok(DecodeStats {
+        decoded: out.number,
+        ..stats
+    })
+}
+
+/// Packets a decoder may hold back for reordering, and more: H.264 reorders at most 16.
+const MAX_REORDER: usize = 64;
+
+/// Frames left out need numbers from timestamps; this stream's do not give them.
+fn unforeseen(why: &str) -> VideoError {
+    VideoError::Corrupt(format!("{why}: frames cannot be numbered before decoding"))
+}
+
+fn discarded(packet: &ff::Packet) -> bool {
+    use ff::packet::Ref;
+    // SAFETY: a plain field of a packet the demuxer filled.
+    unsafe { (*packet.as_ptr()).flags & ff::ffi::AV_PKT_FLAG_DISCARD != 0 }
+}
+
+/// Presentation numbers of a stream's frames from their timestamps, as packets arrive in
+/// decode order. Every later packet's pts is at least its dts, which is at least the last dts
+/// seen: a pts below that has all the frames before it in view, and its number is final.
+#[derive(Default)]
+struct Order {
+    /// Timestamps seen and not yet numbered.
+    pending: BTreeSet<i64>,
+    /// Numbered and not yet output.
+    numbered: HashMap<i64, u64>,
+    count: u64,
+    last_dts: Option<i64>,
+    ended: bool,
+}
+
+impl Order {
+    fn add(&mut self, pts: Option<i64>, dts: Option<i64>) -> Result<(), VideoError> {
+        let Some(pts) = pts else {
+            return Err(unforeseen("a packet without a presentation time"));
+        };
+        // Frames before the last decode time are numbered: a frame shown before it now
+        // would have been ranked too late.
+        if self.last_dts.is_some_and(|last| pts < last) {
+            return Err(unforeseen("a frame shown before frames already numbered"));
+        }
+        if dts.is_some_and(|dts| pts < dts || self.last_dts.is_some_and(|last| dts < last)) {
+            return Err(unforeseen("decode timestamps out of order"));
+        }
+        if self.numbered.contains_key(&pts) || !self.pending.insert(pts) {
+            return Err(unforeseen("two frames at one time"));
+        }
+        // No decode time (Matroska's first packets of a reordered stream, where FFmpeg cannot
+        // derive one yet): nothing more is known, nothing is numbered.
+        let Some(dts) = dts else { return Ok(()) };
+        self.last_dts = Some(dts);
+        while let Some(first) = self.pending.first().copied().filter(|&p| p < dts) {
+            self.number(first);
+        }
+        Ok(())
+    }
+
+    /// The stream ended: every timestamp seen is numbered.
+    fn finish(&mut self) {
+        while let Some(first) = self.pending.first().copied() {
+            self.number(first);
+        }
+        self.ended = true;
+    }
+
+    fn number(&mut self, pts: i64) {
+        self.pending.remove(&pts);
+        self.numbered.insert(pts, self.count);
+        self.count += 1;
+    }
+
+    fn rank(&self, pts: i64) -> Option<u64> {
+        self.numbered.get(&pts).copied()
+    }
+}
+
+/// The decoder's side of a pass: frames out, numbered (counted, or by timestamp when frames
+/// are left out), and the sampled ones handed on.
+struct Output<'a, F> {
+    header: &'a VideoHeader,
+    indices: &'a [u64],
+    /// The next place in `indices` to hand on.
+    next: usize,
+    /// Frames out so far.
+    number: u64,
+    converter: Converter,
+    decoded: ff::frame::Video,
+    order: Option<Order>,
+    last_rank: Option<u64>,
+    frame: &'a mut F,
+}
+
+impl<F: FnMut(usize, Rgb) -> Result<(), VideoError>> Output<'_, F> {
+    fn send(
+        &mut self,
+        decoder: &mut ff::decoder::Video,
+        packet: &ff::Packet,
+    ) -> Result<(), VideoError> {
+        decoder
+            .send_packet(packet)
+            .map_err(|e| corrupt(&format!("decoding frame {}", self.number), e))?;
+        self.receive(decoder)
+    }
+
+    fn finish(&mut self, decoder: &mut ff::decoder::Video) -> Result<(), VideoError> {
+        decoder
+            .send_eof()
+            .map_err(|e| corrupt("flushing the decoder", e))?;
+        self.receive(decoder)
+    }
+
+    /// Takes every frame the decoder has ready.
+    fn receive(&mut self, decoder: &mut ff::decoder::Video) -> Result<(), VideoError> {
+        while self.next < self.indices.len() {
+            match decoder.receive_frame(&mut self.decoded) {
+                Ok(()) => self.take()?,
+                Err(ff::Error::Eof)
+                | Err(ff::Error::Other {
+                    errno: ff::util::error::EAGAIN,
+                }) => break,
+                Err(e) => return Err(corrupt(&format!("decoding frame {}", self.number), e)),
+            }
+        }
+        Ok(())
+    }
+
+    fn take(&mut self) -> Result<(), VideoError> {
+        if self.number > self.header.frames {
+            // More frames than the header said: the header bounded the work.
+            return Err(VideoError::TooManyFrames {
+                frames: self.number,
+                max: self.header.frames,
+            });
+        }
+        let number = match &mut self.order {
+            None => self.number,
+            Some(order) => {
+                let rank = self
+                    .decoded
+                    .pts()
+                    .and_then(|pts| order.numbered.remove(&pts))
+                    .ok_or_else(|| unforeseen("a frame out at a time no packet had"))?;
+                if self.last_rank.is_some_and(|last| rank <= last) || self.indices[self.next] < rank
+                {
+                    return Err(unforeseen("frames out of order or missing"));
+                }
+                self.last_rank = Some(rank);
+                rank
+            }
+        };
+        self.number += 1;
+        while self.next < self.indices.len() && self.indices[self.next] == number {
+            let rgb = self.converter.rgb(&self.decoded, self.header.rotation)?;
+            (self.frame)(self.next, rgb)?;
+            self.next += 1;
+        }
+        Ok(())
+    }
 }
 
 /// What a conversion is made for: the frames' format, size, colour matrix and range.
@@ -369,6 +617,117 @@ fn rotate(rgb: Rgb, degrees: u16) -> Rgb {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Cursor;
+
+    const CLIP: &[u8] = include_bytes!("../../tests/fixtures/clip.mp4");
+    /// The same stream remuxed (`ffmpeg -c copy`): Matroska gives its first packets no dts.
+    const CLIP_MKV: &[u8] = include_bytes!("../../tests/fixtures/clip.mkv");
+
+    fn decode_of(clip: &[u8], indices: &[u64], skipping: Skipping) -> (Vec<Rgb>, DecodeStats) {
+        let limits = VideoLimits {
+            max_side: 4096,
+            max_frame_pixels: 1 << 24,
+            max_frames: 1000,
+        };
+        let header = probe(Cursor::new(clip.to_vec()), limits).unwrap();
+        let mut got = Vec::new();
+        let open = || Cursor::new(clip.to_vec());
+        let stats = decode(open, &header, indices, skipping, |k, rgb| {
+            got.truncate(k);
+            got.push(rgb);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(got.len(), indices.len());
+        (got, stats)
+    }
+
+    #[test]
+    fn left_out_frames_change_no_sampled_frame() {
+        // The fixture: H.264, 30 frames, mostly non-reference B-frames between I and P.
+        let cases = [vec![0, 5, 10, 15, 20, 25, 29], vec![3, 3, 17], vec![29]];
+        for (clip, indices) in [CLIP, CLIP_MKV]
+            .into_iter()
+            .flat_map(|c| cases.iter().map(move |i| (c, i)))
+        {
+            let (all, whole) = decode_of(clip, indices, Skipping::Off);
+            let (some, skipped) = decode_of(clip, indices, Skipping::NonReference);
+            let up_to_last = indices.last().unwrap() + 1;
+            assert_eq!(whole.decoded, up_to_last, "{indices:?}: {whole:?}");
+            assert!(
+                skipped.decoded < up_to_last,
+                "{indices:?}: nothing left out ({skipped:?})"
+            );
+            assert!(!skipped.decoded_again, "{indices:?}");
+            for (k, (a, b)) in all.iter().zip(&some).enumerate() {
+                assert_eq!(a.data, b.data, "{indices:?}: frame {} differs", indices[k]);
+            }
+        }
+    }
+
+    #[test]
+    fn frames_are_numbered_when_decode_order_has_passed_them() {
+        let mut order = Order::default();
+        // I0 P3 B1 B2 in decode order, dts trailing by two frames.
+        order.add(Some(0), Some(-2)).unwrap();
+        order.add(Some(3), Some(-1)).unwrap();
+        assert_eq!(
+            order.rank(0),
+            None,
+            "a later packet may still come before it"
+        );
+        order.add(Some(1), Some(0)).unwrap();
+        assert_eq!(order.rank(0), None);
+        order.add(Some(2), Some(1)).unwrap();
+        assert_eq!(
+            (order.rank(0), order.rank(1), order.rank(2)),
+            (Some(0), None, None)
+        );
+        order.add(Some(6), Some(3)).unwrap();
+        assert_eq!(
+            (order.rank(1), order.rank(2), order.rank(3)),
+            (Some(1), Some(2), None)
+        );
+        order.finish();
+        assert_eq!((order.rank(3), order.rank(6)), (Some(3), Some(4)));
+    }
+
+    #[test]
+    fn timestamps_that_cannot_number_frames_are_refused() {
+        let mut order = Order::default();
+        assert!(order.add(None, Some(0)).is_err());
+        order.add(Some(5), Some(1)).unwrap();
+        assert!(
+            order.add(Some(7), Some(0)).is_err(),
+            "decode order went back"
+        );
+        assert!(
+            order.add(Some(5), Some(2)).is_err(),
+            "two frames at one time"
+        );
+        assert!(order.add(Some(1), Some(2)).is_err(), "pts before dts");
+        assert!(
+            order.add(Some(0), None).is_err(),
+            "shown before numbered frames"
+        );
+    }
+
+    #[test]
+    fn packets_without_decode_time_wait_for_one() {
+        // Matroska's reordered H.264: the first two packets have no dts.
+        let mut order = Order::default();
+        order.add(Some(0), None).unwrap();
+        order.add(Some(3), None).unwrap();
+        assert_eq!(order.rank(0), None);
+        order.add(Some(1), Some(0)).unwrap();
+        order.add(Some(2), Some(1)).unwrap();
+        assert_eq!((order.rank(0), order.rank(1)), (Some(0), None));
+        order.add(Some(6), Some(3)).unwrap();
+        assert_eq!(
+            (order.rank(1), order.rank(2), order.rank(3)),
+            (Some(1), Some(2), None)
+        );
+    }
 
     #[test]
     fn rotation_turns_clockwise() {
