@@ -15,11 +15,16 @@ if ! pkg-config --exists libavcodec libavformat libavutil libswscale 2>/dev/null
   pkgs+=(libavcodec-dev libavformat-dev libavutil-dev libswscale-dev)
 fi
 # libclang itself (bindgen loads libclang.so or libclang-N.so): libclang-cpp, which other
-# packages bring, is not it.
-if ! ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/x86_64-linux-gnu/libclang-[0-9]*.so* \
-  /usr/lib/x86_64-linux-gnu/libclang.so* >/dev/null 2>&1; then
-  pkgs+=(libclang-dev clang)
-fi
+# packages bring, is not it. Any one of the places will do.
+have_libclang() {
+  local f
+  for f in /usr/lib/llvm-*/lib/libclang.so* /usr/lib/x86_64-linux-gnu/libclang-[0-9]*.so* \
+    /usr/lib/x86_64-linux-gnu/libclang.so*; do
+    [ -e "$f" ] && return 0
+  done
+  return 1
+}
+have_libclang || pkgs+=(libclang-dev clang)
 [ ${#missing[@]} -eq 0 ] && [ ${#pkgs[@]} -eq 0 ] && exit 0
 for tool in "${missing[@]}"; do
   case "$tool" in
