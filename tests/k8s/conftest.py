@@ -62,13 +62,31 @@ def free_port() -> int:
 
 
 class Cluster:
-    def __init__(self, state_dir: pathlib.Path) -> None:
+    """scripts/cluster.sh up: `real_nodes` with kubelets (the last `trainer_nodes` of them for
+    trainers), besides `fake_nodes` kwok nodes (the script's default when None)."""
+
+    def __init__(self, state_dir: pathlib.Path, port_base: int = 0, real_nodes: int = 0,
+                 trainer_nodes: int = 0, fake_nodes=None, link_mbit: int = 1000) -> None:
         self.env = dict(os.environ, STOKER_CLUSTER_DIR=str(state_dir),
-                        STOKER_CLUSTER_PORT_BASE=str(20000 + os.getpid() % 20000))
+                        STOKER_CLUSTER_PORT_BASE=str(port_base or 20000 + os.getpid() % 20000),
+                        STOKER_CLUSTER_REAL_NODES=str(real_nodes),
+                        STOKER_CLUSTER_TRAINER_NODES=str(trainer_nodes),
+                        STOKER_CLUSTER_LINK_MBIT=str(link_mbit))
+        if fake_nodes is not None:
+            self.env["STOKER_CLUSTER_NODES"] = str(fake_nodes)
         self.script = str(REPO / "scripts" / "cluster.sh")
-        out = subprocess.run([self.script, "up"], env=self.env, check=True,
-                             capture_output=True, text=True, timeout=600)
+        try:
+            out = subprocess.run([self.script, "up"], env=self.env, check=True,
+                                 capture_output=True, text=True, timeout=600)
+        except subprocess.CalledProcessError as e:
+            self.down()
+            pytest.fail(f"cluster.sh up failed: {e.stderr[-3000:]}")
         self.kubeconfig = out.stdout.strip().splitlines()[-1]
+
+    def script_out(self, *args: str) -> str:
+        """Another scripts/cluster.sh command on this cluster (stop-kubelet, netns, ...)."""
+        return subprocess.run([self.script, *args], env=self.env, check=True,
+                              capture_output=True, text=True, timeout=300).stdout
 
     @property
     def audit_log(self) -> pathlib.Path:
