@@ -19,7 +19,9 @@ Usage: scripts/test.sh [STAGE...]      (no STAGE: every stage, in this order)
   prometheus  alert rules, their unit tests, the dashboard against a live pipeline
   chart       helm lint and template, the values schema
   image       the container image (podman, FROM scratch) and a worker in it serving a client
-  k8s         the operator end to end on a real control plane (etcd, apiserver, controllers, kwok)
+  k8s         the operator end to end on a real control plane (etcd, apiserver, controllers, kwok),
+              then on real nodes (kubelet, containerd, kube-proxy, CoreDNS): the chart's operator
+              pod, worker pods of the image, a trainer pod reading through the Service
 
 Setup each stage runs first: lint, rust: scripts/setup-build-deps.sh; python, prometheus:
 scripts/setup-test-deps.sh; chart, image, k8s: scripts/setup-k8s-tools.sh (Kubernetes from the
@@ -50,10 +52,15 @@ python_env() {
   PY="$STOKER_CACHE/venv/bin/python"
 }
 
+# The `stoker` package into the venv (maturin, the build backend, is in the venv;
+# --no-build-isolation reuses it and the cache).
+install_stoker_package() {
+  PATH="$STOKER_CACHE/venv/bin:$PATH" "$STOKER_CACHE/venv/bin/pip" install -q --no-build-isolation ./python
+}
+
 stage_python() {
   python_env
-  # (maturin, the build backend, is in the venv; --no-build-isolation reuses it and the cache.)
-  PATH="$STOKER_CACHE/venv/bin:$PATH" "$STOKER_CACHE/venv/bin/pip" install -q --no-build-isolation ./python
+  install_stoker_package
   # The checks against the model's own code (rope index, a packed forward, a training step)
   # need torch: fail, not skip.
   STOKER_REQUIRE_TORCH=1 "$PY" -m pytest -q tests/parity python/tests
@@ -82,6 +89,9 @@ stage_image() {
 stage_k8s() {
   python_env
   ./scripts/setup-k8s-tools.sh
+  # The real nodes run the image (built again only when the binary is newer than it).
+  [ "$STOKER_CACHE/image/stoker.oci.tar" -nt "$STOKER_BIN" ] || ./scripts/build-image.sh
+  install_stoker_package
   STOKER_REQUIRE_CLUSTER=1 "$PY" -m pytest -q tests/k8s
 }
 
