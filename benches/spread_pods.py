@@ -48,7 +48,7 @@ def one_run(real, mode: str, a, out: pathlib.Path) -> dict:
     time.sleep(a.seconds)
     rows1, bytes1 = batches(out), link_bytes(real, a.nodes)
     wall = rows1[-1]["t"] - rows0[-1]["t"]
-    real.kubectl("delete", "pod", f"{name}-trainer", "--wait=true", "--timeout=120s")
+    real.kubectl("delete", "pod", f"{name}-trainer", "--grace-period=1", "--timeout=120s")
     real.kubectl("delete", "datapipeline", name, "--wait=true", "--timeout=120s")
     wait_until(f"the {name} workers to go", lambda: not ready_workers(real, name), 180)
     return {

@@ -57,6 +57,8 @@ fn run() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| "info,aws_config=warn,aws_smithy_runtime=warn".into()),
         )
         .with_writer(std::io::stderr)
+        // Colour only on a terminal: `kubectl logs` of a pod shows plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     let rt = tokio::runtime::Runtime::new()?;
