@@ -488,8 +488,14 @@ mod tests {
     }
 
     #[test]
-    fn the_example_is_admitted() {
+    fn the_examples_are_admitted_and_valid() {
         admit(&example()).unwrap();
+        // The real-node walk-through's (docs/operator.md).
+        let real: DataPipeline =
+            serde_yaml::from_str(include_str!("../../examples/real-nodes/datapipeline.yaml"))
+                .expect("the real-node example parses");
+        admit(&real).unwrap();
+        assert!(crate::validate::validate(&real).is_ok());
     }
 
     #[test]
