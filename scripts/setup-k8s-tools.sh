@@ -14,7 +14,7 @@
 #   openssl                     the test cluster's certificates (scripts/cluster.sh)
 #   pause image                 the pod sandbox image (a static C program, FROM scratch), as
 #                               an archive for `ctr images import`
-# Idempotent: a tool already built at its pinned version is kept. Cold: ~29 min on 2 cores.
+# Idempotent: a tool already built at its pinned version is kept. Cold: ~30 min on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"

@@ -25,7 +25,7 @@ Usage: scripts/test.sh [STAGE...]      (no STAGE: every stage, in this order)
 
 Setup each stage runs first: lint, rust: scripts/setup-build-deps.sh; python, prometheus:
 scripts/setup-test-deps.sh; chart, image, k8s: scripts/setup-k8s-tools.sh (Kubernetes from the
-Go module proxy, once: ~25 min cold).
+Go module proxy, once: ~30 min cold).
 USAGE
 }
 
