@@ -127,8 +127,9 @@ def trainer_pod(name: str, step_s: float, out: pathlib.Path) -> dict:
     installed `stoker` package, mounted read-only from the host (the image holds only the
     `stoker` binary); it logs its batches to `out`/batches.jsonl."""
     venv, base = pathlib.Path(sys.prefix), pathlib.Path(sys.base_prefix)
-    mounts = {"usr": "/usr", "python": str(base), "venv": str(venv),
-              "code": str(TRAINER_CODE.parent), "out": str(out)}
+    mounts = {"usr": "/usr", "venv": str(venv), "code": str(TRAINER_CODE.parent), "out": str(out)}
+    if not base.is_relative_to("/usr"):  # a Python of its own (pyenv), not Debian's
+        mounts["python"] = str(base)
     out.chmod(0o777)
     return {
         "apiVersion": "v1", "kind": "Pod",
