@@ -53,10 +53,10 @@ TRAINER_NODES="${STOKER_CLUSTER_TRAINER_NODES:-0}"
 HUB_IP=10.77.0.1
 POD_CIDR=10.78.0.0/16
 SERVICE_CIDR=10.96.0.0/16
-PAUSE_IMAGE=localhost/stoker-pause:1
 HUB_NS="stk$BASE-hub"
 # Real nodes: from `up --real-nodes N`, the environment, or (later commands) the state.
 REAL_NODES="${STOKER_CLUSTER_REAL_NODES:-0}"
+[ "${1:-}" = up ] && [ "${2:-}" = --real-nodes ] && REAL_NODES=${3:?--real-nodes N}
 [ -f "$DIR/real-nodes" ] && read -r REAL_NODES TRAINER_NODES <"$DIR/real-nodes"
 # The control plane's network namespace: the hub's with real nodes, else the host's.
 IN_HUB=()
@@ -243,6 +243,9 @@ start_controllers() {
     --node-ip 127.0.0.1 --cidr 127.64.0.0/16
 }
 
+# nodes_ready SELECTOR N: at least N nodes matching SELECTOR are Ready.
+nodes_ready() { [ "$(kc get nodes -l "$1" --no-headers 2>/dev/null | grep -cw Ready)" -ge "$2" ]; }
+
 # Fake nodes: hostname and zone labels (placement spreads over them), no taints.
 create_nodes() {
   local i zone
@@ -266,8 +269,7 @@ status:
 ---
 EOF
   done | kc apply -f - >/dev/null
-  nodes_ready() { [ "$(kc get nodes --no-headers 2>/dev/null | grep -cw Ready)" -ge "$NODES" ]; }
-  wait_for "$NODES Ready nodes" 120 nodes_ready
+  wait_for "$NODES Ready nodes" 120 nodes_ready type=kwok "$NODES"
 }
 
 # ---- Real nodes ----------------------------------------------------------------------------
@@ -341,8 +343,14 @@ EOF
   start coredns -conf "$DIR/Corefile"
 }
 
-# A node's processes enter only its network namespace (nsenter): `ip netns exec` also mounts a
-# fresh /sys, which hides the cgroup mounts kubelet and runc need.
+# start_on_node I ID COMMAND...: start_as ID-I, in node I's network namespace only (nsenter):
+# `ip netns exec` also mounts a fresh /sys, which hides the cgroup mounts kubelet and runc need.
+start_on_node() {
+  local i=$1 id=$2
+  shift 2
+  start_as "$id-$i" nsenter --net="/run/netns/$(node_ns "$i")" "$@"
+}
+
 ctr_in() { ctr --address "$(node_dir "$1")/containerd.sock" -n k8s.io "${@:2}"; }
 
 start_containerd() {
@@ -366,7 +374,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 [debug]
   level = "warn"
 [plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "$PAUSE_IMAGE"
+  sandbox_image = "$STOKER_PAUSE_IMAGE"
   restrict_oom_score_adj = true
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
@@ -377,7 +385,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     bin_dir = "/usr/lib/cni"
     conf_dir = "$d/cni"
 EOF
-  start_as "containerd-$i" nsenter --net="/run/netns/$(node_ns "$i")" containerd --config "$d/containerd.toml"
+  start_on_node "$i" containerd containerd --config "$d/containerd.toml"
   wait_for "containerd on node $i" 60 ctr_in "$i" version
 }
 
@@ -422,7 +430,7 @@ imageGCLowThresholdPercent: 99
 evictionHard: {memory.available: 50Mi, nodefs.available: 2%, imagefs.available: 2%}
 nodeStatusUpdateFrequency: 4s
 EOF
-  start_as "kubelet-$i" nsenter --net="/run/netns/$(node_ns "$i")" "$BIN/kubelet" --config "$d/kubelet.yaml" \
+  start_on_node "$i" kubelet "$BIN/kubelet" --config "$d/kubelet.yaml" \
     --kubeconfig "$d/kubelet.kubeconfig" --root-dir "$d/kubelet" --cert-dir "$d/pki" \
     --hostname-override "$(node_name "$i")" --node-ip "$(node_ip "$i")" \
     --node-labels "type=real,stoker.dev/role=$(node_role "$i"),topology.kubernetes.io/zone=zone-$((i % 2))" \
@@ -445,21 +453,20 @@ clusterCIDR: $POD_CIDR
 # Leave the (machine-wide) conntrack table settings alone.
 conntrack: {maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
 EOF
-  start_as "kube-proxy-$i" nsenter --net="/run/netns/$(node_ns "$i")" "$BIN/kube-proxy" --config "$d/kube-proxy.yaml" --v 1
+  start_on_node "$i" kube-proxy "$BIN/kube-proxy" --config "$d/kube-proxy.yaml" --v 1
 }
 
 real_nodes_up() {
   local i stoker_image="$STOKER_CACHE/image/stoker.oci.tar"
   start_coredns
   for i in $(seq 0 $((REAL_NODES - 1))); do start_containerd "$i"; done
-  import_image "$STOKER_CACHE/image/pause-1.tar"
+  import_image "$STOKER_PAUSE_ARCHIVE"
   [ -s "$stoker_image" ] && import_image "$stoker_image"
   for i in $(seq 0 $((REAL_NODES - 1))); do
     start_kubelet "$i"
     start_kube_proxy "$i"
   done
-  real_ready() { [ "$(kc get nodes -l type=real --no-headers 2>/dev/null | grep -cw Ready)" -ge "$REAL_NODES" ]; }
-  wait_for "$REAL_NODES Ready real nodes" 180 real_ready
+  wait_for "$REAL_NODES Ready real nodes" 180 nodes_ready type=real "$REAL_NODES"
 }
 
 # Pods first (their kubelet tears each sandbox's network down), then the node processes; a
@@ -555,10 +562,7 @@ netns() {
 }
 
 case "${1:-}" in
-  up)
-    [ "${2:-}" = --real-nodes ] && REAL_NODES=${3:?--real-nodes N} && IN_HUB=(ip netns exec "$HUB_NS")
-    up
-    ;;
+  up) up ;;
   down) down ;;
   restart) restart "${2:-}" ;;
   stop-kubelet) stop "kubelet-${2:?node index}" ;;

@@ -5,6 +5,11 @@
 export STOKER_CACHE="${STOKER_CACHE:-$HOME/.cache/stoker}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$STOKER_CACHE/target}"
 
+# The pod sandbox ("pause") image of the test cluster's real nodes: built by
+# scripts/setup-k8s-tools.sh, imported by scripts/cluster.sh.
+export STOKER_PAUSE_IMAGE=localhost/stoker-pause:1
+export STOKER_PAUSE_ARCHIVE="$STOKER_CACHE/image/stoker-pause-1.tar"
+
 # apt_install PACKAGE...: installs them quietly (one `apt-get update` first).
 apt_install() {
   local sudo=""

@@ -24,7 +24,6 @@ KUBE_VERSION=v1.35.4 # keep in step with tools/kube/go.mod
 ETCD_VERSION=v3.6.8  # keep in step with tools/etcd/go.mod
 KWOK_VERSION=v0.8.0
 COREDNS_VERSION=v1.14.7
-PAUSE_VERSION=1
 mkdir -p "$BIN"
 export GOPATH="$STOKER_CACHE/go" GOCACHE="$STOKER_CACHE/go-build" GOFLAGS=-mod=mod
 
@@ -88,7 +87,7 @@ fi
 
 # The pod sandbox ("pause") image: nothing can be pulled, so it is built here. Its process
 # only holds the pod's namespaces, sleeping until a signal ends it.
-PAUSE="$STOKER_CACHE/image/pause-$PAUSE_VERSION.tar"
+PAUSE="$STOKER_PAUSE_ARCHIVE"
 if [ ! -s "$PAUSE" ]; then
   echo "setup: building the pause image (once)"
   . scripts/podman-env.sh
@@ -108,9 +107,9 @@ int main(void) {
 C
   gcc -static -Os -include sys/wait.h -o "$work/pause" "$work/pause.c"
   printf 'FROM scratch\nCOPY pause /pause\nUSER 65535:65535\nENTRYPOINT ["/pause"]\n' >"$work/Containerfile"
-  podman build -q --network none -t "localhost/stoker-pause:$PAUSE_VERSION" "$work" >/dev/null
+  podman build -q --network none -t "$STOKER_PAUSE_IMAGE" "$work" >/dev/null
   mkdir -p "$(dirname "$PAUSE")"
-  podman save -q --format docker-archive -o "$PAUSE.tmp" "localhost/stoker-pause:$PAUSE_VERSION"
+  podman save -q --format docker-archive -o "$PAUSE.tmp" "$STOKER_PAUSE_IMAGE"
   mv "$PAUSE.tmp" "$PAUSE"
   rm -rf "$work"
 fi

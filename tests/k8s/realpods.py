@@ -12,10 +12,14 @@ import sys
 import tempfile
 
 import pytest
+import yaml
 
 from conftest import BIN, CACHE, REPO, Cluster
 
-IMAGE = "ghcr.io/stoker-dev/stoker:0.1.0"  # the chart's appVersion, as scripts/build-image.sh tags it
+# The chart's default image, as scripts/build-image.sh tags it.
+IMAGE = "ghcr.io/stoker-dev/stoker:" + yaml.safe_load(
+    (REPO / "charts" / "stoker" / "Chart.yaml").read_text())["appVersion"]
+EXAMPLE = REPO / "examples" / "real-nodes" / "datapipeline.yaml"
 IMAGE_ARCHIVE = CACHE / "image" / "stoker.oci.tar"
 HUB = "10.77.0.1"  # the hub namespace's address: the control plane, CoreDNS, S3, Prometheus
 TRAINER_CODE = pathlib.Path(__file__).with_name("trainer.py")
@@ -98,28 +102,22 @@ def prometheus(real: Cluster, work: pathlib.Path, target: str):
 
 
 def datapipeline(name: str, replicas: int, mode: str, link_mbit: int, autoscaling=None) -> dict:
-    """Workers on the worker nodes, each needing a whole link (so Spread puts one per node)."""
-    spec = {
-        "source": {"s3": {"uri": "s3://datasets/sft", "endpoint": f"http://{HUB}:9000",
-                          "region": "us-east-1", "pathStyle": True,
-                          "credentialsSecret": "s3-credentials"}},
-        "preprocessing": {"preset": "qwen2-vl", "maxPixels": 200704,
-                          "tokenizer": "s3://datasets/tok/tokenizer.json"},
-        "plan": {"seed": 7, "globalBatchSize": 4, "worldSize": 1},
-        "worker": {"nodeSelector": {"stoker.dev/role": "worker"},
-                   "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
-                                 "limits": {"cpu": "500m", "memory": "1Gi"}}},
-        "placement": {"mode": mode},
-        "replicas": replicas,
-        "trainerSelector": {"app": f"{name}-trainer"},
-    }
+    """The walk-through's pipeline (examples/real-nodes/datapipeline.yaml: the store and
+    tokenizer of s3_store, workers on the worker nodes) under `name`, with its own trainer
+    label, worker count, placement (Spread: a whole link per worker, so one per node) and
+    autoscaling (none when None)."""
+    dp = yaml.safe_load(EXAMPLE.read_text())
+    dp["metadata"]["name"] = name
+    spec = dp["spec"]
+    spec.update(replicas=replicas, trainerSelector={"app": f"{name}-trainer"},
+                placement={"mode": mode})
     if mode == "Spread":
         spec["placement"].update(nodeBandwidthGbps=link_mbit / 1000,
                                  workerEgressGbps=link_mbit / 1000)
+    spec.pop("autoscaling")
     if autoscaling:
         spec["autoscaling"] = autoscaling
-    return {"apiVersion": "stoker.dev/v1alpha1", "kind": "DataPipeline",
-            "metadata": {"name": name}, "spec": spec}
+    return dp
 
 
 def trainer_pod(name: str, step_s: float, out: pathlib.Path) -> dict:

@@ -139,9 +139,8 @@ def test_a_killed_worker_pod_and_kubelet_lose_nothing(real, trainer_out):
     # Finish the epoch under way, then check every epoch.
     (trainer_out / "stop").touch()
     pod = f"{NAME}-trainer"
-    phase = wait_until("the trainer to finish", lambda: real.get("pod", pod, ns="default")[
-        "status"]["phase"] in ("Succeeded", "Failed") and real.get("pod", pod, ns="default")[
-        "status"]["phase"], 300)
+    phase = wait_until("the trainer to finish", lambda: (p := real.get("pod", pod, ns="default")[
+        "status"]["phase"]) in ("Succeeded", "Failed") and p, 300)
     logs = real.kubectl("logs", "-n", "default", pod, check=False)
     assert phase == "Succeeded", logs.stdout[-2000:] + logs.stderr[-2000:]
     rows = batches(trainer_out)

@@ -1,8 +1,8 @@
 """The training loop of the real-pod tests, run in a trainer pod: `stoker.Loader` through the
 pipeline's headless Service (cluster DNS), a fixed step time standing for the model, the
 client's /metrics for the operator to scrape, and one JSON line per batch (its epoch, sample
-ids, worker and the loader's wait and step seconds so far) for the test to check. Epochs go on until the
-file STOP exists at the end of one.
+ids, worker and the loader's wait and step seconds so far) for the test to check. Epochs go on
+until the file STOP exists at the end of one.
 
     python trainer.py WORKERS LOG STEP_SECONDS PIPELINE STOP
 """
