@@ -91,7 +91,8 @@ def kernel(opts) -> None:
 
 def serve(data: Path, cpu_threads: int, batch: int):
     stoker_bin = os.environ.get("STOKER_BIN", str(Path(__file__).resolve().parents[1] / "target/release/stoker"))
-    tok = os.environ.get("STOKER_TOKENIZER", str(Path.home() / ".cache/stoker/qwen-tokenizer"))
+    cache = os.environ.get("STOKER_CACHE") or str(Path.home() / ".cache/stoker")
+    tok = os.environ.get("STOKER_TOKENIZER") or str(Path(cache) / "qwen-tokenizer")
     proc = subprocess.Popen(
         [stoker_bin, "worker", "--data", str(data), "--listen", "127.0.0.1:0", "--metrics-listen",
          "127.0.0.1:0", "--no-auth", "--global-batch-size", str(batch), "--cpu-threads",

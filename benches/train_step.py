@@ -355,8 +355,9 @@ def main() -> None:
     ap.add_argument("--torch-threads", type=int, default=0, help="torch's CPU threads (0: its default)")
     ap.add_argument("--feeders", default="stoker,dataloader,serial")
     ap.add_argument("--stoker", default=os.environ.get("STOKER_BIN", str(ROOT / "target/release/stoker")))
-    ap.add_argument("--tokenizer", type=Path, default=Path(os.environ.get(
-        "STOKER_TOKENIZER", Path.home() / ".cache/stoker/qwen-tokenizer")))
+    cache = Path(os.environ.get("STOKER_CACHE") or Path.home() / ".cache/stoker")
+    ap.add_argument("--tokenizer", type=Path,
+                    default=Path(os.environ.get("STOKER_TOKENIZER") or cache / "qwen-tokenizer"))
     ap.add_argument("--json", type=Path, help="write every figure (and each step's sample ids) here")
     args = ap.parse_args()
     if args.warmup >= args.steps:

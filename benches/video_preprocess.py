@@ -28,7 +28,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests/parity"))
-CACHE = Path(os.environ.get("STOKER_CACHE", Path.home() / ".cache/stoker"))
+CACHE = Path(os.environ.get("STOKER_CACHE") or Path.home() / ".cache/stoker")
 STOKER = os.environ.get("STOKER_BIN", str(CACHE / "target/release/stoker"))
 TOKENIZER = Path(os.environ.get("STOKER_TOKENIZER", CACHE / "qwen-tokenizer"))
 TEMPLATES = {"qwen2-vl": "qwen2-vl.jinja", "qwen2.5-vl": "qwen2-vl.jinja", "qwen3-vl": "qwen3-vl.jinja"}

@@ -25,7 +25,9 @@ ETCD_VERSION=v3.6.8  # keep in step with tools/etcd/go.mod
 KWOK_VERSION=v0.8.0
 COREDNS_VERSION=v1.14.7
 mkdir -p "$BIN"
-export GOPATH="$STOKER_CACHE/go" GOCACHE="$STOKER_CACHE/go-build" GOFLAGS=-mod=mod
+# GOCACHE and GOMODCACHE, where set, are kept: one Go cache may serve several STOKER_CACHEs.
+export GOPATH="$STOKER_CACHE/go" GOFLAGS=-mod=mod
+export GOCACHE="${GOCACHE:-$STOKER_CACHE/go-build}" GOMODCACHE="${GOMODCACHE:-$GOPATH/pkg/mod}"
 
 # build NAME VERSION COMMAND...: runs COMMAND (which writes $out) unless NAME-VERSION exists,
 # then points NAME at it.

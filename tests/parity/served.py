@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[2]
 STOKER = os.environ.get("STOKER_BIN", str(ROOT / "target/release/stoker"))
 # Synthetic datasets come from the lab binary, built beside the product.
 LAB = os.environ.get("STOKER_LAB", str(Path(STOKER).with_name("stoker-lab")))
-TOKENIZER = Path(os.environ.get("STOKER_TOKENIZER", Path.home() / ".cache/stoker/qwen-tokenizer"))
+CACHE = Path(os.environ.get("STOKER_CACHE") or Path.home() / ".cache/stoker")
+TOKENIZER = Path(os.environ.get("STOKER_TOKENIZER") or CACHE / "qwen-tokenizer")
 
 
 def serve(ds: Path, *args: str, global_batch: int = 4):

@@ -2,7 +2,7 @@
 
 Pinned: transformers 5.23.0, torch 2.15.0, torchvision 0.29.2 (CPU). Nothing is read from the
 Hub: processors are constructed from their classes with the class defaults (plus explicit
-overrides), the tokenizer comes from $STOKER_TOKENIZER (default ~/.cache/stoker/qwen-tokenizer).
+overrides), the tokenizer comes from $STOKER_TOKENIZER (default: qwen-tokenizer in $STOKER_CACHE, else in ~/.cache/stoker).
 See /tmp/video-spec.md (or the parity notes) for the algorithm these wrap.
 
     sample_indices(preset, total_frames, video_fps, fps=2.0, min_frames=4, max_frames=768)
@@ -23,7 +23,8 @@ from transformers.image_utils import SizeDict
 from transformers.video_utils import VideoMetadata
 
 PRESETS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
-TOKENIZER = Path(os.environ.get("STOKER_TOKENIZER", Path.home() / ".cache/stoker/qwen-tokenizer"))
+CACHE = Path(os.environ.get("STOKER_CACHE") or Path.home() / ".cache/stoker")
+TOKENIZER = Path(os.environ.get("STOKER_TOKENIZER") or CACHE / "qwen-tokenizer")
 # The wrapper the Qwen chat templates render for a video item.
 VIDEO_ITEM = "<|vision_start|><|video_pad|><|vision_end|>"
 # transformers 5.23's effective default (None -> False plus a warning); pass True to opt in.

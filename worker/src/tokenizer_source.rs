@@ -1,5 +1,5 @@
 //! Where the tokenizer comes from: a local path, `$STOKER_TOKENIZER`, the cache
-//! `scripts/setup-test-deps.sh` fills, or the object store.
+//! `scripts/setup-tokenizer.sh` fills, or the object store.
 //!
 //! From the object store (`--tokenizer s3://bucket/path/tokenizer.json`, or a prefix holding
 //! `tokenizer.json`) a worker image needs no tokenizer baked in. Fetched
@@ -22,7 +22,7 @@ pub fn is_remote(tokenizer: &str) -> bool {
 }
 
 /// The local tokenizer `pre` names: `--tokenizer`, else `$STOKER_TOKENIZER`, else the cache
-/// `scripts/setup-test-deps.sh` fills.
+/// `scripts/setup-tokenizer.sh` fills.
 pub fn local_path(pre: &Preprocessing) -> anyhow::Result<PathBuf> {
     if let Some(p) = &pre.tokenizer {
         return Ok(p.into());
@@ -30,11 +30,10 @@ pub fn local_path(pre: &Preprocessing) -> anyhow::Result<PathBuf> {
     if let Ok(p) = std::env::var("STOKER_TOKENIZER") {
         return Ok(p.into());
     }
-    let home = std::env::var("HOME").unwrap_or_else(|_| ".".into());
-    let p = PathBuf::from(home).join(".cache/stoker/qwen-tokenizer");
+    let p = stoker_config::cache_root().join("qwen-tokenizer");
     anyhow::ensure!(
         p.join("tokenizer.json").exists(),
-        "no tokenizer given and none at {}: pass --tokenizer PATH, set STOKER_TOKENIZER, or run scripts/setup-test-deps.sh",
+        "no tokenizer given and none at {}: pass --tokenizer PATH, set STOKER_TOKENIZER, or run scripts/setup-tokenizer.sh",
         p.display()
     );
     Ok(p)

@@ -3,13 +3,13 @@
 //! Rates are "per core": samples per CPU-second spent by the process (or thread) doing the
 //! work, so that runs on a shared, noisy 2-core machine compare like with like.
 
-use super::local::{cache_root, ensure_dataset, product_binary, spawn_worker};
+use super::local::{ensure_dataset, product_binary, spawn_worker};
 use super::scale::ServiceProfile;
 use clap::Subcommand;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
-use stoker_config::{Preprocessing, Serving, WorkerConfig};
+use stoker_config::{cache_root, Preprocessing, Serving, WorkerConfig};
 use stoker_testkit::embedded_s3::EmbeddedS3;
 use stoker_testkit::http;
 use stoker_testkit::local_worker::LocalWorker;
@@ -90,7 +90,7 @@ pub struct PreprocessBench {
     /// elsewhere). Set --cpu-threads to the number of CPUs given.
     #[arg(long)]
     pin_worker: Option<String>,
-    /// Where the dataset is cached [default: ~/.cache/stoker/bench].
+    /// Where the dataset is cached [default: $STOKER_CACHE/bench, the cache defaulting to ~/.cache/stoker].
     #[arg(long)]
     cache: Option<PathBuf>,
     /// Python with transformers (as installed by scripts/setup-test-deps.sh).

@@ -24,7 +24,7 @@ pub struct DatasetScaleArgs {
     /// Another `stoker` binary measured the same way, first (a before/after table).
     #[arg(long)]
     baseline: Option<PathBuf>,
-    /// Where the dataset is generated [default: ~/.cache/stoker/bench/text-SAMPLES].
+    /// Where the dataset is generated [default: $STOKER_CACHE/bench/text-SAMPLES].
     #[arg(long)]
     dir: Option<PathBuf>,
     /// Measure behind the embedded S3 server only (skip the local folder).
@@ -48,8 +48,7 @@ struct Row {
 pub async fn run(a: DatasetScaleArgs) -> anyhow::Result<()> {
     let dir = match &a.dir {
         Some(d) => d.clone(),
-        None => PathBuf::from(std::env::var("HOME")?)
-            .join(format!(".cache/stoker/bench/text-{}", a.samples)),
+        None => stoker_config::cache_root().join(format!("bench/text-{}", a.samples)),
     };
     let data = dir.join("bucket/data");
     generate(&data, &a)?;

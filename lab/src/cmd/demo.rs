@@ -21,7 +21,7 @@
 //! worker's images are small and its reads few, so the rows keep their order on a loaded
 //! machine too.
 
-use super::local::{cache_root, demo_preprocessing, ensure_demo_dataset, spawn_worker};
+use super::local::{demo_preprocessing, ensure_demo_dataset, spawn_worker};
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use stoker_client::{Depth, Discovery, Loader, LoaderConfig, WorkerSet};
-use stoker_config::{Concurrency, Preprocessing, Serving, WorkerConfig};
+use stoker_config::{cache_root, Concurrency, Preprocessing, Serving, WorkerConfig};
 use stoker_control::autoscale::{Autoscaler, Observation, RankCounters, Rule, Rules, Spec};
 use stoker_control::exposition::rank_counters;
 use stoker_control::metrics::{PipelineGauges, ScalerMetrics};
@@ -100,7 +100,7 @@ pub struct DemoArgs {
     /// Prometheus file_sd format, updated as workers come and go.
     #[arg(long)]
     prometheus_targets: Option<std::path::PathBuf>,
-    /// Where the dataset is cached [default: ~/.cache/stoker/demo].
+    /// Where the dataset is cached [default: $STOKER_CACHE/demo, the cache defaulting to ~/.cache/stoker].
     #[arg(long)]
     cache: Option<std::path::PathBuf>,
     /// Preprocessing (the demo defaults to --max-pixels 200704 and --pixel-dtype bf16, i.e.

@@ -30,12 +30,6 @@ pub fn product_binary() -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-/// ~/.cache/stoker: datasets the demo and benchmarks generate once.
-pub fn cache_root() -> PathBuf {
-    let home = std::env::var("HOME").unwrap_or_else(|_| ".".into());
-    PathBuf::from(home).join(".cache/stoker")
-}
-
 /// The demo's synthetic dataset (LLaVA format, 100 samples per shard, long sides up to
 /// `max_side`), generated once under `root`; its bucket name.
 pub fn ensure_demo_dataset(root: &Path, samples: usize, max_side: u32) -> anyhow::Result<String> {

@@ -12,11 +12,11 @@
 //! same workers packed on one node vs spread over K nodes, network-bound (a fast step) and
 //! not (a slow step), and the head-node hop (every batch relayed by one process on node 0).
 
-use super::local::{cache_root, demo_preprocessing, ensure_demo_dataset};
+use super::local::{demo_preprocessing, ensure_demo_dataset};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
-use stoker_config::{Preprocessing, Serving, WorkerConfig};
+use stoker_config::{cache_root, Preprocessing, Serving, WorkerConfig};
 use stoker_testkit::embedded_s3::{client_env, EmbeddedS3};
 use stoker_testkit::local_worker::LocalWorker;
 
