@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use stoker_config::{Concurrency, OnError, Preprocessing, S3Connection, Sampling, WorkerConfig};
 use stoker_worker::batch::{collate, i64_bytes, Batch};
-use stoker_worker::dataset::index::{DatasetIndex, Progress, INDEX_KEY};
+use stoker_worker::dataset::index::{DatasetIndex, Progress, Shard, INDEX_KEY};
 use stoker_worker::dataset::lengths::{SampleLengths, LENGTHS_KEY};
 use stoker_worker::identity::preprocessing_id;
 use stoker_worker::metrics::Metrics;
@@ -99,6 +99,60 @@ fn bar(msg: &str) -> indicatif::ProgressBar {
     pb
 }
 
+/// Shards listed one by one at most; more are summed up per format.
+const SHARDS_LISTED: usize = 20;
+
+/// Each shard's detected format and counts (`format: llava, 1,204 samples, 2 bad lines`), or
+/// for many shards the same per format.
+fn print_formats(shards: &[Shard]) {
+    if shards.len() <= SHARDS_LISTED {
+        for s in shards {
+            println!(
+                "{}: format: {}, {} samples, {} bad lines",
+                s.key,
+                s.format_name(),
+                thousands(s.samples().into()),
+                thousands(s.bad_lines)
+            );
+        }
+        return;
+    }
+    let mut per_format: Vec<(&str, u64, u64, u64)> = Vec::new();
+    for s in shards {
+        let name = s.format_name();
+        let at = match per_format.iter().position(|f| f.0 == name) {
+            Some(at) => at,
+            None => {
+                per_format.push((name, 0, 0, 0));
+                per_format.len() - 1
+            }
+        };
+        let f = &mut per_format[at];
+        (f.1, f.2, f.3) = (f.1 + 1, f.2 + u64::from(s.samples()), f.3 + s.bad_lines);
+    }
+    for (name, n, samples, bad) in per_format {
+        println!(
+            "format: {name}, {} shards, {} samples, {} bad lines",
+            thousands(n),
+            thousands(samples),
+            thousands(bad)
+        );
+    }
+}
+
+/// 1204311 → "1,204,311".
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// The index build's progress, as a bar of shard bytes.
 struct ByteBar(indicatif::ProgressBar);
 
@@ -140,6 +194,7 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
                     idx.bad_lines.len()
                 );
             }
+            print_formats(&idx.shards);
             println!(
                 "{} shards, {} samples, {} bad lines, version {:016x}, {} bytes in memory",
                 idx.shards.len(),

@@ -116,7 +116,10 @@ def dataset(tmp_path_factory):
                         text="Image, then video: the same?"))
     lines.append({"video": "clips/vp9.webm", "conversations": [
         {"from": "human", "value": "<video>\nWhat moves?"}, {"from": "gpt", "value": "Colours."}]})
-    (root / "data.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    # One format per shard: the LLaVA line has its own, after the typed parts' (sample ids
+    # follow the shards' keys, so line i is still sample i).
+    (root / "data.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[:-1]))
+    (root / "data_llava.jsonl").write_text(json.dumps(lines[-1]) + "\n")
     subprocess.run([STOKER, "dataset", "index", str(root)], check=True, capture_output=True)
     return root, lines
 

@@ -57,7 +57,9 @@ impl Cause {
             Cause::Fetch(FetchError::TooLarge { .. }) => K::ObjectTooLarge,
             Cause::Sample(SampleError::NotUtf8(_)) => K::NotUtf8,
             Cause::Sample(SampleError::Json(_)) => K::InvalidJson,
-            Cause::Sample(SampleError::Schema(_)) => K::InvalidSample,
+            Cause::Sample(SampleError::Schema(_) | SampleError::UnknownFormat(_)) => {
+                K::InvalidSample
+            }
             Cause::Path(_) => K::PathRefused,
             Cause::Image { err, .. } => match err {
                 ImageError::Unsupported => K::ImageUnsupported,

@@ -8,6 +8,7 @@ pub mod dataset {
     pub mod index;
     pub mod lengths;
     pub mod sample;
+    pub mod shard;
 }
 pub mod preprocess {
     pub(crate) mod image_error;

@@ -1,37 +1,39 @@
-//! The dataset index: every valid JSONL line of every shard, addressable by sample id.
+//! The dataset index: every valid sample of every shard, addressable by sample id.
 //!
-//! Building it streams each shard once, parses and validates every line (JSON, schema, image
-//! paths inside the root and present in the store) and records the bad ones as shard:line
-//! with the reason. Sample ids number the valid lines in (shard key, line) order. Memory is a
-//! chunk and one line per shard being read, whatever the shards' sizes: a line longer than
+//! A shard is a JSONL file (a sample per line) or a JSON array file (`.json`, a sample per
+//! element: LLaMA-Factory's data files). Building the index streams each shard once, parses
+//! and validates every sample (JSON, format, media paths inside the root and present in the
+//! store) and records the bad ones as shard:line with the reason (an array element's line is
+//! the line it starts on). Sample ids number the valid samples in (shard key, position) order.
+//! Each shard holds one format (docs/preprocessing.md, "Dataset formats"): a shard that mixes
+//! two, or holds no sample of any, is refused naming what it saw. Memory is a chunk and one
+//! sample per shard being read, whatever the shards' sizes: a sample longer than
 //! [`MAX_INDEXED_LINE_BYTES`] is a bad line, never held whole.
 //!
-//! Stored compact (`stoker-index.bin`): 4 bytes per sample (its line's offset in its shard),
-//! the line's length implied by the next sample's offset and its number by the lines skipped
-//! before it, both kept sparsely for the few lines where they are not. The shards' keys, sizes
-//! and versions are in it, so a worker checks it is fresh with one HEAD per shard: it never
-//! lists the dataset (whose images may be 10^8 objects).
+//! Stored compact (`stoker-index.bin`): 4 bytes per sample (its offset in its shard), the
+//! sample's length implied by the next sample's offset and its line number by the lines skipped
+//! before it, both kept sparsely for the few samples where they are not (for a JSONL shard; an
+//! array's elements, pretty-printed over many lines, cost up to 16 bytes more each). The shards'
+//! keys, sizes and versions are in it, so a worker checks it is fresh with one HEAD per shard:
+//! it never lists the dataset (whose images may be 10^8 objects).
 
-use super::sample::Conversation;
-use crate::source::{resolve_relative, ObjectInfo, Store};
+use super::sample::Formats;
+use super::shard::{index_shard, Framing, ShardPart};
+pub use super::shard::{
+    BadLine, Shard, DATASET_INFO, MAX_INDEXED_LINE_BYTES, MAX_LISTED_BAD_LINES,
+};
+use crate::source::{ObjectInfo, Store};
 use futures::{StreamExt, TryStreamExt};
 use std::collections::HashSet;
 use std::sync::Arc;
 
 /// Where `stoker dataset index` writes the index, at the dataset root.
 pub const INDEX_KEY: &str = "stoker-index.bin";
-const MAGIC: &[u8; 8] = b"STKIDX\0\x02";
+const MAGIC: &[u8; 8] = b"STKIDX\0\x03";
 /// Shards read at once while indexing (each parsed on its own thread).
 const SHARD_FETCH_CONCURRENCY: usize = 8;
 /// Shards whose freshness is checked (one HEAD each) at once.
 const SHARD_HEAD_CONCURRENCY: usize = 32;
-/// The longest line the index takes; a worker's `max-line-bytes` (default 4 MiB) may only
-/// lower it.
-pub const MAX_INDEXED_LINE_BYTES: u64 = 16 << 20;
-/// Bad lines listed with their reason (all are counted): a hostile or broken dataset's
-/// report stays bounded.
-pub const MAX_LISTED_BAD_LINES: usize = 10_000;
-
 /// Where a long index build reports how far it got (the CLI draws a bar; `()` ignores it).
 pub trait Progress: Sync {
     /// The amount of work there is.
@@ -42,61 +44,13 @@ pub trait Progress: Sync {
 
 impl Progress for () {}
 
-/// Where a sample's line is: its 1-based number, byte offset and length (without the
-/// newline; a CRLF line's `\r` is in it, which JSON reads as whitespace).
+/// Where a sample is: its 1-based line number, byte offset and length (without the newline; a
+/// CRLF line's `\r` is in it, which JSON reads as whitespace; an array element's own bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SampleLine {
     pub line: u32,
     pub offset: u64,
     pub len: u64,
-}
-
-/// One indexed shard: what the freshness check compares, and what its samples' lines need
-/// beyond their offsets.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Shard {
-    pub key: String,
-    pub size: u64,
-    pub version: String,
-    samples: u32,
-    /// (sample index in the shard, lines skipped before it in all): where a run of blank or
-    /// bad lines ends. Empty for a clean shard.
-    skipped: Vec<(u32, u32)>,
-    /// (sample index, length) of lines whose length is not the next sample's offset − 1 (a
-    /// bad or blank line follows, or the shard ends without a newline).
-    lengths: Vec<(u32, u32)>,
-}
-
-impl Shard {
-    pub fn samples(&self) -> u32 {
-        self.samples
-    }
-
-    fn line_number(&self, i: u32) -> u32 {
-        let after = self.skipped.partition_point(|&(at, _)| at <= i);
-        let skipped = after.checked_sub(1).map_or(0, |k| self.skipped[k].1);
-        i + 1 + skipped
-    }
-
-    fn length(&self, i: u32, implied: u64) -> u64 {
-        match self.lengths.binary_search_by_key(&i, |&(at, _)| at) {
-            Ok(k) => self.lengths[k].1.into(),
-            Err(_) => implied,
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BadLine {
-    pub shard: String,
-    pub line: u32,
-    pub reason: String,
-}
-
-impl std::fmt::Display for BadLine {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}:{}: {}", self.shard, self.line, self.reason)
-    }
 }
 
 #[derive(Debug, Clone)]
@@ -124,14 +78,6 @@ pub fn fingerprint<P: AsRef<[u8]>>(parts: &[P]) -> u64 {
         }
     }
     h
-}
-
-/// One shard's part of an index, as its build gives it.
-struct ShardPart {
-    shard: Shard,
-    offsets: Vec<u32>,
-    bad: Vec<BadLine>,
-    bad_count: u64,
 }
 
 impl DatasetIndex {
@@ -240,6 +186,8 @@ impl DatasetIndex {
             w.u64(s.size);
             w.str(&s.version);
             w.u32(s.samples);
+            w.u32(s.formats.bits().into());
+            w.u64(s.bad_lines);
             w.pairs(&s.skipped);
             w.pairs(&s.lengths);
         }
@@ -275,6 +223,8 @@ impl DatasetIndex {
                 size: r.u64()?,
                 version: r.str()?,
                 samples: r.u32()?,
+                formats: Formats::from_bits(r.u32()?)?,
+                bad_lines: r.u64()?,
                 skipped: r.pairs()?,
                 lengths: r.pairs()?,
             };
@@ -320,10 +270,10 @@ impl DatasetIndex {
         let (shards, others): (Vec<ObjectInfo>, Vec<ObjectInfo>) = objects
             .into_iter()
             .filter(|o| o.key != INDEX_KEY)
-            .partition(|o| o.key.ends_with(".jsonl"));
+            .partition(|o| Framing::of(&o.key).is_some());
         anyhow::ensure!(
             !shards.is_empty(),
-            "no .jsonl shards under {}",
+            "no .jsonl or .json shards under {}",
             store.describe("")
         );
         let keys: Arc<HashSet<Box<str>>> =
@@ -409,194 +359,6 @@ impl DatasetIndex {
     }
 }
 
-/// Streams one shard through [`ShardLines`].
-async fn index_shard(
-    store: &Store,
-    obj: ObjectInfo,
-    keys: &HashSet<Box<str>>,
-) -> anyhow::Result<ShardPart> {
-    anyhow::ensure!(
-        obj.size <= u32::MAX as u64,
-        "{}: {} bytes, over the index's 4 GiB per shard; split it",
-        store.describe(&obj.key),
-        obj.size
-    );
-    let lines = store
-        .fold_chunks(
-            &obj.key,
-            || ShardLines::new(&obj, keys),
-            |lines, chunk| lines.feed(chunk),
-        )
-        .await?;
-    lines.finish()
-}
-
-/// Splits a shard, fed chunk by chunk, into lines and validates each.
-struct ShardLines<'a> {
-    obj: &'a ObjectInfo,
-    keys: &'a HashSet<Box<str>>,
-    /// The current line so far; empty while `over_limit`.
-    line: Vec<u8>,
-    over_limit: bool,
-    /// Offset of the current line's first byte, and of the next byte fed.
-    line_start: u64,
-    offset: u64,
-    /// 1-based number of the current line.
-    line_no: u64,
-    offsets: Vec<u32>,
-    /// The last valid line's length, until the next one tells whether it is implied.
-    last_len: u64,
-    skipped: Vec<(u32, u32)>,
-    lengths: Vec<(u32, u32)>,
-    bad: Vec<BadLine>,
-    bad_count: u64,
-}
-
-impl<'a> ShardLines<'a> {
-    fn new(obj: &'a ObjectInfo, keys: &'a HashSet<Box<str>>) -> Self {
-        ShardLines {
-            obj,
-            keys,
-            line: Vec::new(),
-            over_limit: false,
-            line_start: 0,
-            offset: 0,
-            line_no: 1,
-            offsets: Vec::new(),
-            last_len: 0,
-            skipped: Vec::new(),
-            lengths: Vec::new(),
-            bad: Vec::new(),
-            bad_count: 0,
-        }
-    }
-
-    fn feed(&mut self, mut chunk: &[u8]) {
-        while let Some(i) = chunk.iter().position(|&b| b == b'\n') {
-            self.extend(&chunk[..i]);
-            self.end_line();
-            self.offset += 1;
-            self.line_start = self.offset;
-            chunk = &chunk[i + 1..];
-        }
-        self.extend(chunk);
-    }
-
-    fn extend(&mut self, part: &[u8]) {
-        self.offset += part.len() as u64;
-        if self.over_limit {
-            return;
-        }
-        if (self.line.len() + part.len()) as u64 > MAX_INDEXED_LINE_BYTES {
-            self.over_limit = true;
-            self.line = Vec::new();
-            return;
-        }
-        self.line.extend_from_slice(part);
-    }
-
-    fn end_line(&mut self) {
-        let verdict = if self.over_limit {
-            Err(format!(
-                "line of {} bytes is over the index's limit of {MAX_INDEXED_LINE_BYTES}",
-                self.offset - self.line_start
-            ))
-        } else {
-            let line = self.line.strip_suffix(b"\r").unwrap_or(&self.line);
-            if line.iter().all(u8::is_ascii_whitespace) {
-                Ok(false)
-            } else {
-                validate_line(&self.obj.key, line, self.keys).map(|()| true)
-            }
-        };
-        match verdict {
-            Ok(true) => self.push_sample(),
-            Ok(false) => {}
-            Err(reason) => {
-                self.bad_count += 1;
-                if self.bad.len() < MAX_LISTED_BAD_LINES {
-                    self.bad.push(BadLine {
-                        shard: self.obj.key.clone(),
-                        line: self.line_no as u32,
-                        reason,
-                    });
-                }
-            }
-        }
-        self.line.clear();
-        self.over_limit = false;
-        self.line_no += 1;
-    }
-
-    /// The current line is a sample.
-    fn push_sample(&mut self) {
-        let i = self.offsets.len() as u32;
-        let skipped = (self.line_no - 1 - u64::from(i)) as u32;
-        if self.skipped.last().map_or(0, |&(_, s)| s) != skipped {
-            self.skipped.push((i, skipped));
-        }
-        self.close_previous(self.line_start);
-        self.offsets.push(self.line_start as u32);
-        self.last_len = self.offset - self.line_start;
-    }
-
-    /// Records the previous sample's length unless `next_start` implies it.
-    fn close_previous(&mut self, next_start: u64) {
-        if let Some(&start) = self.offsets.last() {
-            let implied = next_start.saturating_sub(u64::from(start) + 1);
-            if self.last_len != implied {
-                let i = self.offsets.len() as u32 - 1;
-                self.lengths.push((i, self.last_len as u32));
-            }
-        }
-    }
-
-    /// The valid lines and the bad ones, once the last chunk is fed.
-    fn finish(mut self) -> anyhow::Result<ShardPart> {
-        if self.over_limit || !self.line.is_empty() {
-            self.end_line();
-        }
-        anyhow::ensure!(
-            self.line_no <= u32::MAX as u64,
-            "{}: more than {} lines in one shard; split it",
-            self.obj.key,
-            u32::MAX
-        );
-        anyhow::ensure!(
-            self.offset == self.obj.size,
-            "{}: read {} bytes, listed as {}: it changed while being indexed; index again",
-            self.obj.key,
-            self.offset,
-            self.obj.size
-        );
-        self.close_previous(self.obj.size);
-        Ok(ShardPart {
-            shard: Shard {
-                key: self.obj.key.clone(),
-                size: self.obj.size,
-                version: self.obj.version.clone(),
-                samples: self.offsets.len() as u32,
-                skipped: self.skipped,
-                lengths: self.lengths,
-            },
-            offsets: self.offsets,
-            bad: self.bad,
-            bad_count: self.bad_count,
-        })
-    }
-}
-
-fn validate_line(shard: &str, line: &[u8], keys: &HashSet<Box<str>>) -> Result<(), String> {
-    let conv = Conversation::parse(line).map_err(|e| e.to_string())?;
-    for path in conv.object_paths() {
-        let key = resolve_relative(shard, path).map_err(|e| e.to_string())?;
-        if !keys.contains(key.as_str()) {
-            return Err(format!("object {path:?} (key {key}) does not exist"));
-        }
-    }
-    Ok(())
-}
-
 struct Writer(Vec<u8>);
 
 impl Writer {
@@ -666,6 +428,8 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dataset::sample::Conversation;
+    use crate::dataset::shard::ShardLines;
 
     fn object(key: &str, data: &[u8]) -> ObjectInfo {
         ObjectInfo {
@@ -675,12 +439,17 @@ mod tests {
         }
     }
 
-    /// An index of one shard holding `data`, fed in chunks of `chunk` bytes.
-    fn index_of(data: &[u8], chunk: usize) -> DatasetIndex {
-        let (obj, keys) = (object("s.jsonl", data), HashSet::new());
+    /// One shard named `key` holding `data`, fed in chunks of `chunk` bytes, read.
+    fn read_shard(key: &str, data: &[u8], chunk: usize) -> anyhow::Result<ShardPart> {
+        let (obj, keys) = (object(key, data), HashSet::new());
         let mut lines = ShardLines::new(&obj, &keys);
         data.chunks(chunk).for_each(|c| lines.feed(c));
-        DatasetIndex::assemble(vec![lines.finish().unwrap()], 0)
+        lines.finish()
+    }
+
+    /// An index of one JSONL shard holding `data`, fed in chunks of `chunk` bytes.
+    fn index_of(data: &[u8], chunk: usize) -> DatasetIndex {
+        DatasetIndex::assemble(vec![read_shard("s.jsonl", data, chunk).unwrap()], 0)
     }
 
     fn lines(idx: &DatasetIndex) -> Vec<SampleLine> {
@@ -745,7 +514,7 @@ not json\n\
         assert!(
             idx.bad_lines[0]
                 .reason
-                .contains("line of 16777217 bytes is over"),
+                .contains("sample of 16777217 bytes is over"),
             "{}",
             idx.bad_lines[0]
         );
@@ -828,5 +597,135 @@ not json\n\
         assert_eq!(both.num_samples(), 10);
         let (s, l) = both.locate(8).unwrap();
         assert_eq!((s.key.as_str(), l.line), ("y/c", 1));
+    }
+
+    /// A JSON array file (LLaMA-Factory's `mllm_demo.json`, pretty-printed): each element is a
+    /// sample at its own byte range and line, read back exactly through `locate`, whatever
+    /// the chunking; a bad element is named by the line it starts on.
+    #[test]
+    fn a_json_array_shard_indexes_each_element() {
+        let elements = [
+            r#"{"messages": [{"role": "user", "content": "a, [b] {c} \"q\" \\"}, {"role": "assistant", "content": "x"}]}"#,
+            "{\n    \"messages\": [\n      {\"role\": \"user\", \"content\": \"hi\"},\n      {\"role\": \"assistant\", \"content\": \"yo\"}\n    ]\n  }",
+            r#"{"messages": [{"role": "user", "content": "no answer"}]}"#,
+            r#"{"messages":[{"role":"user","content":"]"},{"role":"assistant","content":"}"}]}"#,
+        ];
+        let mut data = b"\n[\n  ".to_vec();
+        let mut want = Vec::new(); // (line, offset, len) of the valid ones
+        let mut bad_line = 0;
+        for (i, e) in elements.iter().enumerate() {
+            let line = 3 + data[5..].iter().filter(|&&b| b == b'\n').count() as u32;
+            match i {
+                2 => bad_line = line,
+                _ => want.push((line, data.len() as u64, e.len() as u64)),
+            }
+            data.extend_from_slice(e.as_bytes());
+            data.extend_from_slice(if i + 1 < elements.len() {
+                b",\n  "
+            } else {
+                b"\n]\n"
+            });
+        }
+        let idx = DatasetIndex::assemble(
+            vec![read_shard("d/demo.json", &data, data.len()).unwrap()],
+            0,
+        );
+        let got: Vec<(u32, u64, u64)> = lines(&idx)
+            .iter()
+            .map(|l| (l.line, l.offset, l.len))
+            .collect();
+        assert_eq!(got, want);
+        for l in lines(&idx) {
+            let text = &data[l.offset as usize..(l.offset + l.len) as usize];
+            assert!(
+                Conversation::parse(text).is_ok(),
+                "{}",
+                String::from_utf8_lossy(text)
+            );
+        }
+        assert_eq!(idx.bad_lines.len(), 1);
+        assert_eq!(bad_line, 10);
+        assert_eq!(idx.bad_lines[0].line, bad_line, "{}", idx.bad_lines[0]);
+        assert!(idx.bad_lines[0].reason.contains("no assistant turn"));
+        assert_eq!(idx.shards[0].format_name(), "llamafactory-openai");
+        assert_eq!(idx.shards[0].bad_lines, 1);
+        for chunk in [1, 2, 7, 64, 4096] {
+            let again =
+                DatasetIndex::assemble(vec![read_shard("d/demo.json", &data, chunk).unwrap()], 0);
+            assert_eq!(lines(&again), lines(&idx), "chunks of {chunk}");
+            assert_eq!(again.bad_lines, idx.bad_lines, "chunks of {chunk}");
+        }
+        let back = DatasetIndex::from_bytes(&idx.to_bytes()).unwrap();
+        assert_eq!(lines(&back), lines(&idx));
+        assert_eq!(back.shards, idx.shards);
+        // An empty array is a shard without samples.
+        let empty = read_shard("e.json", b" [ ] ", 1).unwrap();
+        assert_eq!(empty.shard.samples(), 0);
+        assert_eq!(empty.shard.format_name(), "none");
+    }
+
+    /// A .json file that is not one array of samples is refused whole, naming where.
+    #[test]
+    fn a_broken_json_array_shard_is_refused_naming_where() {
+        let err = |data: &[u8]| {
+            let e = read_shard("d/x.json", data, 3).err().expect("refused");
+            let e = e.to_string();
+            assert!(e.starts_with("d/x.json: "), "{e}");
+            e
+        };
+        let one = String::from_utf8(GOOD.to_vec()).unwrap();
+        assert!(err(GOOD).contains("must be a JSON array of samples"));
+        assert!(err(format!("[{one}, {one}").as_bytes()).contains("ends without its `]`"));
+        assert!(err(format!("[{one}, {one}] x").as_bytes()).contains("data after the array"));
+        assert!(err(format!("[{one} {one}]").as_bytes()).contains("expected `,` or `]`"));
+        assert!(err(format!("[{one},]").as_bytes()).contains("a comma before"));
+        assert!(Framing::of("data/dataset_info.json").is_none());
+        assert_eq!(Framing::of("data/mllm_demo.json"), Some(Framing::Array));
+        assert_eq!(Framing::of("a/b.jsonl"), Some(Framing::Lines));
+        assert!(Framing::of("a/b.jpg").is_none());
+    }
+
+    /// One shard, one format: a shard mixing two is refused naming both lines and their keys;
+    /// one with no sample in any known format names the keys it saw. Text-only lines join
+    /// whichever format the shard's media lines show.
+    #[test]
+    fn a_shard_holds_one_format() {
+        let llava = r#"{"image": "a.jpg", "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}]}"#;
+        let sharegpt = r#"{"images": ["a.jpg"], "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}]}"#;
+        let plain = r#"{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x"}]}"#;
+        let shard = |lines: &[&str]| {
+            let (obj, keys) = (
+                object("s.jsonl", lines.join("\n").as_bytes()),
+                ["a.jpg".into()].into_iter().collect::<HashSet<Box<str>>>(),
+            );
+            let mut reader = ShardLines::new(&obj, &keys);
+            reader.feed(lines.join("\n").as_bytes());
+            reader.finish()
+        };
+        let ok = shard(&[plain, llava, plain]).unwrap();
+        assert_eq!(ok.shard.format_name(), "llava");
+        assert_eq!(
+            shard(&[plain, plain]).unwrap().shard.format_name(),
+            "llamafactory-sharegpt"
+        );
+        let e = shard(&[plain, llava, sharegpt]).err().unwrap().to_string();
+        assert!(
+            e.contains("s.jsonl mixes dataset formats: line 1 is llava (keys: conversations)")
+                && e.contains("line 3 is llamafactory-sharegpt (keys: conversations, images)"),
+            "{e}"
+        );
+        let e = shard(&[r#"{"instruction": "hi", "output": "yo"}"#])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("s.jsonl: no sample in a dataset format")
+                && e.contains("keys: instruction, output"),
+            "{e}"
+        );
+        // Beside valid samples, an unknown line is one bad line.
+        let mixed = shard(&[plain, r#"{"text": "x"}"#]).unwrap();
+        assert_eq!(mixed.bad_count, 1);
+        assert!(mixed.bad[0].reason.contains("(keys: text)"));
     }
 }
