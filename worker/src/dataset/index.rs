@@ -93,8 +93,8 @@ impl DatasetIndex {
         for part in parts {
             idx.starts.push(idx.offsets.len() as u64);
             idx.offsets.extend_from_slice(&part.offsets);
+            idx.bad_line_count += part.shard.bad_lines;
             idx.shards.push(part.shard);
-            idx.bad_line_count += part.bad_count;
             let room = MAX_LISTED_BAD_LINES - idx.bad_lines.len();
             idx.bad_lines.extend(part.bad.into_iter().take(room));
         }
@@ -725,7 +725,7 @@ not json\n\
         );
         // Beside valid samples, an unknown line is one bad line.
         let mixed = shard(&[plain, r#"{"text": "x"}"#]).unwrap();
-        assert_eq!(mixed.bad_count, 1);
+        assert_eq!(mixed.shard.bad_lines, 1);
         assert!(mixed.bad[0].reason.contains("(keys: text)"));
     }
 }

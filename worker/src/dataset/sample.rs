@@ -297,7 +297,7 @@ impl Conversation {
                 Formats::of(&[Format::TypedParts]),
             )
         } else {
-            let formats = match (media.singular, media.keys.is_empty(), shape) {
+            let formats = match (media.singular(), media.keys.is_empty(), shape) {
                 (true, _, _) => Formats::of(&[Format::Llava]),
                 (false, false, Shape::RoleContent) => Formats::of(&[Format::LlamaFactoryOpenai]),
                 (false, false, Shape::FromValue) => Formats::of(&[Format::LlamaFactorySharegpt]),
@@ -420,8 +420,6 @@ struct ListedMedia {
     keys: Vec<&'static str>,
     /// Every media key given, empty or not (what a message about the counts names).
     given: Vec<&'static str>,
-    /// Listed under LLaVA's singular `image` / `video`.
-    singular: bool,
 }
 
 impl ListedMedia {
@@ -431,7 +429,6 @@ impl ListedMedia {
             videos: Vec::new(),
             keys: Vec::new(),
             given: Vec::new(),
-            singular: false,
         };
         for (plural, singular) in [("images", "image"), ("videos", "video")] {
             let (key, value) = match (obj.get(plural), obj.get(singular)) {
@@ -454,7 +451,6 @@ impl ListedMedia {
                 continue;
             }
             media.keys.push(key);
-            media.singular |= key == singular;
             for (i, item) in items.iter().enumerate() {
                 let at = format!("{key}[{i}]");
                 if plural == "images" {
@@ -472,6 +468,11 @@ impl ListedMedia {
             }
         }
         Ok(media)
+    }
+
+    /// Listed under LLaVA's singular `image` / `video`.
+    fn singular(&self) -> bool {
+        self.keys.iter().any(|k| matches!(*k, "image" | "video"))
     }
 }
 

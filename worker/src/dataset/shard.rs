@@ -81,7 +81,6 @@ pub(crate) struct ShardPart {
     pub(crate) shard: Shard,
     pub(crate) offsets: Vec<u32>,
     pub(crate) bad: Vec<BadLine>,
-    pub(crate) bad_count: u64,
 }
 
 /// How a shard holds its samples, from its name; `None`: not a shard.
@@ -512,7 +511,6 @@ impl<'a> ShardLines<'a> {
             },
             offsets: self.offsets,
             bad: self.bad,
-            bad_count: self.bad_count,
         })
     }
 }
