@@ -415,7 +415,8 @@ pub struct Sampling {
     #[cfg_attr(feature = "clap", arg(long))]
     pub pack_max_tokens: Option<u32>,
     /// More datasets mixed into the plan with the main one (`--mix s3://bucket/vqa=1`, once
-    /// per dataset; all in the main dataset's bucket, or all local folders). An epoch draws
+    /// per dataset, `--mix s3://bucket/vqa=1,media-root=s3://images/coco` for one whose media
+    /// lie apart; all in the main dataset's bucket, or all local folders). An epoch draws
     /// as many samples as all the datasets hold, each dataset's share by weight, shuffled
     /// together by (seed, epoch); a dataset drawn more often than it has samples starts its
     /// own next epoch (a new shuffle), one drawn less often continues where it stopped.
@@ -447,12 +448,24 @@ pub struct MixSource {
     /// Its share of each epoch's draws, relative to the other datasets' weights.
     #[schemars(range(min = 1))]
     pub weight: u32,
+    /// Where its samples' media paths resolve, when not beside its shards (as the main
+    /// dataset's media root).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub media_root: Option<String>,
 }
+
+/// What follows a mixed dataset's weight when it has a media root.
+const MIX_MEDIA_ROOT: &str = ",media-root=";
 
 impl std::str::FromStr for MixSource {
     type Err = String;
-    /// `DATA=WEIGHT`.
+    /// `DATA=WEIGHT` or `DATA=WEIGHT,media-root=URI`.
     fn from_str(s: &str) -> Result<Self, String> {
+        let (s, media_root) = match s.split_once(MIX_MEDIA_ROOT) {
+            Some((_, "")) => return Err(format!("{s:?}: media-root= names no folder")),
+            Some((s, root)) => (s, Some(root.to_string())),
+            None => (s, None),
+        };
         let (data, weight) = s
             .rsplit_once('=')
             .ok_or_else(|| format!("{s:?}: expected DATA=WEIGHT, e.g. s3://bucket/vqa=1"))?;
@@ -464,13 +477,18 @@ impl std::str::FromStr for MixSource {
         Ok(MixSource {
             data: data.to_string(),
             weight,
+            media_root,
         })
     }
 }
 
 impl std::fmt::Display for MixSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}={}", self.data, self.weight)
+        write!(f, "{}={}", self.data, self.weight)?;
+        match &self.media_root {
+            Some(root) => write!(f, "{MIX_MEDIA_ROOT}{root}"),
+            None => Ok(()),
+        }
     }
 }
 
@@ -698,6 +716,11 @@ pub struct WorkerConfig {
     /// The dataset: s3://bucket/prefix or a local folder.
     #[cfg_attr(feature = "clap", arg(long))]
     pub data: String,
+    /// Where the samples' media paths resolve when not beside their shards: s3://bucket/prefix
+    /// (any bucket the S3 connection reaches) or a local folder. A path that leaves it is
+    /// refused.
+    #[cfg_attr(feature = "clap", arg(long, value_name = "URI"))]
+    pub media_root: Option<String>,
     #[cfg_attr(feature = "clap", command(flatten))]
     pub s3: S3Connection,
     #[cfg_attr(feature = "clap", command(flatten))]
@@ -826,6 +849,7 @@ impl WorkerConfig {
     pub fn to_args(&self) -> Vec<String> {
         let mut a = Args::default();
         a.value("data", &self.data);
+        a.optional("media-root", self.media_root.as_ref());
         self.s3.write_args(&mut a);
         self.preprocessing.write_args(&mut a);
         self.sampling.write_args(&mut a);
@@ -855,6 +879,7 @@ mod tests {
     fn everything_set() -> WorkerConfig {
         WorkerConfig {
             data: "s3://datasets/llava".into(),
+            media_root: Some("s3://images/coco".into()),
             s3: S3Connection {
                 endpoint: Some("http://minio:9000".into()),
                 region: Some("eu-west-1".into()),
@@ -890,7 +915,7 @@ mod tests {
                 bucket_by_length: true,
                 pack_max_tokens: Some(8192),
                 mix: vec![
-                    "s3://b/vqa=2".parse().unwrap(),
+                    "s3://b/vqa=2,media-root=s3://images/vqa".parse().unwrap(),
                     "/data/chat=1".parse().unwrap(),
                 ],
                 data_weight: 3,
@@ -917,6 +942,18 @@ mod tests {
                 drain_timeout_s: 7,
             },
         }
+    }
+
+    #[test]
+    fn a_mixed_dataset_may_name_its_media_root() {
+        let m: MixSource = "s3://b/vqa=2,media-root=s3://img/a=b".parse().unwrap();
+        assert_eq!(
+            (m.data.as_str(), m.weight, m.media_root.as_deref()),
+            ("s3://b/vqa", 2, Some("s3://img/a=b"))
+        );
+        assert_eq!(m.to_string(), "s3://b/vqa=2,media-root=s3://img/a=b");
+        let e = "s3://b/vqa=2,media-root=".parse::<MixSource>().unwrap_err();
+        assert!(e.contains("names no folder"), "{e}");
     }
 
     #[test]

@@ -56,18 +56,27 @@ fn owner(dp: &DataPipeline) -> OwnerReference {
 pub fn worker_config(p: &Valid) -> WorkerConfig {
     let (dp, s) = (p.dp, &p.dp.spec);
     let mut sampling = s.plan.sampling.clone();
-    let (data, s3) = match p.source {
-        DataSource::S3(s3) => (s3.uri.trim_end_matches('/').into(), s3.connection.clone()),
+    let media_root = s.source.media_root.clone();
+    let (data, media_root, s3) = match p.source {
+        DataSource::S3(s3) => (
+            s3.uri.trim_end_matches('/').into(),
+            media_root,
+            s3.connection.clone(),
+        ),
         DataSource::Volume(v) => {
-            // Mixed datasets are folders in the mounted claim, as the source's path is.
+            // Mixed datasets and media roots are folders in the mounted claim, as the source's
+            // path is.
             for m in &mut sampling.mix {
                 m.data = in_volume(&m.data);
+                m.media_root = m.media_root.as_deref().map(in_volume);
             }
-            (in_volume(&v.path), S3Connection::default())
+            let media_root = media_root.as_deref().map(in_volume);
+            (in_volume(&v.path), media_root, S3Connection::default())
         }
     };
     WorkerConfig {
         data,
+        media_root,
         s3,
         preprocessing: s.preprocessing.clone(),
         sampling,
@@ -723,12 +732,17 @@ mod tests {
             claim_name: "sft-data".into(),
             path: "/llava".into(),
         });
-        dp.spec.plan.sampling.mix = vec!["vqa/=2".parse().unwrap()];
+        dp.spec.source.media_root = Some("images/".into());
+        dp.spec.plan.sampling.mix = vec!["vqa/=2,media-root=coco".parse().unwrap()];
         dp.spec.preprocessing.tokenizer = None; // the fixture's is on S3
         let d = deployment(&valid(&dp), 1);
         let args = pod(&d).containers[0].args.as_ref().unwrap().join(" ");
         assert!(args.contains("--data /data/llava"), "{args}");
-        assert!(args.contains("--mix /data/vqa=2"), "{args}");
+        assert!(args.contains("--media-root /data/images"), "{args}");
+        assert!(
+            args.contains("--mix /data/vqa=2,media-root=/data/coco"),
+            "{args}"
+        );
         for s3_only in ["--s3-endpoint", "--s3-region", "--s3-path-style"] {
             assert!(!args.contains(s3_only), "{args}");
         }

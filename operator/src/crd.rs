@@ -88,12 +88,19 @@ pub struct Source {
     /// A PersistentVolumeClaim.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volume: Option<VolumeSource>,
+    /// Where the samples' media paths resolve when the images and videos lie apart from the
+    /// shards (LLaVA's `image_folder`): s3://bucket/prefix, any bucket the source's connection
+    /// and credentials reach, or with a volume source a folder inside the volume. A path that
+    /// leaves it is a bad line. Absent: paths are relative to each shard's folder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub media_root: Option<String>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct S3Source {
-    /// s3://bucket/prefix of the JSONL shards (images are found relative to them).
+    /// s3://bucket/prefix of the shards (images are found relative to them, unless
+    /// `source.mediaRoot` says where).
     #[x_kube(validation = Rule::new("self.startsWith('s3://') && size(self) > 5").message("source.s3.uri must look like s3://bucket/prefix"))]
     pub uri: String,
     /// Endpoint, region and addressing: the worker's own S3 settings.

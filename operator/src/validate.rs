@@ -55,6 +55,7 @@ pub fn problems(spec: &DataPipelineSpec) -> Vec<String> {
         tokenizer(t, spec.source.s3.is_some(), &mut out);
     }
     mix(spec, &mut out);
+    media_roots(spec, &mut out);
     // The schema's bounds, by name: a spec that skipped them (an older CRD) would otherwise
     // reach workers that refuse to start.
     out.extend(spec.serving.problems());
@@ -97,6 +98,33 @@ fn mix(spec: &DataPipelineSpec, out: &mut Vec<String>) {
             out.push(format!(
                 "plan.mix: {:?} is not in source.s3's bucket ({})",
                 m.data, s3.uri
+            ));
+        }
+    }
+}
+
+/// Media roots are read as the source is: any S3 prefix its connection and credentials reach
+/// (another bucket too), or a folder inside its volume.
+fn media_roots(spec: &DataPipelineSpec, out: &mut Vec<String>) {
+    let source = spec
+        .source
+        .media_root
+        .iter()
+        .map(|m| ("source.mediaRoot", m));
+    let mixed = spec.plan.sampling.mix.iter();
+    let mixed = mixed.filter_map(|m| m.media_root.as_ref().map(|r| ("plan.mix[].mediaRoot", r)));
+    for (field, root) in source.chain(mixed) {
+        if spec.source.s3.is_some() {
+            let bucket = root.strip_prefix("s3://").map(|r| r.split('/').next());
+            if !matches!(bucket, Some(Some(b)) if !b.is_empty()) {
+                out.push(format!(
+                    "{field}: {root:?} is not an s3://bucket/prefix (the source is on S3)"
+                ));
+            }
+        } else if !is_volume_folder(root) {
+            out.push(format!(
+                "{field}: {root:?} is not a folder inside source.volume (give its path in the \
+                 claim, as source.volume.path is)"
             ));
         }
     }
@@ -243,6 +271,36 @@ mod tests {
         let p = problems(&s);
         assert_eq!(p.len(), outside.len(), "{p:?}");
         assert!(p[0].contains("\"s3://datasets/vqa\" is not a folder inside source.volume"));
+    }
+
+    #[test]
+    fn media_roots_are_read_as_the_source_is() {
+        let mut s = spec();
+        s.source.media_root = Some("s3://images/coco".into());
+        s.plan.sampling.mix = vec!["s3://datasets/vqa=1,media-root=s3://other-bucket"
+            .parse()
+            .unwrap()];
+        assert!(problems(&s).is_empty(), "{:?}", problems(&s));
+        s.source.media_root = Some("/images".into());
+        s.plan.sampling.mix = vec!["s3://datasets/vqa=1,media-root=s3:///x".parse().unwrap()];
+        assert_eq!(
+            problems(&s),
+            [
+                "source.mediaRoot: \"/images\" is not an s3://bucket/prefix (the source is on S3)",
+                "plan.mix[].mediaRoot: \"s3:///x\" is not an s3://bucket/prefix (the source is on S3)"
+            ]
+        );
+        s.source.s3 = None;
+        s.source.volume = Some(crate::crd::VolumeSource {
+            claim_name: "pvc".into(),
+            path: "sft/chat".into(),
+        });
+        s.preprocessing.tokenizer = None; // the fixture's is on S3
+        s.source.media_root = Some("images/coco".into());
+        s.plan.sampling.mix = vec!["vqa=1,media-root=../../etc".parse().unwrap()];
+        let p = problems(&s);
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(p[0].starts_with("plan.mix[].mediaRoot: \"../../etc\" is not a folder inside"));
     }
 
     #[test]

@@ -12,17 +12,28 @@ use stoker_worker::metrics::Metrics;
 use stoker_worker::open::open_pipeline;
 use stoker_worker::pipeline::{Pipeline, SampleShape};
 use stoker_worker::preprocess::vision::PixelBuf;
-use stoker_worker::source::Store;
+use stoker_worker::source::{MediaRoot, Store};
+
+/// A dataset and how to reach it.
+#[derive(clap::Args)]
+pub struct DatasetArgs {
+    /// s3://bucket/prefix or a local folder.
+    uri: String,
+    /// Where the samples' media paths resolve when not beside their shards: s3://bucket/prefix
+    /// or a local folder (a path that leaves it is a bad line).
+    #[arg(long, value_name = "URI")]
+    media_root: Option<String>,
+    #[command(flatten)]
+    s3: S3Connection,
+}
 
 #[derive(Subcommand)]
 pub enum DatasetCommand {
     /// Build the index (shards, line offsets, counts), validating every line; writes
     /// stoker-index.bin at the dataset root. Exits 1 if any line is bad (use --allow-bad).
     Index {
-        /// s3://bucket/prefix or a local folder.
-        uri: String,
         #[command(flatten)]
-        s3: S3Connection,
+        data: DatasetArgs,
         /// Do not write the index back to the dataset.
         #[arg(long)]
         dry_run: bool,
@@ -39,11 +50,10 @@ pub enum DatasetCommand {
     },
     /// Show what the model will see for one sample: chat text, tokens, image sizes and grids.
     Inspect {
-        uri: String,
+        #[command(flatten)]
+        data: DatasetArgs,
         #[arg(long)]
         sample: u64,
-        #[command(flatten)]
-        s3: S3Connection,
         #[command(flatten)]
         pre: Preprocessing,
         /// Write input_ids, labels, pixel_values and image_grid_thw as safetensors:
@@ -61,7 +71,8 @@ pub enum DatasetCommand {
     /// headers (EXIF orientation applied) through smart_resize — exactly what the model gets,
     /// without decoding a pixel.
     Stats {
-        uri: String,
+        #[command(flatten)]
+        data: DatasetArgs,
         /// Run every sample through the whole pipeline instead (decode, resize, patchify): the
         /// same lengths, slower; samples whose pixels fail to decode count as 0 rather than
         /// at their headers' length.
@@ -81,8 +92,6 @@ pub enum DatasetCommand {
         /// Print one JSON object instead of the table.
         #[arg(long)]
         json: bool,
-        #[command(flatten)]
-        s3: S3Connection,
         #[command(flatten)]
         pre: Preprocessing,
     },
@@ -168,21 +177,24 @@ impl Progress for ByteBar {
 pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
     match cmd {
         DatasetCommand::Index {
-            uri,
-            s3,
+            data,
             dry_run,
             allow_bad,
             write_lengths,
             pre,
         } => {
-            let store = Store::open(&uri, &s3).await?;
+            let store = Store::open(&data.uri, &data.s3).await?;
+            let media_root = match &data.media_root {
+                Some(m) => Some(MediaRoot::open(m, &data.s3).await?),
+                None => None,
+            };
             let pb = bar("index");
             pb.set_style(
                 indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes}")
                     .expect("template"),
             );
             let bar = ByteBar(pb);
-            let idx = DatasetIndex::build(&store, &bar).await?;
+            let idx = DatasetIndex::build(&store, media_root.as_ref(), &bar).await?;
             bar.0.finish_and_clear();
             for b in &idx.bad_lines {
                 eprintln!("bad line {b}");
@@ -208,8 +220,7 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
                 println!("wrote {}", store.describe(INDEX_KEY));
             }
             if write_lengths {
-                let p =
-                    open_pipeline(&one_sample_config(uri, s3, pre, None), Metrics::new()).await?;
+                let p = open_pipeline(&one_sample_config(data, pre, None), Metrics::new()).await?;
                 store_lengths(&p, &sample_lengths(&p, None, false).await).await?;
             }
             if idx.bad_line_count > 0 && !allow_bad {
@@ -218,27 +229,25 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
             Ok(())
         }
         DatasetCommand::Inspect {
-            uri,
+            data,
             sample,
-            s3,
             pre,
             out,
             wire_pixels,
         } => {
-            let cfg = one_sample_config(uri, s3, pre, Some(1));
+            let cfg = one_sample_config(data, pre, Some(1));
             inspect(&cfg, sample, out, wire_pixels).await
         }
         DatasetCommand::Stats {
-            uri,
+            data,
             decode,
             samples,
             lengths_out,
             write_lengths,
             json,
-            s3,
             pre,
         } => {
-            let cfg = one_sample_config(uri, s3, pre, None);
+            let cfg = one_sample_config(data, pre, None);
             let p = open_pipeline(&cfg, Metrics::new()).await?;
             let by_id = sample_lengths(&p, samples, decode).await;
             let lengths: Vec<&SampleShape> = by_id.iter().flatten().collect();
@@ -257,14 +266,14 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
 
 /// A worker configuration for looking at samples one by one (a failing sample is an error).
 fn one_sample_config(
-    uri: String,
-    s3: S3Connection,
+    data: DatasetArgs,
     pre: Preprocessing,
     cpu_threads: Option<usize>,
 ) -> WorkerConfig {
     WorkerConfig {
-        data: uri,
-        s3,
+        data: data.uri,
+        media_root: data.media_root,
+        s3: data.s3,
         preprocessing: pre,
         sampling: Sampling {
             global_batch_size: 1,

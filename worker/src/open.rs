@@ -9,23 +9,33 @@ use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, PipelineConfig};
 use crate::plan::{Plan, Shaping};
 use crate::preprocess::preset::Preset;
-use crate::source::Store;
+use crate::source::{MediaRoot, Store};
 use std::sync::Arc;
 use stoker_config::WorkerConfig;
 
 /// One dataset of a pipeline: where it is, its weight in a mix, its own store (its index
-/// and lengths live at its root) and index.
+/// and lengths live at its root), its media root if its media lie apart, and its index.
 struct Dataset {
     uri: String,
     weight: u32,
     store: Store,
+    media_root: Option<MediaRoot>,
     index: DatasetIndex,
 }
 
 impl Dataset {
-    async fn open(uri: &str, weight: u32, cfg: &WorkerConfig) -> anyhow::Result<Dataset> {
+    async fn open(
+        uri: &str,
+        media_root: Option<&str>,
+        weight: u32,
+        cfg: &WorkerConfig,
+    ) -> anyhow::Result<Dataset> {
         let store = Store::open(uri, &cfg.s3).await?;
-        let index = DatasetIndex::load_or_build(&store).await?;
+        let media_root = match media_root {
+            Some(m) => Some(MediaRoot::open(m, &cfg.s3).await?),
+            None => None,
+        };
+        let index = DatasetIndex::load_or_build(&store, media_root.as_ref()).await?;
         if let Some(first) = index.bad_lines.first() {
             tracing::warn!(
                 "{uri}: {} invalid lines are excluded from the plan (first: {first}); `stoker dataset index` lists them",
@@ -37,6 +47,7 @@ impl Dataset {
             uri: uri.to_string(),
             weight,
             store,
+            media_root,
             index,
         })
     }
@@ -57,28 +68,42 @@ impl Dataset {
 
 /// The main dataset and those mixed in.
 async fn open_datasets(cfg: &WorkerConfig) -> anyhow::Result<Vec<Dataset>> {
-    let mut datasets = vec![Dataset::open(&cfg.data, cfg.sampling.data_weight, cfg).await?];
+    let main = Dataset::open(
+        &cfg.data,
+        cfg.media_root.as_deref(),
+        cfg.sampling.data_weight,
+        cfg,
+    );
+    let mut datasets = vec![main.await?];
     for m in &cfg.sampling.mix {
-        datasets.push(Dataset::open(&m.data, m.weight, cfg).await?);
+        let media_root = m.media_root.as_deref();
+        datasets.push(Dataset::open(&m.data, media_root, m.weight, cfg).await?);
     }
     Ok(datasets)
 }
 
 /// The datasets read through one store with one index: the main dataset's own, or for a mix
-/// a store rooted at the datasets' common folder and their indexes concatenated.
+/// a store rooted at the datasets' common folder and their indexes concatenated; and the
+/// media roots their shards name.
 async fn combine(
     mut datasets: Vec<Dataset>,
     cfg: &WorkerConfig,
-) -> anyhow::Result<(Store, DatasetIndex)> {
+) -> anyhow::Result<(Store, Vec<MediaRoot>, DatasetIndex)> {
+    let mut media_roots: Vec<MediaRoot> = Vec::new();
+    for m in datasets.iter().filter_map(|d| d.media_root.clone()) {
+        if media_roots.iter().all(|r| r.uri != m.uri) {
+            media_roots.push(m);
+        }
+    }
     if datasets.len() == 1 {
         let d = datasets.pop().expect("one dataset");
-        return Ok((d.store, d.index));
+        return Ok((d.store, media_roots, d.index));
     }
     let uris: Vec<&str> = datasets.iter().map(|d| d.uri.as_str()).collect();
     let (root, folders) = crate::source::common_root(&uris)?;
     let store = Store::open(&root, &cfg.s3).await?;
     let parts = folders.into_iter().zip(datasets).map(|(f, d)| (f, d.index));
-    Ok((store, DatasetIndex::concat(parts.collect())))
+    Ok((store, media_roots, DatasetIndex::concat(parts.collect())))
 }
 
 /// Opens the datasets, loads (or builds) their indexes and assembles the pipeline `cfg`
@@ -127,7 +152,7 @@ pub async fn open_pipeline(
         plan = plan.with_lengths(lengths, shaping);
     }
     let names = datasets.iter().map(|d| d.uri.clone()).zip(sizes).collect();
-    let (store, index) = combine(datasets, cfg).await?;
-    let pipeline = Pipeline::new(store, index, plan, text, config, metrics);
+    let (store, media_roots, index) = combine(datasets, cfg).await?;
+    let pipeline = Pipeline::new(store, media_roots, index, plan, text, config, metrics);
     Ok(Arc::new(pipeline.with_dataset_names(names)))
 }

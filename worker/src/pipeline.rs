@@ -22,7 +22,7 @@ use crate::preprocess::vision::{
     video_normalization_table, ImageError, ImageHeader, ImageTimings, PixelLut,
 };
 use crate::range_reader::{FetchRange, RangeReader};
-use crate::source::{resolve_relative, FetchError, PathError, Store};
+use crate::source::{FetchError, MediaRoot, PathError, Store};
 use futures::FutureExt;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -93,6 +93,8 @@ pub struct PipelineConfig {
 
 pub struct Pipeline {
     pub store: Store,
+    /// The stores of the media roots the index's shards name.
+    media_roots: Vec<MediaRoot>,
     pub index: DatasetIndex,
     pub plan: Arc<Plan>,
     pub text: TextProcessor,
@@ -112,8 +114,11 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
+    /// `media_roots` holds every root the index's shards name (see
+    /// [`DatasetIndex::media_roots`]).
     pub fn new(
         store: Store,
+        media_roots: Vec<MediaRoot>,
         index: DatasetIndex,
         plan: Plan,
         text: TextProcessor,
@@ -134,6 +139,7 @@ impl Pipeline {
             line_cache: LineCache::new(config.line_cache_bytes),
             datasets: vec![(store.describe(""), 0)],
             store,
+            media_roots,
             index,
             plan: Arc::new(plan),
             text,
@@ -189,21 +195,30 @@ impl Pipeline {
         self.video_pixel_lut.as_deref()
     }
 
+    /// The store holding `key` (a media root's, for a key under it) and the key in it.
+    fn store_for<'k>(&self, key: &'k str) -> (&Store, &'k str) {
+        self.media_roots
+            .iter()
+            .find_map(|m| m.split(key))
+            .unwrap_or((&self.store, key))
+    }
+
     /// Reads a sample's line (`range`) or a whole image, at most `max_object_bytes` of it.
     async fn fetch(
         &self,
         key: &str,
         range: Option<(u64, u64)>,
     ) -> Result<bytes::Bytes, FetchError> {
+        let (store, key) = self.store_for(key);
         let queued = self.metrics.queued(Queue::Fetch);
         let permit = self.fetch_slots.acquire().await.expect("never closed");
         drop(queued);
         let fetching = GaugeGuard::new(&self.metrics.fetches_in_flight);
         let t = Instant::now();
         let r = match range {
-            Some((s, l)) => self.store.get_range(key, s, l).await,
+            Some((s, l)) => store.get_range(key, s, l).await,
             None => {
-                self.store
+                store
                     .get_at_most(key, self.config.limits.object_bytes)
                     .await
             }
@@ -302,7 +317,7 @@ impl Pipeline {
         let line = self.read_line(shard, offset, len).await?;
         let conv = Conversation::parse(&line)?;
         self.config.limits.check_conversation(&conv)?;
-        let key = |p: &str| resolve_relative(&shard.key, p);
+        let key = |p: &str| shard.media_key(p);
         let keys = conv
             .media()
             .map(|m| {
@@ -535,10 +550,11 @@ impl Pipeline {
 
     /// A clip's size, from one HEAD, within `max_object_bytes`.
     async fn clip_size(&self, key: &str) -> Result<u64, FetchError> {
-        let size = self.store.head(key).await?.size;
+        let (store, key) = self.store_for(key);
+        let size = store.head(key).await?.size;
         let max = self.config.limits.object_bytes;
         if size > max {
-            let what = self.store.describe(key);
+            let what = store.describe(key);
             return Err(FetchError::TooLarge {
                 what,
                 len: size,

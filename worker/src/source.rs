@@ -1,8 +1,9 @@
 //! Where a dataset lives: an S3 bucket prefix (through aws-sdk-s3) or a local folder.
 //!
-//! Keys are always relative to the dataset root and use `/`; [`resolve_relative`] is the one
-//! place that turns a path written inside a JSONL line into a key, and it refuses any path
-//! that would leave the root.
+//! Keys are always relative to the dataset root and use `/`; [`media_key`] is the one place
+//! that turns a path written inside a sample into a key (beside its shard, or under the
+//! dataset's [`MediaRoot`], whose keys are the root's URI and the path), and it refuses any
+//! path that would leave the root.
 
 use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata};
 use bytes::Bytes;
@@ -98,7 +99,7 @@ impl Body {
 pub struct PathError {
     pub path: String,
     pub base: String,
-    pub why: &'static str,
+    pub why: String,
 }
 
 /// The folder holding several datasets, and each one's folder relative to it (empty or
@@ -164,41 +165,99 @@ pub fn common_root(uris: &[&str]) -> anyhow::Result<(String, Vec<String>)> {
     Ok((root, relative))
 }
 
-/// Resolves `rel` against the folder of `base_key` (a JSONL shard), within the dataset root.
+/// Resolves `rel` against the folder of `base_key` (a shard), within the dataset root.
 pub fn resolve_relative(base_key: &str, rel: &str) -> Result<String, PathError> {
-    let err = |why| PathError {
+    let mut folder: Vec<&str> = base_key.split('/').collect();
+    folder.pop(); // the shard's file name
+    resolve_in(folder, rel, base_key, "the dataset root", "the shard")
+}
+
+/// The key of a media path written in shard `shard_key`: beside the shard when `media_root`
+/// is empty, else under that root (a [`MediaRoot::uri`]), as the root's URI and the path in
+/// it; a path that leaves the root is refused either way.
+pub fn media_key(shard_key: &str, media_root: &str, path: &str) -> Result<String, PathError> {
+    if media_root.is_empty() {
+        return resolve_relative(shard_key, path);
+    }
+    let key = resolve_in(
+        Vec::new(),
+        path,
+        shard_key,
+        "the media root",
+        "the media root",
+    )?;
+    Ok(format!("{media_root}{key}"))
+}
+
+/// `rel`'s segments applied to `folder`, never above it: `base` (where the path was written)
+/// and the names of the root and of what paths are relative to are for messages.
+fn resolve_in<'a>(
+    mut folder: Vec<&'a str>,
+    rel: &'a str,
+    base: &str,
+    root: &str,
+    relative_to: &str,
+) -> Result<String, PathError> {
+    let err = |why: String| PathError {
         path: rel.to_string(),
-        base: base_key.to_string(),
+        base: base.to_string(),
         why,
     };
     if rel.is_empty() {
-        return Err(err("empty path"));
+        return Err(err("empty path".into()));
     }
     if rel.starts_with('/') || rel.starts_with('\\') || rel.contains("://") || rel.contains(':') {
-        return Err(err(
-            "absolute paths and URLs are refused; use a path relative to the JSONL file",
-        ));
+        return Err(err(format!(
+            "absolute paths and URLs are refused; use a path relative to {relative_to}"
+        )));
     }
     if rel.contains('\\') || rel.contains('\0') {
-        return Err(err("backslashes and NUL are refused"));
+        return Err(err("backslashes and NUL are refused".into()));
     }
-    let mut parts: Vec<&str> = base_key.split('/').collect();
-    parts.pop(); // the shard's file name
     for seg in rel.split('/') {
         match seg {
             "" | "." => {}
             ".." => {
-                if parts.pop().is_none() {
-                    return Err(err("it escapes the dataset root"));
+                if folder.pop().is_none() {
+                    return Err(err(format!("it escapes {root}")));
                 }
             }
-            s => parts.push(s),
+            s => folder.push(s),
         }
     }
-    if parts.is_empty() {
-        return Err(err("it names the dataset root"));
+    if folder.is_empty() {
+        return Err(err(format!("it names {root}")));
     }
-    Ok(parts.join("/"))
+    Ok(folder.join("/"))
+}
+
+/// A folder or bucket prefix holding a dataset's media apart from its shards (`--media-root`):
+/// the paths in its lines are resolved under it, as LLaVA's `image_folder` and LLaMA-Factory's
+/// `media_dir` do. Read with the dataset's S3 connection; any bucket it reaches.
+#[derive(Clone)]
+pub struct MediaRoot {
+    /// The root's full name, ending in '/': what its media keys start with.
+    pub uri: String,
+    pub store: Store,
+}
+
+impl MediaRoot {
+    pub async fn open(uri: &str, s3: &S3Connection) -> anyhow::Result<MediaRoot> {
+        let store = Store::open(uri, s3)
+            .await
+            .map_err(|e| e.context(format!("media root {uri}")))?;
+        let mut uri = store.describe("");
+        if !uri.ends_with('/') {
+            uri.push('/');
+        }
+        Ok(MediaRoot { uri, store })
+    }
+
+    /// The store and its key for a media key under this root, if it is.
+    pub fn split<'k>(&self, key: &'k str) -> Option<(&Store, &'k str)> {
+        key.strip_prefix(self.uri.as_str())
+            .map(|k| (&self.store, k))
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -634,6 +693,25 @@ mod tests {
         }
         let e = resolve_relative("d/s.jsonl", "../../etc/passwd").unwrap_err();
         assert!(e.to_string().contains("escapes the dataset root"), "{e}");
+    }
+
+    #[test]
+    fn media_paths_resolve_under_the_media_root_never_above_it() {
+        let root = "s3://images/coco/";
+        assert_eq!(
+            media_key("a/b/s.jsonl", root, "train/x.jpg").unwrap(),
+            "s3://images/coco/train/x.jpg"
+        );
+        assert_eq!(
+            media_key("a/b/s.jsonl", root, "t/../x.jpg").unwrap(),
+            "s3://images/coco/x.jpg"
+        );
+        assert_eq!(media_key("a/b/s.jsonl", "", "x.jpg").unwrap(), "a/b/x.jpg");
+        for bad in ["../x.jpg", "t/../../x.jpg", "/x.jpg", "s3://other/x", "."] {
+            let e = media_key("a/b/s.jsonl", root, bad).unwrap_err();
+            assert_eq!((e.path.as_str(), e.base.as_str()), (bad, "a/b/s.jsonl"));
+            assert!(e.why.contains("media root"), "{e}");
+        }
     }
 
     #[test]

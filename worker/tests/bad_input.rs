@@ -106,7 +106,7 @@ async fn bad_dataset() -> BadDataset {
     let store = Store::open("s3://bucket/data", &s3.s3_options())
         .await
         .unwrap();
-    let idx = DatasetIndex::build(&store, &()).await.unwrap();
+    let idx = DatasetIndex::build(&store, None, &()).await.unwrap();
     store.put(INDEX_KEY, idx.to_bytes()).await.unwrap();
     // Missing object: present when indexed, gone when served.
     std::fs::remove_file(dir.join("img/deleted.png")).unwrap();
@@ -122,7 +122,7 @@ async fn bad_dataset() -> BadDataset {
 async fn index_reports_each_bad_line_as_shard_line_with_reason() {
     let b = bad_dataset().await;
     let store = Store::open(&b.ds.uri, &b.ds.s3.s3_options()).await.unwrap();
-    let idx = DatasetIndex::build(&store, &()).await.unwrap();
+    let idx = DatasetIndex::build(&store, None, &()).await.unwrap();
     let report: Vec<String> = idx.bad_lines.iter().map(|l| l.to_string()).collect();
     assert_eq!(idx.num_samples(), 5, "{report:?}"); // deleted.png now fails at index time too
     let expect = [

@@ -2,6 +2,9 @@
 //! limit, a part holding no frame, a frame list of mixed sizes — fails by name with its kind
 //! counted, whether served or measured from its header; the worker goes on.
 
+mod common;
+
+use common::png;
 use stoker_config::WorkerConfig;
 use stoker_worker::metrics::Metrics;
 use stoker_worker::open::open_pipeline;
@@ -13,15 +16,6 @@ fn line(video: &str) -> String {
     format!(
         r#"{{"messages": [{{"role": "user", "content": [{video}, {{"type": "text", "text": "What happens?"}}]}}, {{"role": "assistant", "content": "Colours move."}}]}}"#
     )
-}
-
-fn png(w: u32, h: u32) -> Vec<u8> {
-    let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8, y as u8, 7]));
-    let mut out = std::io::Cursor::new(Vec::new());
-    image::DynamicImage::from(img)
-        .write_to(&mut out, image::ImageFormat::Png)
-        .unwrap();
-    out.into_inner()
 }
 
 fn dataset() -> tempfile::TempDir {

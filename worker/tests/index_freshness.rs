@@ -32,7 +32,7 @@ async fn indexed(root: &Path) -> (EmbeddedS3, Store, DatasetIndex) {
     let store = Store::open("s3://bucket/data", &s3.s3_options())
         .await
         .unwrap();
-    let built = DatasetIndex::build(&store, &()).await.unwrap();
+    let built = DatasetIndex::build(&store, None, &()).await.unwrap();
     store.put(INDEX_KEY, built.to_bytes()).await.unwrap();
     (s3, store, built)
 }
@@ -43,7 +43,7 @@ async fn requests_to_load(shards: usize, images: usize) -> (u64, DatasetIndex) {
     write_dataset(root.path(), shards, images);
     let (s3, store, _) = indexed(root.path()).await;
     let before = s3.requests_received();
-    let idx = DatasetIndex::load_or_build(&store).await.unwrap();
+    let idx = DatasetIndex::load_or_build(&store, None).await.unwrap();
     (s3.requests_received() - before, idx)
 }
 
@@ -72,7 +72,7 @@ async fn a_changed_or_removed_shard_is_noticed_and_the_index_rebuilt() {
     std::fs::write(&shard, format!("{LINE}\n").repeat(7)).unwrap();
     let stale = built.stale_shard(&store).await.unwrap().expect("stale");
     assert!(stale.starts_with("s001.jsonl is "), "{stale}");
-    let idx = DatasetIndex::load_or_build(&store).await.unwrap();
+    let idx = DatasetIndex::load_or_build(&store, None).await.unwrap();
     assert_eq!(idx.num_samples(), 5 + 7 + 5);
     assert_ne!(idx.version, built.version);
 
@@ -80,7 +80,7 @@ async fn a_changed_or_removed_shard_is_noticed_and_the_index_rebuilt() {
     let stale = idx.stale_shard(&store).await.unwrap().expect("gone");
     assert_eq!(stale, "s001.jsonl is gone");
     assert_eq!(
-        DatasetIndex::load_or_build(&store)
+        DatasetIndex::load_or_build(&store, None)
             .await
             .unwrap()
             .num_samples(),
@@ -97,7 +97,7 @@ async fn a_local_index_is_checked_shard_by_shard() {
     let store = Store::open(dir.to_str().unwrap(), &Default::default())
         .await
         .unwrap();
-    let built = DatasetIndex::build(&store, &()).await.unwrap();
+    let built = DatasetIndex::build(&store, None, &()).await.unwrap();
     store.put(INDEX_KEY, built.to_bytes()).await.unwrap();
     assert_eq!(built.stale_shard(&store).await.unwrap(), None);
     // Images may change or go without the index noticing: they are never listed.

@@ -18,18 +18,17 @@
 //! it never lists the dataset (whose images may be 10^8 objects).
 
 use super::sample::Formats;
-use super::shard::{index_shard, Framing, ShardPart};
+use super::shard::{index_shard, Framing, MediaObjects, ShardPart};
 pub use super::shard::{
     BadLine, Shard, DATASET_INFO, MAX_INDEXED_LINE_BYTES, MAX_LISTED_BAD_LINES,
 };
-use crate::source::{ObjectInfo, Store};
+use crate::source::{MediaRoot, ObjectInfo, Store};
 use futures::{StreamExt, TryStreamExt};
-use std::collections::HashSet;
 use std::sync::Arc;
 
 /// Where `stoker dataset index` writes the index, at the dataset root.
 pub const INDEX_KEY: &str = "stoker-index.bin";
-const MAGIC: &[u8; 8] = b"STKIDX\0\x03";
+const MAGIC: &[u8; 8] = b"STKIDX\0\x04";
 /// Shards read at once while indexing (each parsed on its own thread).
 const SHARD_FETCH_CONCURRENCY: usize = 8;
 /// Shards whose freshness is checked (one HEAD each) at once.
@@ -142,6 +141,7 @@ impl DatasetIndex {
                 std::mem::size_of::<Shard>()
                     + s.key.len()
                     + s.version.len()
+                    + s.media_root.len()
                     + 8 * (s.skipped.len() + s.lengths.len())
             })
             .sum();
@@ -190,6 +190,7 @@ impl DatasetIndex {
             w.u64(s.bad_lines);
             w.pairs(&s.skipped);
             w.pairs(&s.lengths);
+            w.str(&s.media_root);
         }
         w.u64(self.bad_line_count);
         w.u32(self.bad_lines.len() as u32);
@@ -227,6 +228,7 @@ impl DatasetIndex {
                 bad_lines: r.u64()?,
                 skipped: r.pairs()?,
                 lengths: r.pairs()?,
+                media_root: r.str()?,
             };
             starts.push(total);
             total += u64::from(shard.samples);
@@ -263,9 +265,15 @@ impl DatasetIndex {
     }
 
     /// Reads and validates every shard of the store, telling `progress` how many shard bytes
-    /// there are and each shard's size once it is read. Shards are parsed in parallel, each
-    /// on a blocking thread (a worker indexing at start keeps answering its probes).
-    pub async fn build(store: &Store, progress: &dyn Progress) -> anyhow::Result<Self> {
+    /// there are and each shard's size once it is read. Media paths resolve beside their shard,
+    /// or under `media_root` (listed once, for the objects present). Shards are parsed in
+    /// parallel, each on a blocking thread (a worker indexing at start keeps answering its
+    /// probes).
+    pub async fn build(
+        store: &Store,
+        media_root: Option<&MediaRoot>,
+        progress: &dyn Progress,
+    ) -> anyhow::Result<Self> {
         let objects = store.list().await?;
         let (shards, others): (Vec<ObjectInfo>, Vec<ObjectInfo>) = objects
             .into_iter()
@@ -276,17 +284,32 @@ impl DatasetIndex {
             "no .jsonl or .json shards under {}",
             store.describe("")
         );
-        let keys: Arc<HashSet<Box<str>>> =
-            Arc::new(others.into_iter().map(|o| o.key.into()).collect());
+        let media = Arc::new(match media_root {
+            None => MediaObjects {
+                root: String::new(),
+                keys: others.into_iter().map(|o| o.key.into()).collect(),
+            },
+            Some(m) => {
+                drop(others);
+                let listed = m.store.list().await?;
+                MediaObjects {
+                    keys: listed
+                        .into_iter()
+                        .map(|o| format!("{}{}", m.uri, o.key).into())
+                        .collect(),
+                    root: m.uri.clone(),
+                }
+            }
+        });
         progress.total(shards.iter().map(|s| s.size).sum());
         let handle = tokio::runtime::Handle::current();
         let parts: Vec<ShardPart> = futures::stream::iter(shards)
             .map(|obj| {
-                let (store, keys, handle) = (store.clone(), keys.clone(), handle.clone());
+                let (store, media, handle) = (store.clone(), media.clone(), handle.clone());
                 async move {
                     let size = obj.size;
                     let part = tokio::task::spawn_blocking(move || {
-                        handle.block_on(index_shard(&store, obj, &keys))
+                        handle.block_on(index_shard(&store, obj, &media))
                     })
                     .await??;
                     progress.advance(size);
@@ -296,11 +319,12 @@ impl DatasetIndex {
             .buffered(SHARD_FETCH_CONCURRENCY)
             .try_collect()
             .await?;
+        // The media root is in it: the same lines name other images under another root.
         let versions: Vec<Vec<u8>> = parts
             .iter()
             .map(|p| {
                 let s = &p.shard;
-                format!("{}\0{}\0{}", s.key, s.size, s.version).into_bytes()
+                format!("{}\0{}\0{}\0{}", s.key, s.size, s.version, s.media_root).into_bytes()
             })
             .collect();
         Ok(Self::assemble(parts, fingerprint(&versions)))
@@ -333,15 +357,26 @@ impl DatasetIndex {
     }
 
     /// The stored index if its shards are still as indexed (checked shard by shard: the
-    /// dataset is never listed), else a fresh one. Shards added after indexing are served
-    /// once `stoker dataset index` runs again.
-    pub async fn load_or_build(store: &Store) -> anyhow::Result<Self> {
+    /// dataset is never listed) with this media root, else a fresh one. Shards added after
+    /// indexing are served once `stoker dataset index` runs again.
+    pub async fn load_or_build(
+        store: &Store,
+        media_root: Option<&MediaRoot>,
+    ) -> anyhow::Result<Self> {
+        let root = media_root.map_or("", |m| m.uri.as_str());
         match store.get(INDEX_KEY).await {
             Ok(data) => {
                 let idx = Self::from_bytes(&data)
                     .map_err(|e| e.context(store.describe(INDEX_KEY)))?;
                 drop(data);
-                match idx.stale_shard(store).await? {
+                let stale = match idx.shards.iter().find(|s| s.media_root != root) {
+                    Some(s) => Some(format!(
+                        "its media root is {:?}, not {root:?}",
+                        s.media_root
+                    )),
+                    None => idx.stale_shard(store).await?,
+                };
+                match stale {
                     None => return Ok(idx),
                     Some(why) => tracing::warn!(
                         "{} is stale ({why}); re-indexing",
@@ -355,7 +390,20 @@ impl DatasetIndex {
             ),
             Err(e) => return Err(e.into()),
         }
-        Self::build(store, &()).await
+        Self::build(store, media_root, &()).await
+    }
+
+    /// The media roots its shards' paths resolve under (none: all beside their shards).
+    pub fn media_roots(&self) -> Vec<&str> {
+        let mut roots: Vec<&str> = self
+            .shards
+            .iter()
+            .map(|s| s.media_root.as_str())
+            .filter(|r| !r.is_empty())
+            .collect();
+        roots.sort_unstable();
+        roots.dedup();
+        roots
     }
 }
 
@@ -441,8 +489,8 @@ mod tests {
 
     /// One shard named `key` holding `data`, fed in chunks of `chunk` bytes, read.
     fn read_shard(key: &str, data: &[u8], chunk: usize) -> anyhow::Result<ShardPart> {
-        let (obj, keys) = (object(key, data), HashSet::new());
-        let mut lines = ShardLines::new(&obj, &keys);
+        let (obj, media) = (object(key, data), MediaObjects::default());
+        let mut lines = ShardLines::new(&obj, &media);
         data.chunks(chunk).for_each(|c| lines.feed(c));
         lines.finish()
     }
@@ -582,8 +630,8 @@ not json\n\
             let data: Vec<u8> = std::iter::repeat_n([GOOD, b"\n"].concat(), n)
                 .flatten()
                 .collect();
-            let (obj, keys) = (object(key, &data), HashSet::new());
-            let mut lines = ShardLines::new(&obj, &keys);
+            let (obj, media) = (object(key, &data), MediaObjects::default());
+            let mut lines = ShardLines::new(&obj, &media);
             lines.feed(&data);
             lines.finish().unwrap()
         };
@@ -694,11 +742,12 @@ not json\n\
         let sharegpt = r#"{"images": ["a.jpg"], "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}]}"#;
         let plain = r#"{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x"}]}"#;
         let shard = |lines: &[&str]| {
-            let (obj, keys) = (
-                object("s.jsonl", lines.join("\n").as_bytes()),
-                ["a.jpg".into()].into_iter().collect::<HashSet<Box<str>>>(),
-            );
-            let mut reader = ShardLines::new(&obj, &keys);
+            let obj = object("s.jsonl", lines.join("\n").as_bytes());
+            let media = MediaObjects {
+                root: String::new(),
+                keys: ["a.jpg".into()].into_iter().collect(),
+            };
+            let mut reader = ShardLines::new(&obj, &media);
             reader.feed(lines.join("\n").as_bytes());
             reader.finish()
         };

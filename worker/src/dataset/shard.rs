@@ -3,7 +3,7 @@
 //! named (the index module's docs say what the index holds).
 
 use super::sample::{top_level_keys, Conversation, Formats, SampleError};
-use crate::source::{resolve_relative, ObjectInfo, Store};
+use crate::source::{media_key, ObjectInfo, PathError, Store};
 use std::collections::HashSet;
 
 /// LLaMA-Factory's description of its data files, found beside them: not a shard (its column
@@ -34,9 +34,17 @@ pub struct Shard {
     /// (sample index, length) of lines whose length is not the next sample's offset − 1 (a
     /// bad or blank line follows, or the shard ends without a newline).
     pub(crate) lengths: Vec<(u32, u32)>,
+    /// Where its samples' media paths resolve: its dataset's media root
+    /// ([`MediaRoot::uri`](crate::source::MediaRoot::uri)), or empty for beside the shard.
+    pub media_root: String,
 }
 
 impl Shard {
+    /// The key of a media path written in one of its samples (see [`media_key`]).
+    pub fn media_key(&self, path: &str) -> Result<String, PathError> {
+        media_key(&self.key, &self.media_root, path)
+    }
+
     pub fn samples(&self) -> u32 {
         self.samples
     }
@@ -105,11 +113,19 @@ impl Framing {
     }
 }
 
+/// The media a dataset's samples may name: where their paths resolve (as
+/// [`Shard::media_root`]) and the keys present there.
+#[derive(Debug, Default)]
+pub(crate) struct MediaObjects {
+    pub root: String,
+    pub keys: HashSet<Box<str>>,
+}
+
 /// Streams one shard through [`ShardLines`].
 pub(crate) async fn index_shard(
     store: &Store,
     obj: ObjectInfo,
-    keys: &HashSet<Box<str>>,
+    media: &MediaObjects,
 ) -> anyhow::Result<ShardPart> {
     anyhow::ensure!(
         obj.size <= u32::MAX as u64,
@@ -120,7 +136,7 @@ pub(crate) async fn index_shard(
     let lines = store
         .fold_chunks(
             &obj.key,
-            || ShardLines::new(&obj, keys),
+            || ShardLines::new(&obj, media),
             |lines, chunk| lines.feed(chunk),
         )
         .await?;
@@ -150,7 +166,7 @@ enum ArrayAt {
 /// validates each.
 pub(crate) struct ShardLines<'a> {
     obj: &'a ObjectInfo,
-    keys: &'a HashSet<Box<str>>,
+    media: &'a MediaObjects,
     framing: Framing,
     /// An array shard's reader position.
     array: ArrayAt,
@@ -182,10 +198,10 @@ pub(crate) struct ShardLines<'a> {
 }
 
 impl<'a> ShardLines<'a> {
-    pub(crate) fn new(obj: &'a ObjectInfo, keys: &'a HashSet<Box<str>>) -> Self {
+    pub(crate) fn new(obj: &'a ObjectInfo, media: &'a MediaObjects) -> Self {
         ShardLines {
             obj,
-            keys,
+            media,
             framing: Framing::of(&obj.key).unwrap_or(Framing::Lines),
             array: ArrayAt::Start,
             broken: None,
@@ -405,8 +421,9 @@ impl<'a> ShardLines<'a> {
             Err(e) => return Err(e.to_string()),
         };
         for path in conv.object_paths() {
-            let key = resolve_relative(&self.obj.key, path).map_err(|e| e.to_string())?;
-            if !self.keys.contains(key.as_str()) {
+            let key = media_key(&self.obj.key, &self.media.root, path);
+            let key = key.map_err(|e| e.to_string())?;
+            if !self.media.keys.contains(key.as_str()) {
                 return Err(format!("object {path:?} (key {key}) does not exist"));
             }
         }
@@ -508,6 +525,7 @@ impl<'a> ShardLines<'a> {
                 bad_lines: self.bad_count,
                 skipped: self.skipped,
                 lengths: self.lengths,
+                media_root: self.media.root.clone(),
             },
             offsets: self.offsets,
             bad: self.bad,

@@ -190,3 +190,13 @@ pub fn png_chunk(out: &mut Vec<u8>, kind: &[u8], data: &[u8]) {
     crc.update(&out[start..]);
     out.extend_from_slice(&crc.sum().to_be_bytes());
 }
+
+/// A `w`×`h` PNG of a gradient.
+pub fn png(w: u32, h: u32) -> Vec<u8> {
+    let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8, y as u8, 7]));
+    let mut out = std::io::Cursor::new(Vec::new());
+    image::DynamicImage::from(img)
+        .write_to(&mut out, image::ImageFormat::Png)
+        .unwrap();
+    out.into_inner()
+}
