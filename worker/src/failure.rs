@@ -70,7 +70,9 @@ impl Cause {
                 ImageError::TooManyScans { .. } => K::ImageTooManyScans,
             },
             Cause::Video { err, .. } => match err {
-                VideoError::Unsupported | VideoError::NoVideoStream => K::VideoUnsupported,
+                VideoError::Unsupported
+                | VideoError::NoVideoStream
+                | VideoError::UnsupportedContainer => K::VideoUnsupported,
                 VideoError::Corrupt(_) => K::VideoCorrupt,
                 VideoError::FrameTooLarge { .. } => K::VideoTooLarge,
                 VideoError::TooManyFrames { .. } => K::VideoTooLong,

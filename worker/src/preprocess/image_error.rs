@@ -20,6 +20,6 @@ pub enum ImageError {
     AspectRatio { h: u32, w: u32 },
     #[error("over the image's memory budget: {0}")]
     OverBudget(String),
-    #[error("progressive JPEG of {scans} scans, over the limit of {max}")]
-    TooManyScans { scans: usize, max: usize },
+    #[error("progressive JPEG of more than {max} scans")]
+    TooManyScans { max: usize },
 }

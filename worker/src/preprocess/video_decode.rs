@@ -66,14 +66,27 @@ struct Opened {
     stream: usize,
 }
 
+/// The demuxers clips are read with (FFmpeg's names): MP4/MOV, Matroska/WebM and AVI, the
+/// containers datasets hold. FFmpeg refuses any other (GIF, image sequences, raw streams: each
+/// more code reading untrusted bytes, some far costlier per byte) as soon as it has probed the
+/// format, before reading the stream.
+const CONTAINERS: &str = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi";
+
 fn open<R: Read + Seek + Send + 'static>(reader: R) -> Result<Opened, VideoError> {
     init();
     let io = ff::format::context::StreamIo::from_read_seek(reader)
         .map_err(|e| corrupt("opening the container", e))?;
+    let mut options = ff::Dictionary::new();
+    options.set("format_whitelist", CONTAINERS);
     // FFmpeg says "invalid data" alike for a file no demuxer knows and one cut short before its
-    // index: both are the data's fault, named with FFmpeg's words.
-    let input = ff::format::input_from_stream(io, None, None)
-        .map_err(|e| corrupt("opening the container", e))?;
+    // index: both are the data's fault, named with FFmpeg's words. A format off the list is
+    // its EINVAL.
+    let input = ff::format::input_from_stream(io, None, Some(options)).map_err(|e| match e {
+        ff::Error::Other { errno } if errno == ff::util::error::EINVAL => {
+            VideoError::UnsupportedContainer
+        }
+        e => corrupt("opening the container", e),
+    })?;
     let stream = input
         .streams()
         .best(ff::media::Type::Video)
@@ -252,6 +265,12 @@ fn run<R: Read + Seek + Send + 'static>(
         count: 1,
         ..Default::default()
     });
+    // The decoder refuses a frame larger than the header's (with room for coded sizes rounded
+    // up to whole macroblocks) before allocating it; one of another size is refused before
+    // conversion (`Output::take`).
+    let coded = |side: u32| i64::from(side.next_multiple_of(64));
+    // SAFETY: a plain field of a codec context not yet opened.
+    unsafe { (*ctx.as_mut_ptr()).max_pixels = coded(header.width) * coded(header.height) };
     let mut decoder = ctx.decoder().video().map_err(|e| match e {
         ff::Error::DecoderNotFound => VideoError::Unsupported,
         e => corrupt("opening the decoder", e),
@@ -479,6 +498,14 @@ impl<F: FnMut(usize, Rgb) -> Result<(), VideoError>> Output<'_, F> {
                 max: self.header.frames,
             });
         }
+        let size = (self.decoded.width(), self.decoded.height());
+        if size != (self.header.width, self.header.height) {
+            return Err(VideoError::Corrupt(format!(
+                "frame {} is {}x{}, the stream's header says {}x{}: a clip changing frame size \
+                 is not read",
+                self.number, size.0, size.1, self.header.width, self.header.height
+            )));
+        }
         let number = match &mut self.order {
             None => self.number,
             Some(order) => {
@@ -622,14 +649,54 @@ mod tests {
     const CLIP: &[u8] = include_bytes!("../../tests/fixtures/clip.mp4");
     /// The same stream remuxed (`ffmpeg -c copy`): Matroska gives its first packets no dts.
     const CLIP_MKV: &[u8] = include_bytes!("../../tests/fixtures/clip.mkv");
+    /// Again, in AVI (LLaMA-Factory's own video demo is an H.264 `.avi`).
+    const CLIP_AVI: &[u8] = include_bytes!("../../tests/fixtures/clip.avi");
+    /// H.264 at 64x48 for 5 frames, then 96x72 (two raw streams joined, `-c copy` to Matroska).
+    const SIZE_CHANGE: &[u8] = include_bytes!("../../tests/fixtures/size_change.mkv");
+
+    const LIMITS: VideoLimits = VideoLimits {
+        max_side: 4096,
+        max_frame_pixels: 1 << 24,
+        max_frames: 1000,
+    };
+
+    #[test]
+    fn avi_is_read_as_mp4_is_and_other_containers_are_refused_unread() {
+        let frames = [0, 14, 29];
+        let (mp4, _) = decode_of(CLIP, &frames, Skipping::Off);
+        let (avi, _) = decode_of(CLIP_AVI, &frames, Skipping::Off);
+        assert!(mp4.iter().zip(&avi).all(|(a, b)| a.data == b.data));
+        let mut gif = Vec::new();
+        {
+            let mut enc = image::codecs::gif::GifEncoder::new(&mut gif);
+            for i in 0..3u8 {
+                let img = image::RgbaImage::from_pixel(16, 16, image::Rgba([i * 80, 0, 0, 255]));
+                enc.encode_frame(image::Frame::new(img)).unwrap();
+            }
+        }
+        let got = probe(Cursor::new(gif), LIMITS);
+        assert_eq!(got.unwrap_err(), VideoError::UnsupportedContainer);
+    }
+
+    #[test]
+    fn a_frame_of_another_size_than_the_header_is_refused_before_conversion() {
+        let header = probe(Cursor::new(SIZE_CHANGE.to_vec()), LIMITS).unwrap();
+        let open = || Cursor::new(SIZE_CHANGE.to_vec());
+        let mut converted = 0;
+        let err = decode(open, &header, &[0, 9], Skipping::Off, |_, _| {
+            converted += 1;
+            Ok(())
+        })
+        .unwrap_err();
+        assert!(
+            matches!(&err, VideoError::Corrupt(m) if m.contains("the stream's header says")),
+            "{err}"
+        );
+        assert_eq!(converted, 0, "no frame of another size is converted");
+    }
 
     fn decode_of(clip: &[u8], indices: &[u64], skipping: Skipping) -> (Vec<Rgb>, DecodeStats) {
-        let limits = VideoLimits {
-            max_side: 4096,
-            max_frame_pixels: 1 << 24,
-            max_frames: 1000,
-        };
-        let header = probe(Cursor::new(clip.to_vec()), limits).unwrap();
+        let header = probe(Cursor::new(clip.to_vec()), LIMITS).unwrap();
         let mut got = Vec::new();
         let open = || Cursor::new(clip.to_vec());
         let stats = decode(open, &header, indices, skipping, |k, rgb| {

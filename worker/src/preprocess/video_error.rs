@@ -7,6 +7,8 @@ pub enum VideoError {
     Unsupported,
     #[error("the container holds no video stream")]
     NoVideoStream,
+    #[error("not a container clips are read from (MP4/MOV, Matroska/WebM, AVI)")]
+    UnsupportedContainer,
     #[error("corrupt video: {0}")]
     Corrupt(String),
     #[error(

@@ -206,25 +206,40 @@ thread_local! {
 }
 
 fn decode_jpeg(bytes: &[u8], limits: DecodeLimits) -> Result<Rgb, ImageError> {
-    use turbojpeg::{Colorspace, Image, PixelFormat};
     if !jpeg_has_end(bytes) {
         // libjpeg would fill the missing rows with gray; Pillow refuses such files.
         return Err(ImageError::Corrupt(
             "truncated JPEG: no end-of-image marker".into(),
         ));
     }
-    let scans = jpeg_scans(bytes);
-    if scans > MAX_JPEG_SCANS {
+    // Counted before anything is allocated; the decoder enforces the same limit itself, so a
+    // file this walk miscounts is still refused after at most MAX_JPEG_SCANS passes.
+    if jpeg_scans(bytes) > MAX_JPEG_SCANS {
         return Err(ImageError::TooManyScans {
-            scans,
             max: MAX_JPEG_SCANS,
         });
     }
-    let corrupt = |e: turbojpeg::Error| ImageError::Corrupt(e.to_string());
-    let (w, h, data) = TURBO.with(|cell| {
+    let (w, h, data) = decompress_jpeg(bytes, limits)?;
+    let img = image::RgbImage::from_raw(w, h, data).expect("sized above");
+    Ok(upright_rgb(img.into(), jpeg_orientation(bytes)))
+}
+
+/// libjpeg-turbo's decode as Pillow configures it, under its own scan limit: RGB8 (CMYK
+/// converted as Pillow does), before the EXIF orientation.
+fn decompress_jpeg(bytes: &[u8], limits: DecodeLimits) -> Result<(u32, u32, Vec<u8>), ImageError> {
+    use turbojpeg::{Colorspace, Image, PixelFormat};
+    let corrupt = |e: turbojpeg::Error| match e {
+        turbojpeg::Error::TurboJpegError(m) if m.contains("scans") => ImageError::TooManyScans {
+            max: MAX_JPEG_SCANS,
+        },
+        e => ImageError::Corrupt(e.to_string()),
+    };
+    TURBO.with(|cell| {
         let mut slot = cell.borrow_mut();
         if slot.is_none() {
-            *slot = Some(turbojpeg::Decompressor::new().map_err(corrupt)?);
+            let mut d = turbojpeg::Decompressor::new().map_err(corrupt)?;
+            d.set_scan_limit(MAX_JPEG_SCANS as u32).map_err(corrupt)?;
+            *slot = Some(d);
         }
         let d = slot.as_mut().expect("initialized above");
         let header = d.read_header(bytes).map_err(corrupt)?;
@@ -248,10 +263,8 @@ fn decode_jpeg(bytes: &[u8], limits: DecodeLimits) -> Result<Rgb, ImageError> {
         if cmyk {
             pixels = cmyk_to_rgb(&pixels, has_adobe_marker(bytes));
         }
-        Ok::<_, ImageError>((w as u32, h as u32, pixels))
-    })?;
-    let img = image::RgbImage::from_raw(w, h, data).expect("sized above");
-    Ok(upright_rgb(img.into(), jpeg_orientation(bytes)))
+        Ok((w as u32, h as u32, pixels))
+    })
 }
 
 /// Pillow's CMYK → RGB (`Convert.c: cmyk2rgb`); Adobe-marked files store inverted CMYK
@@ -324,7 +337,9 @@ fn jpeg_scans(bytes: &[u8]) -> usize {
                 let Some(len) = bytes.get(pos + 2..pos + 4) else {
                     break;
                 };
-                pos += 2 + u16::from_be_bytes([len[0], len[1]]) as usize;
+                // A length below 2 (the length field's own bytes) is skipped as libjpeg skips
+                // it: past the field, nothing more.
+                pos += 2 + (u16::from_be_bytes([len[0], len[1]]) as usize).max(2);
                 if marker == 0xda {
                     scans += 1;
                     pos = next_marker(bytes, pos);
@@ -626,6 +641,30 @@ pub fn process_image(
 mod tests {
     use super::*;
     use crate::preprocess::preset::PresetName;
+
+    /// The decoder stops at the limit by itself: the marker walk is only an early refusal.
+    #[test]
+    fn the_decoder_holds_the_scan_limit_without_the_count() {
+        let mut jpeg = Vec::new();
+        let mut enc = jpeg_encoder::Encoder::new(&mut jpeg, 90);
+        enc.set_progressive(true);
+        enc.set_progressive_scans(33); // the most whose bands of coefficients are all valid
+        enc.encode(&[128; 32 * 32 * 3], 32, 32, jpeg_encoder::ColorType::Rgb)
+            .unwrap();
+        // Its last scan again and again (libjpeg only warns of a repeated band).
+        let eoi = jpeg.len() - 2;
+        let last = (0..eoi).rev().find(|&i| jpeg[i..i + 2] == [0xff, 0xda]).unwrap();
+        let scan = jpeg[last..eoi].to_vec();
+        while jpeg_scans(&jpeg) <= MAX_JPEG_SCANS {
+            jpeg.splice(eoi..eoi, scan.iter().copied());
+        }
+        assert_eq!(
+            decompress_jpeg(&jpeg, DecodeLimits::default()).unwrap_err(),
+            ImageError::TooManyScans {
+                max: MAX_JPEG_SCANS
+            }
+        );
+    }
 
     #[test]
     fn patchify_shapes_match_the_reference_example() {
