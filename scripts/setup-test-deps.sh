@@ -2,7 +2,8 @@
 # Installs what the tests need, idempotently, into a cache outside the repository:
 #   - a Python venv with the reference stack (transformers, pillow, numpy, safetensors, pytest)
 #     and maturin, which builds the `stoker` Python package; matplotlib for the dashboard picture;
-#     torch for the checks against the model itself (run on the CPU here)
+#     torch for the checks against the model itself (run on the CPU here); accelerate, which the
+#     Hugging Face Trainer needs (stoker.hf)
 #   - prometheus and promtool (Debian package) for the observability tests
 #   - the real Qwen tokenizer (scripts/setup-tokenizer.sh)
 # Prints nothing but progress; safe to run repeatedly (a stamp file guards each step).
@@ -39,6 +40,14 @@ if [ ! -f "$VENV/.stoker-video-v1" ]; then
   echo "setup: installing ${VIDEO_PKGS[*]} into the venv"
   "$VENV/bin/pip" install -q "${VIDEO_PKGS[@]}" "$TORCH"
   touch "$VENV/.stoker-video-v1"
+fi
+
+# The Hugging Face Trainer's own dependency, for stoker.hf (tests/parity/test_hf_trainer.py).
+TRAINER_PKGS=(accelerate==1.16.0)
+if [ ! -f "$VENV/.stoker-trainer-v1" ]; then
+  echo "setup: installing ${TRAINER_PKGS[*]} into the venv"
+  "$VENV/bin/pip" install -q "${TRAINER_PKGS[@]}" "$TORCH"
+  touch "$VENV/.stoker-trainer-v1"
 fi
 
 ./scripts/setup-tokenizer.sh

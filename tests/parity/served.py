@@ -14,6 +14,22 @@ CACHE = Path(os.environ.get("STOKER_CACHE") or Path.home() / ".cache/stoker")
 TOKENIZER = Path(os.environ.get("STOKER_TOKENIZER") or CACHE / "qwen-tokenizer")
 
 
+def synth(out: Path, samples: int, seed: int, min_side: int, max_side: int, lengths: bool = False) -> Path:
+    """`stoker-lab synth`'s messages-format dataset at `out`; with `lengths`, also its
+    `stoker-lengths.bin` for the real tokenizer (what packing and token-aware plans read)."""
+    subprocess.run(
+        [LAB, "synth", "--out", str(out), "--samples", str(samples), "--seed", str(seed),
+         "--format", "messages", "--min-side", str(min_side), "--max-side", str(max_side)],
+        check=True, capture_output=True,
+    )
+    if lengths:
+        subprocess.run(
+            [STOKER, "dataset", "stats", str(out), "--tokenizer", str(TOKENIZER), "--write-lengths"],
+            check=True, capture_output=True,
+        )
+    return out
+
+
 def serve(ds: Path, *args: str, global_batch: int = 4):
     """A worker serving `ds` with the real Qwen tokenizer: (process, address)."""
     proc = subprocess.Popen(

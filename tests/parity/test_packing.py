@@ -12,7 +12,6 @@ to a fixture the first test writes, `STOKER_WRITE_ROPE_FIXTURE=path`).
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from served import LAB, STOKER, TOKENIZER, epoch, serve  # noqa: E402
+from served import epoch, serve, synth  # noqa: E402
 
 PACK = 4096
 WORLD = 2
@@ -28,17 +27,7 @@ WORLD = 2
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("packing") / "ds"
-    subprocess.run(
-        [LAB, "synth", "--out", str(out), "--samples", "20", "--seed", "3",
-         "--format", "messages", "--min-side", "60", "--max-side", "500"],
-        check=True, capture_output=True,
-    )
-    subprocess.run(
-        [STOKER, "dataset", "stats", str(out), "--tokenizer", str(TOKENIZER), "--write-lengths"],
-        check=True, capture_output=True,
-    )
-    return out
+    return synth(tmp_path_factory.mktemp("packing") / "ds", 20, 3, 60, 500, lengths=True)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from served import LAB, STOKER, TOKENIZER  # noqa: E402
+from served import STOKER, TOKENIZER, synth  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benches/train_step.py"
@@ -23,13 +23,7 @@ SAMPLES, BATCH = 16, 4
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("train-step") / "ds"
-    subprocess.run(
-        [LAB, "synth", "--out", str(out), "--samples", str(SAMPLES), "--seed", "8",
-         "--format", "messages", "--min-side", "56", "--max-side", "200"],
-        check=True, capture_output=True,
-    )
-    return out
+    return synth(tmp_path_factory.mktemp("train-step") / "ds", SAMPLES, 8, 56, 200)
 
 
 def train(dataset: Path, tmp_path: Path, *args: str) -> dict:
