@@ -653,7 +653,10 @@ mod tests {
             .unwrap();
         // Its last scan again and again (libjpeg only warns of a repeated band).
         let eoi = jpeg.len() - 2;
-        let last = (0..eoi).rev().find(|&i| jpeg[i..i + 2] == [0xff, 0xda]).unwrap();
+        let last = (0..eoi)
+            .rev()
+            .find(|&i| jpeg[i..i + 2] == [0xff, 0xda])
+            .unwrap();
         let scan = jpeg[last..eoi].to_vec();
         while jpeg_scans(&jpeg) <= MAX_JPEG_SCANS {
             jpeg.splice(eoi..eoi, scan.iter().copied());
