@@ -5,7 +5,9 @@
 
 Each rank reads its own slice of every global batch from the workers; every checkpoint holds
 each rank's loader state, and `--resume` continues from the last one exactly, at any world size.
-tests/parity/test_hf_trainer.py runs `train` (two and three processes on the CPU).
+`train_existing` feeds a Trainer subclass that other code builds (LLaMA-Factory's, ms-swift's)
+without changing its class. tests/parity/test_hf_trainer.py runs both (two and three processes
+on the CPU).
 """
 
 import argparse
@@ -22,6 +24,12 @@ def train(workers, model, output_dir, max_steps, resume=None, callbacks=(), opti
     trainer = stoker.hf.StokerTrainer(model=model, args=args, loader=loader,
                                       callbacks=list(callbacks), optimizers=optimizers)
     return trainer.train(resume_from_checkpoint=resume)  # None, True (the last checkpoint) or a path
+
+
+def train_existing(trainer, workers, resume=None):
+    # `trainer` as its own code builds it: LLaMA-Factory's CustomSeq2SeqTrainer, ms-swift's trainers
+    stoker.hf.attach(trainer, stoker.Loader(workers))  # its class unchanged; its train_dataset unread
+    return trainer.train(resume_from_checkpoint=resume)
 
 
 def main() -> None:

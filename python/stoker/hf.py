@@ -5,6 +5,12 @@
     trainer = stoker.hf.StokerTrainer(model=model, args=args, loader=loader)
     trainer.train(resume_from_checkpoint=resume)                       # None, True or a path
 
+A Trainer subclass built by other code (LLaMA-Factory's ``CustomSeq2SeqTrainer``, ms-swift's
+trainers) is fed as it is, its class unchanged: ``stoker.hf.attach(trainer, loader)`` after
+it is built. No ``TrainerCallback`` can do this alone: the Trainer builds its dataloader before
+any callback event and hands callbacks no handle on itself, so :class:`StokerCallback` in a
+Trainer that was not attached refuses to start rather than train on other data.
+
 Each rank reads its own slice of every global batch from the workers: the dataloader is not
 handed to ``accelerator.prepare`` (no rank-0 read-and-broadcast, no rank reading everything to
 keep 1/N). One Stoker batch is one micro-batch: ``gradient_accumulation_steps`` of them make an
@@ -20,6 +26,7 @@ Trainer's skip of the batches already trained reads nothing, at any world size.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import json
 import math
@@ -33,7 +40,15 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from . import Batch, ConfigError, Loader, StokerError
 from .torch import model_inputs
 
-__all__ = ["StokerTrainer", "StokerTrainerMixin", "StokerCallback", "StokerStream", "STATE_FILE"]
+__all__ = [
+    "StokerTrainer",
+    "StokerTrainerMixin",
+    "StokerCallback",
+    "StokerStream",
+    "STATE_FILE",
+    "attach",
+    "with_stoker",
+]
 
 # Each rank's loader state in a checkpoint folder (beside the Trainer's rng_state_{rank}.pth).
 STATE_FILE = "stoker_state_rank{rank}.json"
@@ -82,10 +97,19 @@ class StokerStream(torch.utils.data.IterableDataset):
 
 class StokerCallback(TrainerCallback):
     """Saves the loader's state into every checkpoint the Trainer writes (``on_save``), as
-    ``checkpoint-N/stoker_state_rank{r}.json`` on each rank."""
+    ``checkpoint-N/stoker_state_rank{r}.json`` on each rank. The mixin and :func:`attach`
+    add it; in a Trainer neither fed, it stops the run at its start."""
 
     def __init__(self, loader: Loader) -> None:
         self.loader = loader
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        if not isinstance(getattr(train_dataloader, "dataset", None), StokerStream):
+            raise ConfigError(
+                "StokerCallback is in the Trainer's callbacks but the Trainer does not read the "
+                "Stoker loader (a callback cannot feed it): build it as stoker.hf.StokerTrainer, "
+                "or call stoker.hf.attach(trainer, loader) once it is built"
+            )
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
@@ -123,6 +147,9 @@ class StokerTrainerMixin:
 
     def __init__(self, *args: Any, loader: Loader, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._stoker_setup(loader)
+
+    def _stoker_setup(self, loader: Loader) -> None:
         self.stoker_loader = loader
         self.stoker_stream: Optional[StokerStream] = None
         self._stoker_resume: Optional[str] = None
@@ -220,6 +247,29 @@ class StokerTrainerMixin:
 
 class StokerTrainer(StokerTrainerMixin, Trainer):
     """``transformers.Trainer`` fed by a :class:`stoker.Loader` (see the module's doc)."""
+
+
+@functools.lru_cache(maxsize=None)
+def with_stoker(trainer_class: type) -> type:
+    """``trainer_class`` with :class:`StokerTrainerMixin` first in its bases (one class per
+    ``trainer_class``); the class itself is left as it is."""
+    if not issubclass(trainer_class, Trainer):
+        raise ConfigError(f"{trainer_class.__qualname__} is not a transformers.Trainer")
+    if issubclass(trainer_class, StokerTrainerMixin):
+        return trainer_class
+    return type(f"Stoker{trainer_class.__name__}", (StokerTrainerMixin, trainer_class), {})
+
+
+def attach(trainer: Trainer, loader: Loader) -> Trainer:
+    """Feeds ``trainer``, an instance of any Trainer subclass built by its own code, from
+    ``loader``: it becomes an instance of :func:`with_stoker` of its class (every method of
+    its class still applies) and trains, saves and resumes as :class:`StokerTrainer` does. Call
+    it before ``trainer.train``; the ``train_dataset`` it was built with is not read."""
+    if isinstance(trainer, StokerTrainerMixin):
+        raise ConfigError(f"this {type(trainer).__name__} is already fed by a Stoker loader")
+    trainer.__class__ = with_stoker(type(trainer))
+    trainer._stoker_setup(loader)
+    return trainer
 
 
 def _as_is(item: Any) -> Any:

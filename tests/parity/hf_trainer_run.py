@@ -4,7 +4,9 @@ same batches in one process. Both train the tiny Qwen2-VL of benches/train_step.
 same weights with the same optimizer (AdamW, constant learning rate, no clipping) and write
 one JSON line per optimizer step to OUT/record-rank{r}.jsonl: its sample ids (one list per
 micro-batch) and, on rank 0, its loss. `--kill-at N` ends the process after step N is logged,
-before anything else is saved, as a preempted job ends."""
+before anything else is saved, as a preempted job ends. `--form attach` trains through
+examples/hf_trainer.py's `train_existing` instead: a stand-in for LLaMA-Factory's trainer,
+built as LLaMA-Factory builds it, then attached."""
 
 import argparse
 import json
@@ -13,7 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benches"))
@@ -39,6 +41,23 @@ class Record(TrainerCallback):
         self.step = None
         if state.global_step == self.kill_at:
             os._exit(3)
+
+
+class CustomSeq2SeqTrainer(Seq2SeqTrainer):
+    """A stand-in for LLaMA-Factory's trainer of this name (llamafactory/train/sft/trainer.py;
+    LLaMA-Factory is not in the test venv): a Seq2SeqTrainer subclass taking arguments of its
+    own and a dataset of its own, with its own sampler and loss."""
+
+    def __init__(self, finetuning_args, processor, **kwargs):
+        super().__init__(**kwargs)
+        self.finetuning_args = finetuning_args
+        self.processor = processor
+
+    def _get_train_sampler(self, *args, **kwargs):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        return super().compute_loss(model, inputs, *args, **kwargs)
 
 
 def write(path: Path, row: dict) -> None:
@@ -89,6 +108,7 @@ def main() -> None:
     p.add_argument("--resume", default=None, help="a checkpoint folder")
     p.add_argument("--kill-at", type=int, default=0)
     p.add_argument("--readme", action="store_true")
+    p.add_argument("--form", choices=("class", "attach"), default="class")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", 0))
@@ -96,12 +116,20 @@ def main() -> None:
     if a.readme:
         return readme_loop(a.workers, a.steps, a.accumulation, record)
     model, optimizer = new_model("tiny", torch.device("cpu"))
-    hf_trainer.train(
-        a.workers, model, str(a.out / "ckpt"), a.steps, resume=a.resume, callbacks=[Record(record, a.kill_at)],
-        optimizers=(optimizer, None), lr_scheduler_type="constant", max_grad_norm=0.0, use_cpu=True,
-        logging_steps=1, save_steps=a.save_steps, gradient_accumulation_steps=a.accumulation,
-        disable_tqdm=True,
+    callbacks, optimizers = [Record(record, a.kill_at)], (optimizer, None)
+    training = dict(
+        lr_scheduler_type="constant", max_grad_norm=0.0, use_cpu=True, logging_steps=1,
+        save_steps=a.save_steps, gradient_accumulation_steps=a.accumulation, disable_tqdm=True,
     )
+    if a.form == "class":
+        hf_trainer.train(a.workers, model, str(a.out / "ckpt"), a.steps, resume=a.resume, callbacks=callbacks,
+                         optimizers=optimizers, **training)
+        return
+    args = Seq2SeqTrainingArguments(output_dir=str(a.out / "ckpt"), max_steps=a.steps, report_to="none", **training)
+    own_dataset = [{"input_ids": [0], "labels": [0]}]  # what LLaMA-Factory would have tokenized
+    trainer = CustomSeq2SeqTrainer(finetuning_args=argparse.Namespace(), processor=None, model=model, args=args,
+                                   train_dataset=own_dataset, callbacks=callbacks, optimizers=optimizers)
+    hf_trainer.train_existing(trainer, a.workers, resume=a.resume)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ weights as the README's loop (tests/parity/hf_trainer_run.py).
 - A run killed after step 3 (its last checkpoint at step 2) and resumed from that checkpoint
   trains the uninterrupted run's steps 3.. on the same sample ids to the same losses; resumed
   on three processes it keeps the global batch sequence.
+- A Trainer subclass built by other code (a stand-in for LLaMA-Factory's CustomSeq2SeqTrainer)
+  and attached (`stoker.hf.attach`, examples/hf_trainer.py's `train_existing`) is fed, saves and
+  resumes the same way.
 - Packed batches under gradient accumulation (2 batches per step) train to the README loop's
   token-normalised loss, within the same relative 1e-5 (measured here: 8e-8 at most; the
   forwards run pack by pack on each rank and their losses are summed in another order).
@@ -120,6 +123,25 @@ def test_each_rank_its_own_stream_to_the_readme_loops_loss_and_an_exact_resume(w
             assert losses(resumed)[step] == pytest.approx(losses(full)[step], rel=1e-5), f"{procs} ranks, step {step}"
 
 
+def test_an_existing_trainer_subclass_attached_trains_saves_and_resumes_the_same(workers, tmp_path, torch):
+    addr, form = workers[0], ("--form", "attach")
+    full = run(tmp_path / "full", addr, 2, "--steps", str(STEPS), *form)
+    readme = run(tmp_path / "readme", addr, 0, "--steps", str(STEPS))
+    for rank, rows in full.items():
+        want = loader_order(addr, rank, 2, STEPS)
+        assert [rows[s]["sample_ids"] for s in sorted(rows)] == [[ids] for ids in want], f"rank {rank}"
+    for step, loss in losses(readme).items():
+        assert losses(full)[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
+
+    run(tmp_path / "killed", addr, 2, "--steps", str(STEPS), "--kill-at", "3", *form, killed=True)
+    ckpt = tmp_path / "killed/ckpt/checkpoint-2"
+    resumed = run(tmp_path / "resumed", addr, 2, "--steps", str(STEPS), "--resume", str(ckpt), *form)
+    assert sorted(resumed[0]) == list(range(3, STEPS + 1))
+    for step in range(3, STEPS + 1):
+        assert all(resumed[r][step]["sample_ids"] == full[r][step]["sample_ids"] for r in (0, 1)), f"step {step}"
+        assert losses(resumed)[step] == pytest.approx(losses(full)[step], rel=1e-5), f"step {step}"
+
+
 def test_packed_batches_under_accumulation_train_to_the_token_normalised_loss(workers, tmp_path, torch):
     addr = workers[1]
     trainer = run(tmp_path / "trainer", addr, 2, "--steps", "3", "--accumulation", "2")
@@ -130,12 +152,14 @@ def test_packed_batches_under_accumulation_train_to_the_token_normalised_loss(wo
         assert losses(trainer)[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
 
 
-def test_the_docs_code_is_the_examples_train():
-    """docs/client.md's "With your trainer" shows `train` of examples/hf_trainer.py, line for line."""
+@pytest.mark.parametrize("block, function", [(0, "train"), (1, "train_existing")])
+def test_the_docs_code_is_the_examples(block, function):
+    """docs/client.md's "With your trainer" shows `train` and `train_existing` of
+    examples/hf_trainer.py, line for line."""
     root = Path(__file__).resolve().parents[2]
-    doc = (root / "docs/client.md").read_text().split("## With your trainer", 1)[1]
-    block = doc.split("```python", 1)[1].split("```", 1)[0]
-    shown = [ln.strip() for ln in block.splitlines() if ln.strip()]
+    doc = (root / "docs/client.md").read_text().split("## With your trainer", 1)[1].split("\n## ", 1)[0]
+    code = doc.split("```python")[1 + block].split("```", 1)[0]
+    shown = [ln.strip() for ln in code.splitlines() if ln.strip()]
     example = (root / "examples/hf_trainer.py").read_text()
-    body = [ln.strip() for ln in example.split("\ndef train(", 1)[1].split("\ndef ", 1)[0].splitlines()]
-    assert len(shown) >= 4 and all(ln in body for ln in shown), shown
+    body = [ln.strip() for ln in example.split(f"\ndef {function}(", 1)[1].split("\ndef ", 1)[0].splitlines()]
+    assert len(shown) >= 2 and all(ln in body for ln in shown), shown
