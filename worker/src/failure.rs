@@ -60,7 +60,7 @@ impl Cause {
             Cause::Sample(SampleError::Schema(_) | SampleError::UnknownFormat(_)) => {
                 K::InvalidSample
             }
-            Cause::Path(_) => K::PathRefused,
+            Cause::Path(_) | Cause::Fetch(FetchError::Refused(..)) => K::PathRefused,
             Cause::Image { err, .. } => match err {
                 ImageError::Unsupported => K::ImageUnsupported,
                 ImageError::Corrupt(_) => K::ImageCorrupt,

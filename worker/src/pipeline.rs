@@ -22,7 +22,7 @@ use crate::preprocess::vision::{
     video_normalization_table, ImageError, ImageHeader, ImageTimings, PixelLut,
 };
 use crate::range_reader::{FetchRange, RangeReader};
-use crate::source::{FetchError, MediaRoot, PathError, Store};
+use crate::source::{FetchError, MediaRoot, PathError, ReadCap, Store};
 use futures::FutureExt;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -218,9 +218,11 @@ impl Pipeline {
         let r = match range {
             Some((s, l)) => store.get_range(key, s, l).await,
             None => {
-                store
-                    .get_at_most(key, self.config.limits.object_bytes)
-                    .await
+                let cap = ReadCap {
+                    bytes: self.config.limits.object_bytes,
+                    name: "max-object-bytes",
+                };
+                store.get_at_most(key, cap).await
             }
         };
         self.metrics.observe_stage(Stage::Fetch, t.elapsed());
@@ -559,6 +561,7 @@ impl Pipeline {
                 what,
                 len: size,
                 max,
+                limit: "max-object-bytes",
             });
         }
         Ok(size)

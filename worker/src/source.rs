@@ -3,7 +3,10 @@
 //! Keys are always relative to the dataset root and use `/`; [`media_key`] is the one place
 //! that turns a path written inside a sample into a key (beside its shard, or under the
 //! dataset's [`MediaRoot`], whose keys are the root's URI and the path), and it refuses any
-//! path that would leave the root.
+//! path that would leave the root. Keys read from elsewhere (a stored index) pass
+//! [`check_key`]; a local file is read only when no component of its key is a symbolic link
+//! (the listing behind the index never follows one), and every whole-object read has a
+//! [`ReadCap`].
 
 use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata};
 use bytes::Bytes;
@@ -19,10 +22,70 @@ const FETCH_BACKOFF: std::time::Duration = std::time::Duration::from_millis(50);
 pub enum FetchError {
     #[error("object {0} does not exist")]
     NotFound(String),
-    #[error("object {what} is {len} bytes, over the limit of {max} (max-object-bytes); not read")]
-    TooLarge { what: String, len: u64, max: u64 },
+    #[error("object {what} is {len} bytes, over the limit of {max} ({limit}); not read")]
+    TooLarge {
+        what: String,
+        len: u64,
+        max: u64,
+        limit: &'static str,
+    },
+    /// A key that would leave the root, or a local path through a symbolic link.
+    #[error("object {0} is not read: {1}")]
+    Refused(String, String),
     #[error("fetching {0}: {1}")]
     Io(String, String),
+}
+
+/// A bound on an object read whole, and the name a refusal gives it.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadCap {
+    pub bytes: u64,
+    pub name: &'static str,
+}
+
+/// A tokenizer.json, or a JSON file holding a chat template (Qwen's are 7 MB and 5 KB).
+pub const TOKENIZER_CAP: ReadCap = ReadCap {
+    bytes: 64 << 20,
+    name: "a tokenizer's 64 MiB cap",
+};
+/// A chat template's own file (`.jinja`).
+pub const TEMPLATE_CAP: ReadCap = ReadCap {
+    bytes: 1 << 20,
+    name: "a chat template's 1 MiB cap",
+};
+
+/// Why `key` (read from outside: a stored index) is not a key under a root: empty, absolute,
+/// a `.` or `..` segment, a backslash or a NUL.
+pub fn check_key(key: &str) -> Result<(), &'static str> {
+    if key.is_empty() {
+        return Err("an empty key");
+    }
+    if key.starts_with('/') {
+        return Err("an absolute path");
+    }
+    if key.contains('\\') || key.contains('\0') {
+        return Err("a backslash or NUL in a key");
+    }
+    if key.split('/').any(|seg| seg == "." || seg == "..") {
+        return Err("a '.' or '..' segment would leave the root");
+    }
+    Ok(())
+}
+
+/// A local file read whole, at most `cap` bytes of it (a tokenizer or template the worker's
+/// flags name).
+pub fn read_file_at_most(path: &Path, cap: ReadCap) -> anyhow::Result<Vec<u8>> {
+    use std::io::Read;
+    let file = std::fs::File::open(path)?;
+    let mut out = Vec::new();
+    file.take(cap.bytes + 1).read_to_end(&mut out)?;
+    anyhow::ensure!(
+        out.len() as u64 <= cap.bytes,
+        "over {} bytes ({}); not read",
+        cap.bytes,
+        cap.name
+    );
+    Ok(out)
 }
 
 /// Chunks read from a local file at once.
@@ -385,14 +448,10 @@ impl Store {
 
     async fn head_once(&self, key: &str) -> Result<ObjectInfo, FetchError> {
         match self {
-            Store::Local { root } => match tokio::fs::metadata(root.join(key)).await {
-                Ok(meta) if meta.is_file() => Ok(local_info(key.to_string(), &meta)),
-                Ok(_) => Err(FetchError::NotFound(self.describe(key))),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    Err(FetchError::NotFound(self.describe(key)))
-                }
-                Err(e) => Err(self.io_error(key, e.to_string())),
-            },
+            Store::Local { root } => {
+                let (_, meta) = self.local_file(root, key, false).await?;
+                Ok(local_info(key.to_string(), &meta))
+            }
             Store::S3 {
                 client,
                 bucket,
@@ -428,21 +487,19 @@ impl Store {
         }
     }
 
-    /// A whole object, whatever its size (shards and the index are the operator's, not a
-    /// sample's).
-    pub async fn get(&self, key: &str) -> Result<Bytes, FetchError> {
-        self.retrying(|| self.read_once(key, None, u64::MAX)).await
-    }
-
-    /// A whole object of at most `max` bytes: a bigger one is refused from its length, and a
+    /// A whole object of at most `cap` bytes: a bigger one is refused from its length, and a
     /// body that grows past it (a length that lied) stops being read there.
-    pub async fn get_at_most(&self, key: &str, max: u64) -> Result<Bytes, FetchError> {
-        self.retrying(|| self.read_once(key, None, max)).await
+    pub async fn get_at_most(&self, key: &str, cap: ReadCap) -> Result<Bytes, FetchError> {
+        self.retrying(|| self.read_once(key, None, cap)).await
     }
 
     /// Bytes `start .. start + len` of an object.
     pub async fn get_range(&self, key: &str, start: u64, len: u64) -> Result<Bytes, FetchError> {
-        self.retrying(|| self.read_once(key, Some((start, len)), len))
+        let cap = ReadCap {
+            bytes: len,
+            name: "the range asked for",
+        };
+        self.retrying(|| self.read_once(key, Some((start, len)), cap))
             .await
     }
 
@@ -497,18 +554,20 @@ impl Store {
         FetchError::Io(self.describe(key), why)
     }
 
-    /// One read of at most `max` bytes into memory.
+    /// One read of at most `cap` bytes into memory.
     async fn read_once(
         &self,
         key: &str,
         range: Option<(u64, u64)>,
-        max: u64,
+        cap: ReadCap,
     ) -> Result<Bytes, FetchError> {
         let mut body = self.open_object(key, range).await?;
+        let max = cap.bytes;
         let too_large = |len| FetchError::TooLarge {
             what: self.describe(key),
             len,
             max,
+            limit: cap.name,
         };
         if let Some(len) = body.len.filter(|&len| len > max) {
             return Err(too_large(len));
@@ -529,15 +588,9 @@ impl Store {
         match self {
             Store::Local { root } => {
                 use tokio::io::AsyncSeekExt;
-                let path = root.join(key);
-                let mut file = match tokio::fs::File::open(&path).await {
-                    Ok(f) => f,
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                        return Err(FetchError::NotFound(self.describe(key)))
-                    }
-                    Err(e) => return Err(io(e.to_string())),
-                };
-                let size = file.metadata().await.map_err(|e| io(e.to_string()))?.len();
+                let (file, meta) = self.local_file(root, key, true).await?;
+                let mut file = tokio::fs::File::from_std(file.expect("opened"));
+                let size = meta.len();
                 let left = match range {
                     None => size,
                     Some((start, len)) => {
@@ -589,6 +642,66 @@ impl Store {
                     },
                 })
             }
+        }
+    }
+
+    /// The regular file `key` names under `root` (opened when `open`) and its metadata, never
+    /// through a symbolic link: each component is looked at without following it, as the
+    /// listing does, so a link placed after indexing is refused rather than read.
+    async fn local_file(
+        &self,
+        root: &Path,
+        key: &str,
+        open: bool,
+    ) -> Result<(Option<std::fs::File>, std::fs::Metadata), FetchError> {
+        check_key(key).map_err(|why| FetchError::Refused(self.describe(key), why.into()))?;
+        let (root, owned_key) = (root.to_path_buf(), key.to_string());
+        let walked = tokio::task::spawn_blocking(move || -> std::io::Result<_> {
+            let mut path = root;
+            let mut meta = None;
+            for seg in owned_key.split('/').filter(|s| !s.is_empty()) {
+                path.push(seg);
+                let m = std::fs::symlink_metadata(&path)?;
+                if m.file_type().is_symlink() {
+                    return Ok(Err(path));
+                }
+                meta = Some(m);
+            }
+            let meta = meta.expect("a checked key has a segment");
+            if !meta.is_file() {
+                return Err(std::io::ErrorKind::NotFound.into());
+            }
+            // A link swapped in between the walk and the open is not followed either.
+            let file = open
+                .then(|| {
+                    use std::os::unix::fs::OpenOptionsExt;
+                    std::fs::OpenOptions::new()
+                        .read(true)
+                        .custom_flags(libc::O_NOFOLLOW)
+                        .open(&path)
+                })
+                .transpose()?;
+            Ok(Ok((file, meta)))
+        })
+        .await
+        .map_err(|e| self.io_error(key, e.to_string()))?;
+        match walked {
+            Ok(Ok(found)) => Ok(found),
+            Ok(Err(link)) => Err(FetchError::Refused(
+                self.describe(key),
+                format!(
+                    "{} is a symbolic link (links are not followed)",
+                    link.display()
+                ),
+            )),
+            // A component that is a file, not a folder, leaves nothing to find either.
+            Err(e)
+                if e.kind() == std::io::ErrorKind::NotFound
+                    || e.raw_os_error() == Some(libc::ENOTDIR) =>
+            {
+                Err(FetchError::NotFound(self.describe(key)))
+            }
+            Err(e) => Err(self.io_error(key, e.to_string())),
         }
     }
 

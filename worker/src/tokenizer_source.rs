@@ -9,7 +9,7 @@
 
 use crate::preprocess::preset::Preset;
 use crate::preprocess::text::TextProcessor;
-use crate::source::Store;
+use crate::source::{read_file_at_most, Store, TOKENIZER_CAP};
 use std::path::{Path, PathBuf};
 use stoker_config::{Preprocessing, S3Connection};
 
@@ -64,12 +64,12 @@ pub async fn fetch(uri: &str, s3: &S3Connection, cache_dir: &Path) -> anyhow::Re
     };
     let dir = cache_dir.join(format!("{:016x}", fnv1a(uri.as_bytes())));
     let cached = dir.join("tokenizer.json");
-    if cached.exists() && check(&std::fs::read(&cached)?).is_ok() {
+    if cached.exists() && check(&read_file_at_most(&cached, TOKENIZER_CAP)?).is_ok() {
         return Ok(dir);
     }
     let store = Store::open(folder, s3).await?;
     let bytes = store
-        .get(file)
+        .get_at_most(file, TOKENIZER_CAP)
         .await
         .map_err(|e| anyhow::anyhow!("tokenizer {uri}: {e}"))?;
     check(&bytes).map_err(|e| anyhow::anyhow!("tokenizer {uri}: {e}"))?;

@@ -22,12 +22,18 @@ use super::shard::{index_shard, Framing, MediaObjects, ShardPart};
 pub use super::shard::{
     BadLine, Shard, DATASET_INFO, MAX_INDEXED_LINE_BYTES, MAX_LISTED_BAD_LINES,
 };
-use crate::source::{MediaRoot, ObjectInfo, Store};
+use crate::source::{check_key, MediaRoot, ObjectInfo, ReadCap, Store};
 use futures::{StreamExt, TryStreamExt};
 use std::sync::Arc;
 
 /// Where `stoker dataset index` writes the index, at the dataset root.
 pub const INDEX_KEY: &str = "stoker-index.bin";
+/// The largest index a worker reads: ~4 bytes a JSONL sample, ~20 a JSON array element, so a
+/// billion JSONL samples (200 million in arrays).
+pub const INDEX_CAP: ReadCap = ReadCap {
+    bytes: 4 << 30,
+    name: "an index's 4 GiB cap",
+};
 const MAGIC: &[u8; 8] = b"STKIDX\0\x04";
 /// Shards read at once while indexing (each parsed on its own thread).
 const SHARD_FETCH_CONCURRENCY: usize = 8;
@@ -219,8 +225,11 @@ impl DatasetIndex {
         let mut starts = Vec::with_capacity(shards.capacity());
         let mut total = 0u64;
         for _ in 0..n {
+            let key = r.str()?;
+            // A hand-written index must not name a file outside the dataset.
+            check_key(&key).map_err(|why| anyhow::anyhow!("shard key {key:?}: {why}"))?;
             let shard = Shard {
-                key: r.str()?,
+                key,
                 size: r.u64()?,
                 version: r.str()?,
                 samples: r.u32()?,
@@ -364,7 +373,7 @@ impl DatasetIndex {
         media_root: Option<&MediaRoot>,
     ) -> anyhow::Result<Self> {
         let root = media_root.map_or("", |m| m.uri.as_str());
-        match store.get(INDEX_KEY).await {
+        match store.get_at_most(INDEX_KEY, INDEX_CAP).await {
             Ok(data) => {
                 let idx = Self::from_bytes(&data)
                     .map_err(|e| e.context(store.describe(INDEX_KEY)))?;

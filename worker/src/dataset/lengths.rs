@@ -2,11 +2,16 @@
 //! index (`stoker dataset stats --write-lengths`), so a worker knows each sample's cost without
 //! decoding a pixel: the token-aware plan assigns ranks and buckets lengths by it.
 
-use crate::source::Store;
+use crate::source::{ReadCap, Store};
 use std::cmp::Reverse;
 
 /// Where `stoker dataset stats --write-lengths` writes the lengths, at the dataset root.
 pub const LENGTHS_KEY: &str = "stoker-lengths.bin";
+/// The largest lengths file a worker reads: 4 bytes a sample, so a billion samples.
+pub const LENGTHS_CAP: ReadCap = ReadCap {
+    bytes: 4 << 30,
+    name: "a lengths file's 4 GiB cap",
+};
 
 /// The file: this magic, the index version and preprocessing id (u64 LE each), the sample
 /// count (u64 LE), then one u32 LE per sample. 4 bytes a sample, read without parsing (the
@@ -34,12 +39,15 @@ impl SampleLengths {
     ) -> anyhow::Result<SampleLengths> {
         let fix =
             "run `stoker dataset stats DATA --write-lengths` with the worker's preprocessing flags";
-        let data = store.get(LENGTHS_KEY).await.map_err(|e| {
-            anyhow::anyhow!(
-                "--balance-ranks, --bucket-by-length and --pack-max-tokens need {}: {e}; {fix}",
-                store.describe(LENGTHS_KEY)
-            )
-        })?;
+        let data = store
+            .get_at_most(LENGTHS_KEY, LENGTHS_CAP)
+            .await
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "--balance-ranks, --bucket-by-length and --pack-max-tokens need {}: {e}; {fix}",
+                    store.describe(LENGTHS_KEY)
+                )
+            })?;
         let lengths = SampleLengths::from_bytes(&data)
             .map_err(|e| anyhow::anyhow!("{}: {e}; {fix}", store.describe(LENGTHS_KEY)))?;
         anyhow::ensure!(

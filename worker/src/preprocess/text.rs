@@ -4,6 +4,7 @@
 use super::preset::Preset;
 use super::video::VideoTokens;
 use crate::dataset::sample::{Conversation, Message, Part};
+use crate::source::{read_file_at_most, TEMPLATE_CAP, TOKENIZER_CAP};
 use std::path::Path;
 use tokenizers::Tokenizer;
 
@@ -82,8 +83,10 @@ fn token_id(t: &Tokenizer, s: &str) -> anyhow::Result<u32> {
 
 /// The `chat_template` of a chat_template.json or tokenizer_config.json, if present.
 fn template_from_json(path: &Path) -> anyhow::Result<Option<String>> {
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(path)?)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let json = read_file_at_most(path, TOKENIZER_CAP)
+        .map_err(|e| anyhow::anyhow!("reading template {}: {e}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&json).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     Ok(match v.get("chat_template") {
         Some(serde_json::Value::String(s)) => Some(s.clone()),
         // A list of named templates: take "default".
@@ -118,7 +121,7 @@ impl TextProcessor {
         } else {
             tokenizer.to_path_buf()
         };
-        let json = std::fs::read(&file)
+        let json = read_file_at_most(&file, TOKENIZER_CAP)
             .map_err(|e| anyhow::anyhow!("reading tokenizer {}: {e}", file.display()))?;
         let source = match template {
             None => match preset.default_system() {
@@ -127,7 +130,8 @@ impl TextProcessor {
             },
             Some(p) if p.extension().is_some_and(|e| e == "json") => template_from_json(p)?
                 .ok_or_else(|| anyhow::anyhow!("{} has no chat_template", p.display()))?,
-            Some(p) => std::fs::read_to_string(p)
+            Some(p) => read_file_at_most(p, TEMPLATE_CAP)
+                .and_then(|b| Ok(String::from_utf8(b)?))
                 .map_err(|e| anyhow::anyhow!("reading template {}: {e}", p.display()))?,
         };
         Self::new(&json, source, preset)
