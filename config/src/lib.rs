@@ -21,6 +21,9 @@ pub const DEFAULT_MAX_OBJECT_BYTES: u64 = 64 << 20;
 pub const DEFAULT_MAX_LINE_BYTES: u64 = 4 << 20;
 pub const DEFAULT_MAX_TURNS: u32 = 512;
 pub const DEFAULT_MAX_VIDEO_FRAMES: u64 = 36_000;
+/// 128 Gi pixel passes: a 10-minute 1080p clip at 60 fps decoded whole (75 G), a 4K photo
+/// (8 M) of 100 progressive scans (0.8 G), with room for the sample's other media.
+pub const DEFAULT_MAX_SAMPLE_WORK: u64 = 128 << 30;
 pub const DEFAULT_S3_READ_TIMEOUT_S: u64 = 20;
 pub const DEFAULT_GLOBAL_BATCH_SIZE: u32 = 32;
 pub const DEFAULT_MAX_FETCHES: usize = 64;
@@ -307,10 +310,23 @@ pub struct Preprocessing {
     #[schemars(range(min = 1))]
     #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_VIDEO_FRAMES))]
     pub max_video_frames: u64,
+    /// Most decoding work one sample may cost, in pixel passes: an image's pixels times its
+    /// scans (a progressive JPEG decodes the image once per scan), a clip's frame pixels times
+    /// the frames decoded (every frame up to the last one sampled). Charged from each
+    /// medium's header before it is decoded, so every worker skips the same samples
+    /// (`sample_over_work_budget`).
+    #[serde(default = "default_max_sample_work")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_SAMPLE_WORK))]
+    pub max_sample_work: u64,
 }
 
 fn default_max_video_frames() -> u64 {
     DEFAULT_MAX_VIDEO_FRAMES
+}
+
+fn default_max_sample_work() -> u64 {
+    DEFAULT_MAX_SAMPLE_WORK
 }
 
 fn default_max_image_side() -> u32 {
@@ -361,6 +377,7 @@ impl Default for Preprocessing {
             max_line_bytes: DEFAULT_MAX_LINE_BYTES,
             max_turns: DEFAULT_MAX_TURNS,
             max_video_frames: DEFAULT_MAX_VIDEO_FRAMES,
+            max_sample_work: DEFAULT_MAX_SAMPLE_WORK,
         }
     }
 }
@@ -790,6 +807,7 @@ impl Preprocessing {
         a.value("max-line-bytes", self.max_line_bytes);
         a.value("max-turns", self.max_turns);
         a.value("max-video-frames", self.max_video_frames);
+        a.value("max-sample-work", self.max_sample_work);
     }
 }
 
@@ -905,6 +923,7 @@ mod tests {
                 max_line_bytes: 1 << 16,
                 max_turns: 12,
                 max_video_frames: 900,
+                max_sample_work: 1 << 33,
             },
             sampling: Sampling {
                 seed: 42,

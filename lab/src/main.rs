@@ -13,6 +13,7 @@ mod cmd {
     pub mod dataset_scale;
     pub mod demo;
     pub mod epoch_boundary;
+    pub mod hostile;
     pub mod local;
     pub mod scale;
     pub mod spread;

@@ -543,6 +543,7 @@ mod tests {
             max_line_bytes: 1 << 18,
             max_turns: 40,
             max_video_frames: 1800,
+            max_sample_work: 1 << 34,
         };
         dp.spec.plan.sampling.on_error = stoker_config::OnError::Fail;
         dp.spec.serving = stoker_config::ServingLimits {

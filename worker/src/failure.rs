@@ -46,6 +46,10 @@ pub(crate) enum Cause {
     /// work: not the data's fault, so never a skip.
     #[error("the worker is shutting down; the sample was not prepared")]
     ShuttingDown,
+    /// Nobody waits for the sample any more: its preparation stopped part way
+    /// (`crate::cancel`). Never served, so never a skip.
+    #[error("the request went away; the sample's preparation stopped")]
+    Cancelled,
 }
 
 impl Cause {
@@ -68,6 +72,7 @@ impl Cause {
                 ImageError::AspectRatio { .. } => K::ImageAspectRatio,
                 ImageError::OverBudget(_) => K::ImageOverBudget,
                 ImageError::TooManyScans { .. } => K::ImageTooManyScans,
+                ImageError::OverWorkBudget { .. } => K::SampleOverWorkBudget,
             },
             Cause::Video { err, .. } => match err {
                 VideoError::Unsupported
@@ -78,6 +83,8 @@ impl Cause {
                 VideoError::TooManyFrames { .. } => K::VideoTooLong,
                 VideoError::Sampling(_) => K::VideoSampling,
                 VideoError::SamplePixels { .. } => K::SampleTooLarge,
+                VideoError::OverWorkBudget { .. } => K::SampleOverWorkBudget,
+                VideoError::Cancelled { .. } => K::Cancelled,
             },
             Cause::Text(TextError::TooLong { .. }) => K::TooLong,
             Cause::Text(_) => K::Text,
@@ -85,12 +92,16 @@ impl Cause {
             Cause::NoSuchSample => K::NoSuchSample,
             Cause::Panicked(_) => K::Panic,
             Cause::ShuttingDown => K::ShuttingDown,
+            Cause::Cancelled => K::Cancelled,
         }
     }
 
     /// The store or the worker failed, not the data: another attempt may succeed.
     pub(crate) fn is_transient(&self) -> bool {
-        matches!(self, Cause::Fetch(FetchError::Io(..)) | Cause::ShuttingDown)
+        matches!(
+            self,
+            Cause::Fetch(FetchError::Io(..)) | Cause::ShuttingDown | Cause::Cancelled
+        )
     }
 }
 

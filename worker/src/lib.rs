@@ -24,10 +24,11 @@ pub mod preprocess {
 pub mod alloc;
 pub(crate) mod assemble;
 pub mod batch;
+pub mod cancel;
 pub mod connection;
 pub(crate) mod failure;
 pub mod identity;
-pub(crate) mod limits;
+pub mod limits;
 pub(crate) mod line_cache;
 pub mod metrics;
 pub mod open;

@@ -1,5 +1,5 @@
-//! Bounds on the work one sample may cause: images, decoded pixels, object and line bytes,
-//! turns. Each is part of the plan's identity (workers of one pipeline apply the same limits,
+//! Bounds on the work one sample may cause: images, decoded pixels, decoding work, object and
+//! line bytes, turns. Each is part of the plan's identity (workers of one pipeline apply the same limits,
 //! so a sample over one is skipped by every worker and batches stay byte-identical), and each
 //! is checked before the work it bounds: a line's length from the index before it is read,
 //! an object's length before its body is, an image's size from its header before it is
@@ -9,7 +9,7 @@ use crate::dataset::sample::Conversation;
 use crate::metrics::SampleErrorKind;
 use crate::preprocess::video::VideoBudget;
 use crate::preprocess::video_decode::VideoLimits;
-use crate::preprocess::vision::{DecodeLimits, ImageError};
+use crate::preprocess::vision::{DecodeLimits, ImageError, Spent};
 use serde::Serialize;
 use stoker_config::Preprocessing;
 
@@ -79,23 +79,24 @@ impl SampleLimits {
         }
     }
 
-    /// The next video's budget when `used` pixels of the sample are taken: its header's
-    /// limits (frames as large as an image may be, at most `video_frames` of them) and the
-    /// pixels its resized frames may take.
-    pub fn next_video(&self, used: u64) -> VideoBudget {
+    /// The next video's budget when the sample has `spent` so much: its header's limits
+    /// (frames as large as an image may be, at most `video_frames` of them), the pixels its
+    /// resized frames may take and the decoding work left.
+    pub fn next_video(&self, spent: Spent) -> VideoBudget {
         VideoBudget {
             limits: VideoLimits {
                 max_side: self.decode.max_side,
                 max_frame_pixels: self.decode.max_pixels,
                 max_frames: self.video_frames,
             },
-            pixels: self.pixels_left(used),
+            pixels: self.pixels_left(spent),
+            work: self.decode.max_work.saturating_sub(spent.work),
         }
     }
 
-    /// The sample's pixels left when `used` are taken.
-    pub fn pixels_left(&self, used: u64) -> u64 {
-        self.sample_pixels.saturating_sub(used)
+    /// The sample's pixels left when it has `spent` so much.
+    pub fn pixels_left(&self, spent: Spent) -> u64 {
+        self.sample_pixels.saturating_sub(spent.pixels)
     }
 
     /// Before the line is fetched: its length is in the index.
@@ -128,11 +129,12 @@ impl SampleLimits {
         Ok(())
     }
 
-    /// The decode limits of the next image when `used` pixels of the sample are decoded: the
+    /// The decode limits of the next image when the sample has `spent` so much: the
     /// per-image limits, tightened to what the sample has left.
-    pub fn next_image(&self, used: u64) -> DecodeLimits {
+    pub fn next_image(&self, spent: Spent) -> DecodeLimits {
         DecodeLimits {
-            max_pixels: self.decode.max_pixels.min(self.pixels_left(used)),
+            max_pixels: self.decode.max_pixels.min(self.pixels_left(spent)),
+            max_work: self.decode.max_work.saturating_sub(spent.work),
             ..self.decode
         }
     }
@@ -167,6 +169,7 @@ mod tests {
             decode: DecodeLimits {
                 max_side: 1000,
                 max_pixels: 500_000,
+                max_work: 2_000_000,
             },
             images: 2,
             sample_pixels: 600_000,
@@ -220,9 +223,13 @@ mod tests {
     #[test]
     fn the_sample_budget_tightens_the_next_images_limit() {
         let l = limits();
-        assert_eq!(l.next_image(0).max_pixels, 500_000);
-        assert_eq!(l.next_image(400_000).max_pixels, 200_000);
-        assert_eq!(l.next_image(700_000).max_pixels, 0);
+        let spent = |pixels, work| Spent { pixels, work };
+        assert_eq!(l.next_image(spent(0, 0)).max_pixels, 500_000);
+        assert_eq!(l.next_image(spent(400_000, 0)).max_pixels, 200_000);
+        assert_eq!(l.next_image(spent(700_000, 0)).max_pixels, 0);
+        assert_eq!(l.next_image(spent(0, 1_500_000)).max_work, 500_000);
+        assert_eq!(l.next_video(spent(0, 2_500_000)).work, 0);
+        assert_eq!(l.next_video(spent(100_000, 0)).pixels, 500_000);
         let too_large = |w, h| ImageError::TooLarge {
             w,
             h,

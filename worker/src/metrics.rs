@@ -61,10 +61,12 @@ stoker_wire::label_set! {
         NoSuchSample => "no_such_sample",
         Panic => "panic",
         ShuttingDown => "shutting_down",
+        Cancelled => "cancelled",
         LineTooLong => "line_too_long",
         TooManyTurns => "too_many_turns",
         TooManyImages => "too_many_images",
         SampleTooLarge => "sample_too_large",
+        SampleOverWorkBudget => "sample_over_work_budget",
     }
 }
 

@@ -6,20 +6,21 @@
 //! concurrently, so a slow object delays only its own batch, never other requests.
 
 use crate::batch::PreparedSample;
+use crate::cancel::Cancel;
 use crate::dataset::index::{DatasetIndex, Shard};
 use crate::dataset::sample::{Conversation, Media, VideoPart, VideoSource};
 use crate::failure::{image_cause, on_blocking_pool, video_cause, Cause};
 use crate::limits::SampleLimits;
 use crate::line_cache::{LineCache, Lookup};
-use crate::metrics::{GaugeGuard, LineCacheResult, Metrics, Queue, Stage};
+use crate::metrics::{GaugeGuard, LineCacheResult, Metrics, Queue, SampleErrorKind, Stage};
 use crate::plan::Plan;
 use crate::preprocess::preset::{PixelDtype, Preset};
 use crate::preprocess::text::{MediaTokens, TextProcessor};
 use crate::preprocess::video;
 use crate::preprocess::video_error::VideoError;
 use crate::preprocess::vision::{
-    check_limits, decode, normalization_table, process_image, read_header,
-    video_normalization_table, ImageError, ImageHeader, ImageTimings, PixelLut,
+    decode, decode_passes, image_cost, normalization_table, process_image, read_header,
+    video_normalization_table, ImageError, ImageHeader, ImageTimings, PixelLut, Spent,
 };
 use crate::range_reader::{FetchRange, RangeReader};
 use crate::source::{FetchError, MediaRoot, PathError, ReadCap, Store};
@@ -384,10 +385,23 @@ impl Pipeline {
             .await
             .expect("never closed");
         drop(queued);
+        // Dropped with this future (its request cancelled, late or disconnected), the guard
+        // stops the blocking work, which holds the CPU slot, within one image or frame.
+        let cancel = Cancel::default();
+        let _stop_when_dropped = cancel.on_drop();
         let this = self.clone();
         on_blocking_pool(move || {
             let _permit = permit;
-            this.preprocess(sample_id, conv, media)
+            let prepared = this.preprocess(sample_id, conv, media, &cancel);
+            if prepared.is_err() && cancel.is_set() {
+                // Counted here: nobody is left to count the sample's failure.
+                let stopped = SampleErrorKind::Cancelled.as_str();
+                this.metrics
+                    .sample_errors_total
+                    .with_label_values(&[stopped])
+                    .inc();
+            }
+            prepared
         })
         .await
     }
@@ -398,6 +412,7 @@ impl Pipeline {
         sample_id: u64,
         conv: Conversation,
         media: Vec<Fetched>,
+        cancel: &Cancel,
     ) -> Result<PreparedSample, Cause> {
         let preset = &self.config.preset;
         let limits = &self.config.limits;
@@ -405,30 +420,39 @@ impl Pipeline {
         let mut images = Vec::new();
         let mut videos = Vec::new();
         let mut tokens = Vec::with_capacity(media.len());
-        let mut decoded_pixels = 0;
+        let mut spent = Spent::default();
         let keep = self.config.keep_decoded_frames;
+        let go_on = || match cancel.is_set() {
+            true => Err(Cause::Cancelled),
+            false => Ok(()),
+        };
         for m in media {
+            go_on()?;
             match m {
                 Fetched::Image(key, bytes) => {
-                    let decode = limits.next_image(decoded_pixels);
+                    let decode = limits.next_image(spent);
                     let out = process_image(&bytes, preset, &self.lut, decode, &mut timings)
                         .map_err(|err| image_cause(limits, &key, err))?;
-                    decoded_pixels += out.original.0 as u64 * out.original.1 as u64;
+                    let (h, w) = out.original;
+                    spent += image_cost(w, h, decode_passes(&bytes));
                     tokens.push(MediaTokens::Image(preset.image_tokens(out.resized)));
                     images.push(out);
                 }
                 Fetched::Clip(key, size, part) => {
                     let t = Instant::now();
-                    let budget = limits.next_video(decoded_pixels);
+                    let budget = limits.next_video(spent);
                     let lut = &self.video_lut;
                     let failure = Arc::default();
                     let open = || self.clip_reader(&key, size, &failure);
-                    let out = video::process_clip(open, &part, preset, lut, budget, keep)
+                    let out = video::process_clip(open, &part, preset, lut, budget, keep, cancel)
                         .map_err(|e| clip_cause(&key, e, &failure))?;
                     timings.decode += t.elapsed();
-                    decoded_pixels += out.rows as u64
-                        * u64::from(preset.patch_size.pow(2))
-                        * u64::from(preset.temporal_patch_size);
+                    spent += Spent {
+                        pixels: out.rows as u64
+                            * u64::from(preset.patch_size.pow(2))
+                            * u64::from(preset.temporal_patch_size),
+                        work: out.work,
+                    };
                     tokens.push(MediaTokens::Video(out.tokens(preset)));
                     videos.push(out);
                 }
@@ -436,13 +460,15 @@ impl Pipeline {
                     let first = frames.first().map(|f| f.0.clone()).unwrap_or_default();
                     let mut decoded = Vec::with_capacity(frames.len());
                     for (key, bytes) in frames {
-                        let limit = limits.next_image(decoded_pixels);
+                        go_on()?;
+                        let limit = limits.next_image(spent);
                         let rgb =
                             decode(&bytes, limit).map_err(|err| image_cause(limits, &key, err))?;
-                        decoded_pixels += (rgb.width * rgb.height) as u64;
+                        let (w, h) = (rgb.width as u32, rgb.height as u32);
+                        spent += image_cost(w, h, decode_passes(&bytes));
                         decoded.push(rgb);
                     }
-                    let left = limits.pixels_left(decoded_pixels);
+                    let left = limits.pixels_left(spent);
                     let out = video::process_frame_list(
                         decoded,
                         &part,
@@ -461,6 +487,7 @@ impl Pipeline {
             self.metrics.observe_stage(Stage::Decode, timings.decode);
             self.metrics.observe_stage(Stage::Resize, timings.resize);
         }
+        go_on()?;
         let t = Instant::now();
         let tok = self.text.tokenize(&conv, &tokens)?;
         self.metrics.observe_stage(Stage::Tokenize, t.elapsed());
@@ -485,31 +512,29 @@ impl Pipeline {
         let (conv, keys) = self.read_sample(shard, line).await?;
         let (preset, limits) = (&self.config.preset, &self.config.limits);
         let mut tokens = Vec::with_capacity(keys.len());
-        let mut decoded_pixels = 0;
+        let mut spent = Spent::default();
         for m in keys {
             match m {
                 MediaKey::Image(key) => {
                     let header = self.image_header(&key).await?;
                     let refused = |err| image_cause(limits, &key, err);
-                    let (w, h) = (header.width, header.height);
-                    check_limits(w, h, limits.next_image(decoded_pixels)).map_err(refused)?;
-                    decoded_pixels += u64::from(w) * u64::from(h);
+                    spent += header.check(limits.next_image(spent)).map_err(refused)?;
                     let resized = preset.resized(header.upright()).map_err(refused)?;
                     tokens.push(MediaTokens::Image(preset.image_tokens(resized)));
                 }
                 MediaKey::Clip(key, part) => {
                     // Only what the container's header needs is read (never a frame decoded).
                     let size = self.clip_size(&key).await?;
-                    let budget = limits.next_video(decoded_pixels);
+                    let budget = limits.next_video(spent);
                     let this = self.clone();
-                    let (t, used) = on_blocking_pool(move || {
+                    let (t, cost) = on_blocking_pool(move || {
                         let failure = Arc::default();
                         let reader = this.clip_reader(&key, size, &failure);
                         video::measure_clip(reader, &part, &this.config.preset, budget)
                             .map_err(|e| clip_cause(&key, e, &failure))
                     })
                     .await?;
-                    decoded_pixels += used;
+                    spent += cost;
                     tokens.push(MediaTokens::Video(t));
                 }
                 MediaKey::Frames(keys, part) => {
@@ -517,15 +542,13 @@ impl Pipeline {
                     for key in &keys {
                         let header = self.image_header(key).await?;
                         let refused = |err| image_cause(limits, key, err);
-                        let (w, h) = (header.width, header.height);
-                        check_limits(w, h, limits.next_image(decoded_pixels)).map_err(refused)?;
-                        decoded_pixels += u64::from(w) * u64::from(h);
+                        spent += header.check(limits.next_image(spent)).map_err(refused)?;
                         let first = *size.get_or_insert(header.upright());
                         video::same_size(key, header.upright(), first)
                             .map_err(|e| video_cause(key, e))?;
                     }
                     let upright = size.expect("a frame list holds frames");
-                    let left = limits.pixels_left(decoded_pixels);
+                    let left = limits.pixels_left(spent);
                     let (t, _) =
                         video::measure_frame_list(keys.len(), upright, &part, preset, left)
                             .map_err(|e| video_cause(&keys[0], e))?;

@@ -56,6 +56,9 @@ pub enum BenchCommand {
     /// Request latency across an epoch boundary (the plan's order built on the serving
     /// threads, ahead of the boundary off them, or not at all) and the health probes' delay.
     EpochBoundary(super::epoch_boundary::EpochBoundaryArgs),
+    /// Crafted images and clips beside normal ones through the worker's decode path: CPU
+    /// seconds, peak memory and outcome of each.
+    Hostile(super::hostile::HostileArgs),
 }
 
 #[derive(clap::Args)]
@@ -124,6 +127,9 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             Ok(())
         }
         BenchCommand::Balance(a) => super::balance::run(a),
+        BenchCommand::Hostile(a) => {
+            tokio::task::spawn_blocking(move || super::hostile::run(a)).await?
+        }
         BenchCommand::DatasetScale(a) => super::dataset_scale::run(a).await,
         BenchCommand::EpochBoundary(a) => {
             tokio::task::spawn_blocking(move || super::epoch_boundary::run(a)).await?
@@ -146,7 +152,7 @@ fn process_cpu_seconds(pid: u32) -> anyhow::Result<f64> {
 }
 
 /// Peak resident memory of a process, in MiB.
-fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
+pub(super) fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let kb: f64 = status
         .lines()
@@ -158,7 +164,7 @@ fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
     Ok(kb / 1024.0)
 }
 
-fn thread_cpu_seconds() -> f64 {
+pub(super) fn thread_cpu_seconds() -> f64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -338,6 +344,7 @@ async fn video_rows(b: &PreprocessBench, root: &Path) -> anyhow::Result<()> {
 /// left out (the worker's way) vs every frame up to the last sampled one decoded.
 fn decode_rows(preset: &Preset, clips: &Path) -> anyhow::Result<()> {
     use std::collections::BTreeMap;
+    use stoker_worker::cancel::Cancel;
     use stoker_worker::preprocess::video::plan_frames;
     use stoker_worker::preprocess::video_decode::{decode, probe, Skipping, VideoLimits};
     #[derive(Default)]
@@ -374,7 +381,15 @@ fn decode_rows(preset: &Preset, clips: &Path) -> anyhow::Result<()> {
             .enumerate()
         {
             let start = Instant::now();
-            let stats = decode(open, &header, &plan.indices, skipping, |_, _| Ok(()))?;
+            let never = Cancel::default();
+            let stats = decode(
+                open,
+                &header,
+                &plan.indices,
+                skipping,
+                &never,
+                |_, _| Ok(()),
+            )?;
             t.time[i] += start.elapsed();
             t.decoded[i] += stats.decoded;
             t.again += usize::from(stats.decoded_again);

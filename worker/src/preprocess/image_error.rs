@@ -22,4 +22,14 @@ pub enum ImageError {
     OverBudget(String),
     #[error("progressive JPEG of more than {max} scans")]
     TooManyScans { max: usize },
+    #[error(
+        "decoding {w}x{h} pixels in {passes} passes would bring the sample's work over what it \
+         has left of its budget, {max} pixel passes (max-sample-work); not decoded"
+    )]
+    OverWorkBudget {
+        w: u32,
+        h: u32,
+        passes: u64,
+        max: u64,
+    },
 }

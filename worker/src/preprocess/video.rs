@@ -7,7 +7,8 @@ use super::preset::{round_half_even, FrameSampling, PixelBudget, Preset};
 use super::torch_resize::FrameResizer;
 use super::video_decode::{decode, probe, Skipping, VideoHeader, VideoLimits};
 use super::video_error::VideoError;
-use super::vision::{patchify_frames, PixelBuf, PixelLut, Rgb};
+use super::vision::{patchify_frames, PixelBuf, PixelLut, Rgb, Spent};
+use crate::cancel::Cancel;
 use crate::dataset::sample::VideoPart;
 use std::io::{Read, Seek};
 
@@ -227,6 +228,9 @@ pub struct VideoOut {
     pub indices: Vec<u64>,
     /// The sampled frames as decoded, upright, before the resize (for `dataset inspect`).
     pub decoded: Option<Vec<Rgb>>,
+    /// The decoding work charged for a clip, in pixel passes (a frame list's frames are
+    /// charged as the images they are).
+    pub work: u64,
 }
 
 /// Tokens one video takes: per temporal group, `<|video_pad|>` × `per_group` (Qwen3-VL dates
@@ -335,6 +339,7 @@ impl<'a> FrameCollector<'a> {
             timestamps: dates(self.preset, plan),
             indices: plan.indices.clone(),
             decoded: self.keep_decoded.then_some(self.decoded),
+            work: 0,
         }
     }
 }
@@ -351,12 +356,13 @@ pub(crate) fn same_size(frame: &str, got: (u32, u32), first: (u32, u32)) -> Resu
     }
 }
 
-/// What preparing one video may use: the header's limits, and the pixels its resized frames
-/// may take of what the sample has left.
+/// What preparing one video may use: the header's limits, the pixels its resized frames may
+/// take of what the sample has left, and the decoding work it has left.
 #[derive(Debug, Clone, Copy)]
 pub struct VideoBudget {
     pub limits: VideoLimits,
     pub pixels: u64,
+    pub work: u64,
 }
 
 /// Frames of `(height, width)` resized for `count` sampled, within `pixels`.
@@ -388,8 +394,9 @@ pub fn process_clip<R: Read + Seek + Send + 'static>(
     lut: &PixelLut,
     budget: VideoBudget,
     keep_decoded: bool,
+    cancel: &Cancel,
 ) -> Result<VideoOut, VideoError> {
-    let (header, plan) = clip_plan(open(), part, preset, budget)?;
+    let (header, plan, work) = clip_plan(open(), part, preset, budget)?;
     let upright = header.upright();
     sized(preset, plan.indices.len(), upright, budget.pixels)?;
     let mut frames = FrameCollector::new(preset, plan.indices.len(), upright, keep_decoded)?;
@@ -398,9 +405,13 @@ pub fn process_clip<R: Read + Seek + Send + 'static>(
         &header,
         &plan.indices,
         Skipping::NonReference,
+        cancel,
         |k, rgb| frames.push(k, rgb),
     )?;
-    Ok(frames.finish(lut, &plan))
+    Ok(VideoOut {
+        work,
+        ..frames.finish(lut, &plan)
+    })
 }
 
 /// A frame list's tensors: every frame kept, in order, dated at the part's `fps` (2 when
@@ -432,28 +443,42 @@ fn frame_list_plan(count: usize, part: &VideoPart) -> FramePlan {
     }
 }
 
-/// A clip's tokens from its header alone: no frame is decoded.
+/// A clip's tokens from its header alone (no frame is decoded), and what it costs.
 pub fn measure_clip<R: Read + Seek + Send + 'static>(
     reader: R,
     part: &VideoPart,
     preset: &Preset,
     budget: VideoBudget,
-) -> Result<(VideoTokens, u64), VideoError> {
-    let (header, plan) = clip_plan(reader, part, preset, budget)?;
-    measured(preset, &plan, header.upright(), budget.pixels)
+) -> Result<(VideoTokens, Spent), VideoError> {
+    let (header, plan, work) = clip_plan(reader, part, preset, budget)?;
+    let (tokens, pixels) = measured(preset, &plan, header.upright(), budget.pixels)?;
+    Ok((tokens, Spent { pixels, work }))
 }
 
-/// A clip's header, checked, and the frames the preset samples from it.
+/// A clip's header, checked, the frames the preset samples from it, and the decoding work
+/// they cost: every frame up to the last one sampled, at the header's size (the decoder
+/// refuses a frame of another size, or past the header's count, and stops at the last
+/// sampled), charged before a frame is decoded.
 fn clip_plan<R: Read + Seek + Send + 'static>(
     reader: R,
     part: &VideoPart,
     preset: &Preset,
     budget: VideoBudget,
-) -> Result<(VideoHeader, FramePlan), VideoError> {
+) -> Result<(VideoHeader, FramePlan, u64), VideoError> {
     let header = probe(reader, budget.limits)?;
     let part_range = (part.video_start, part.video_end);
     let plan = plan_frames(preset, &header, part.fps, part_range)?;
-    Ok((header, plan))
+    let frames = plan.indices.last().map_or(0, |last| last + 1);
+    let work = frames * u64::from(header.width) * u64::from(header.height);
+    if work > budget.work {
+        return Err(VideoError::OverWorkBudget {
+            frames,
+            w: header.width,
+            h: header.height,
+            max: budget.work,
+        });
+    }
+    Ok((header, plan, work))
 }
 
 /// A frame list's tokens from its frames' (upright) size.

@@ -8,6 +8,7 @@
 
 use super::video_error::VideoError;
 use super::vision::Rgb;
+use crate::cancel::Cancel;
 use ffmpeg_next as ff;
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::io::{Read, Seek};
@@ -217,11 +218,15 @@ pub struct DecodeStats {
 /// instead, ranked among the stream's; where the timestamps cannot say it before decoding
 /// (missing, repeated, decode order going back, a frame the rank did not foresee), the clip is
 /// opened again and decoded whole, and `frame` is called again from `k = 0`.
+///
+/// Before each packet is decoded `cancel` is read: once it is set, decoding stops with
+/// [`VideoError::Cancelled`].
 pub fn decode<R: Read + Seek + Send + 'static>(
     mut open: impl FnMut() -> R,
     header: &VideoHeader,
     indices: &[u64],
     skipping: Skipping,
+    cancel: &Cancel,
     mut frame: impl FnMut(usize, Rgb) -> Result<(), VideoError>,
 ) -> Result<DecodeStats, VideoError> {
     debug_assert!(indices.windows(2).all(|w| w[0] <= w[1]));
@@ -229,12 +234,13 @@ pub fn decode<R: Read + Seek + Send + 'static>(
         return Ok(DecodeStats::default());
     }
     if skipping == Skipping::NonReference {
-        match run(open(), header, indices, true, &mut frame) {
+        match run(open(), header, indices, true, cancel, &mut frame) {
             // Any failure with frames left out is retried with none: the whole decode's own
             // answer (a frame, or the error that names what is wrong) is the one that counts.
             Ok(stats) => return Ok(stats),
+            Err(e @ VideoError::Cancelled { .. }) => return Err(e),
             Err(_) => {
-                let stats = run(open(), header, indices, false, &mut frame)?;
+                let stats = run(open(), header, indices, false, cancel, &mut frame)?;
                 return Ok(DecodeStats {
                     decoded_again: true,
                     ..stats
@@ -242,7 +248,7 @@ pub fn decode<R: Read + Seek + Send + 'static>(
             }
         }
     }
-    run(open(), header, indices, false, &mut frame)
+    run(open(), header, indices, false, cancel, &mut frame)
 }
 
 /// One pass over the stream; `skip` asks to leave non-reference frames out where the codec
@@ -252,6 +258,7 @@ fn run<R: Read + Seek + Send + 'static>(
     header: &VideoHeader,
     indices: &[u64],
     skip: bool,
+    cancel: &Cancel,
     frame: &mut impl FnMut(usize, Rgb) -> Result<(), VideoError>,
 ) -> Result<DecodeStats, VideoError> {
     let mut opened = open(reader)?;
@@ -285,6 +292,7 @@ fn run<R: Read + Seek + Send + 'static>(
         decoded: ff::frame::Video::empty(),
         order: skip.then(Order::default),
         last_rank: None,
+        cancel,
         frame,
     };
     let mut stats = DecodeStats::default();
@@ -453,6 +461,7 @@ struct Output<'a, F> {
     decoded: ff::frame::Video,
     order: Option<Order>,
     last_rank: Option<u64>,
+    cancel: &'a Cancel,
     frame: &'a mut F,
 }
 
@@ -462,6 +471,11 @@ impl<F: FnMut(usize, Rgb) -> Result<(), VideoError>> Output<'_, F> {
         decoder: &mut ff::decoder::Video,
         packet: &ff::Packet,
     ) -> Result<(), VideoError> {
+        if self.cancel.is_set() {
+            return Err(VideoError::Cancelled {
+                frames: self.number,
+            });
+        }
         decoder
             .send_packet(packet)
             .map_err(|e| corrupt(&format!("decoding frame {}", self.number), e))?;
@@ -661,6 +675,37 @@ mod tests {
     };
 
     #[test]
+    fn decoding_stops_within_one_frame_of_the_cancel() {
+        let header = probe(Cursor::new(CLIP.to_vec()), LIMITS).unwrap();
+        let open = || Cursor::new(CLIP.to_vec());
+        let cancel = Cancel::default();
+        let mut guard = Some(cancel.on_drop());
+        let mut taken = Vec::new();
+        let err = decode(
+            open,
+            &header,
+            &[0, 1, 29],
+            Skipping::NonReference,
+            &cancel,
+            |k, _| {
+                taken.push(k);
+                guard.take(); // the waiting side goes away once the first frame is out
+                Ok(())
+            },
+        )
+        .unwrap_err();
+        let VideoError::Cancelled { frames } = err else {
+            panic!("{err:?}")
+        };
+        // Frames the decoder already held come out with the first; no packet is decoded
+        // after the flag, so the sampled frame 29 is never reached.
+        assert!(
+            taken.len() < 3 && (1..29).contains(&frames),
+            "{taken:?} {frames}"
+        );
+    }
+
+    #[test]
     fn avi_is_read_as_mp4_is_and_other_containers_are_refused_unread() {
         let frames = [0, 14, 29];
         let (mp4, _) = decode_of(CLIP, &frames, Skipping::Off);
@@ -683,10 +728,17 @@ mod tests {
         let header = probe(Cursor::new(SIZE_CHANGE.to_vec()), LIMITS).unwrap();
         let open = || Cursor::new(SIZE_CHANGE.to_vec());
         let mut converted = 0;
-        let err = decode(open, &header, &[0, 9], Skipping::Off, |_, _| {
-            converted += 1;
-            Ok(())
-        })
+        let err = decode(
+            open,
+            &header,
+            &[0, 9],
+            Skipping::Off,
+            &Cancel::default(),
+            |_, _| {
+                converted += 1;
+                Ok(())
+            },
+        )
         .unwrap_err();
         assert!(
             matches!(&err, VideoError::Corrupt(m) if m.contains("the stream's header says")),
@@ -699,11 +751,18 @@ mod tests {
         let header = probe(Cursor::new(clip.to_vec()), LIMITS).unwrap();
         let mut got = Vec::new();
         let open = || Cursor::new(clip.to_vec());
-        let stats = decode(open, &header, indices, skipping, |k, rgb| {
-            got.truncate(k);
-            got.push(rgb);
-            Ok(())
-        })
+        let stats = decode(
+            open,
+            &header,
+            indices,
+            skipping,
+            &Cancel::default(),
+            |k, rgb| {
+                got.truncate(k);
+                got.push(rgb);
+                Ok(())
+            },
+        )
         .unwrap();
         assert_eq!(got.len(), indices.len());
         (got, stats)

@@ -34,4 +34,18 @@ pub enum VideoError {
         h: u32,
         max: u64,
     },
+    #[error(
+        "decoding its first {frames} frames of {w}x{h} (up to the last sampled) would bring the \
+         sample's work over what it has left of its budget, {max} pixel passes \
+         (max-sample-work); not decoded"
+    )]
+    OverWorkBudget {
+        frames: u64,
+        w: u32,
+        h: u32,
+        max: u64,
+    },
+    /// Nobody waits for the sample any more (see `crate::cancel`).
+    #[error("stopped after {frames} frames: its request went away")]
+    Cancelled { frames: u64 },
 }

@@ -10,6 +10,23 @@ use std::io::Cursor;
 pub struct DecodeLimits {
     pub max_side: u32,
     pub max_pixels: u64,
+    /// Pixel passes decoding may cost (see [`decode_passes`]).
+    pub max_work: u64,
+}
+
+/// What a sample's media have cost so far: the pixels they decode to, and the decoding work
+/// in pixel passes (a pixel decoded once is one).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Spent {
+    pub pixels: u64,
+    pub work: u64,
+}
+
+impl std::ops::AddAssign for Spent {
+    fn add_assign(&mut self, other: Spent) {
+        self.pixels += other.pixels;
+        self.work += other.work;
+    }
 }
 
 impl Default for DecodeLimits {
@@ -23,6 +40,7 @@ impl DecodeLimits {
         DecodeLimits {
             max_side: c.max_image_side,
             max_pixels: c.max_image_pixels,
+            max_work: c.max_sample_work,
         }
     }
 }
@@ -68,6 +86,7 @@ pub fn decode(bytes: &[u8], limits: DecodeLimits) -> Result<Rgb, ImageError> {
     let mut decoder = reader.into_decoder().map_err(classify)?;
     let (w, h) = decoder.dimensions();
     check_limits(w, h, limits)?;
+    check_work(w, h, 1, limits)?;
     let need = decoder.total_bytes();
     let max = limits.max_pixels * MAX_DECODED_BYTES_PER_PIXEL;
     if need > max {
@@ -95,9 +114,18 @@ pub struct ImageHeader {
     pub width: u32,
     pub height: u32,
     pub orientation: Option<image::metadata::Orientation>,
+    /// [`decode_passes`].
+    pub passes: u64,
 }
 
 impl ImageHeader {
+    /// Its limits checked (see [`check_limits`], [`check_work`]); what decoding it costs.
+    pub fn check(&self, limits: DecodeLimits) -> Result<Spent, ImageError> {
+        check_limits(self.width, self.height, limits)?;
+        check_work(self.width, self.height, self.passes, limits)?;
+        Ok(image_cost(self.width, self.height, self.passes))
+    }
+
     /// (height, width) once upright: what `decode` gives, so what smart_resize sees.
     pub fn upright(&self) -> (u32, u32) {
         use image::metadata::Orientation::*;
@@ -126,6 +154,7 @@ pub fn read_header(bytes: &[u8], complete: bool) -> Result<Option<ImageHeader>, 
             width,
             height,
             orientation: jpeg_orientation(bytes),
+            passes: decode_passes(bytes),
         })
     } else if complete || matches!(format, Png | Gif | Bmp) {
         match reader.into_decoder() {
@@ -136,6 +165,7 @@ pub fn read_header(bytes: &[u8], complete: bool) -> Result<Option<ImageHeader>, 
                     width,
                     height,
                     orientation,
+                    passes: 1,
                 })
             }
             Err(e) if complete => return Err(classify(e)),
@@ -150,13 +180,59 @@ pub fn read_header(bytes: &[u8], complete: bool) -> Result<Option<ImageHeader>, 
     }
 }
 
+/// A JPEG's start-of-frame segment: its marker (the coding process) and body.
+fn jpeg_frame(bytes: &[u8]) -> Option<(u8, &[u8])> {
+    let is_frame = |m: u8| (0xc0..=0xcf).contains(&m) && ![0xc4, 0xc8, 0xcc].contains(&m);
+    jpeg_segments(bytes).find(|(m, b)| is_frame(*m) && b.len() >= 5)
+}
+
 /// A JPEG's (width, height) from its start-of-frame segment.
 fn jpeg_frame_size(bytes: &[u8]) -> Option<(u32, u32)> {
-    let is_frame = |m: u8| (0xc0..=0xcf).contains(&m) && ![0xc4, 0xc8, 0xcc].contains(&m);
-    let (_, body) = jpeg_segments(bytes).find(|(m, b)| is_frame(*m) && b.len() >= 5)?;
+    let (_, body) = jpeg_frame(bytes)?;
     let height = u16::from_be_bytes([body[1], body[2]]);
     let width = u16::from_be_bytes([body[3], body[4]]);
     Some((width.into(), height.into()))
+}
+
+/// How many times decoding goes over an image's pixels: a progressive JPEG once per scan, up
+/// to [`MAX_JPEG_SCANS`] (the decoder's own limit, charged whole: libjpeg-turbo reports no
+/// progress), as is a JPEG whose frame header the segment walk does not find; any other
+/// image once (a sequential JPEG's scans each carry other components).
+pub fn decode_passes(bytes: &[u8]) -> u64 {
+    if !bytes.starts_with(&[0xff, 0xd8]) {
+        return 1;
+    }
+    match jpeg_frame(bytes).map(|(marker, _)| marker) {
+        Some(0xc2 | 0xc6 | 0xca | 0xce) | None => MAX_JPEG_SCANS as u64,
+        Some(_) => 1,
+    }
+}
+
+/// What decoding an image of `w`×`h` in `passes` passes costs.
+pub fn image_cost(w: u32, h: u32, passes: u64) -> Spent {
+    let pixels = u64::from(w) * u64::from(h);
+    Spent {
+        pixels,
+        work: pixels * passes,
+    }
+}
+
+/// An image of `w`×`h` decoded in `passes` passes, within `limits.max_work`.
+pub(crate) fn check_work(
+    w: u32,
+    h: u32,
+    passes: u64,
+    limits: DecodeLimits,
+) -> Result<(), ImageError> {
+    if image_cost(w, h, passes).work > limits.max_work {
+        return Err(ImageError::OverWorkBudget {
+            w,
+            h,
+            passes,
+            max: limits.max_work,
+        });
+    }
+    Ok(())
 }
 
 pub(crate) fn check_limits(w: u32, h: u32, limits: DecodeLimits) -> Result<(), ImageError> {
@@ -245,6 +321,7 @@ fn decompress_jpeg(bytes: &[u8], limits: DecodeLimits) -> Result<(u32, u32, Vec<
         let header = d.read_header(bytes).map_err(corrupt)?;
         let (w, h) = (header.width, header.height);
         check_limits(w as u32, h as u32, limits)?;
+        check_work(w as u32, h as u32, decode_passes(bytes), limits)?;
         let cmyk = matches!(header.colorspace, Colorspace::CMYK | Colorspace::YCCK);
         let format = if cmyk {
             PixelFormat::CMYK
