@@ -153,11 +153,16 @@ fn process_cpu_seconds(pid: u32) -> anyhow::Result<f64> {
 
 /// Peak resident memory of a process, in MiB.
 pub(super) fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
+    status_mib(pid, "VmHWM")
+}
+
+/// A memory figure (`VmRSS`, `VmHWM`, ...) of a process's `/proc/PID/status`, in MiB.
+pub(super) fn status_mib(pid: u32, field: &str) -> anyhow::Result<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let kb: f64 = status
         .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .ok_or_else(|| anyhow::anyhow!("no VmHWM"))?
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .ok_or_else(|| anyhow::anyhow!("no {field}"))?
         .trim()
         .trim_end_matches(" kB")
         .parse()?;

@@ -7,7 +7,7 @@
 //! as the test clips are); every case runs in this process, one after another, each with the
 //! peak resident memory reset before it (`/proc/self/clear_refs`).
 
-use super::bench::{peak_rss_mib, thread_cpu_seconds};
+use super::bench::{peak_rss_mib, status_mib, thread_cpu_seconds};
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -64,7 +64,7 @@ pub fn run(a: HostileArgs) -> anyhow::Result<()> {
         let (mut cpu, mut peak, mut outcome) = (Vec::new(), 0f64, String::new());
         for _ in 0..a.runs.max(1) {
             std::fs::write("/proc/self/clear_refs", "5")?; // resets VmHWM to the current RSS
-            let rss = rss_mib()?;
+            let rss = status_mib(std::process::id(), "VmRSS")?;
             let c0 = thread_cpu_seconds();
             outcome = match &case.medium {
                 Medium::Image(bytes) => {
@@ -121,18 +121,6 @@ pub fn run(a: HostileArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-fn rss_mib() -> anyhow::Result<f64> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    let kb: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .ok_or_else(|| anyhow::anyhow!("no VmRSS"))?
-        .trim()
-        .trim_end_matches(" kB")
-        .parse()?;
-    Ok(kb / 1024.0)
 }
 
 /// The inputs, made once.
