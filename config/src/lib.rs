@@ -18,6 +18,8 @@ pub const DEFAULT_MAX_IMAGE_PIXELS: u64 = 64 << 20;
 pub const DEFAULT_MAX_IMAGES_PER_SAMPLE: u32 = 64;
 pub const DEFAULT_MAX_SAMPLE_PIXELS: u64 = 256 << 20;
 pub const DEFAULT_MAX_OBJECT_BYTES: u64 = 64 << 20;
+/// 256 MiB: 64 photos of 4 MB, or a frame list of 768 frames (its most) of 300 KB.
+pub const DEFAULT_MAX_SAMPLE_BYTES: u64 = 256 << 20;
 pub const DEFAULT_MAX_LINE_BYTES: u64 = 4 << 20;
 pub const DEFAULT_MAX_TURNS: u32 = 512;
 pub const DEFAULT_MAX_VIDEO_FRAMES: u64 = 36_000;
@@ -292,6 +294,14 @@ pub struct Preprocessing {
     #[schemars(range(min = 1))]
     #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_OBJECT_BYTES))]
     pub max_object_bytes: u64,
+    /// Most bytes of one sample's images and frame lists' frames together, each object
+    /// counted once however often the sample names it; counted as the bytes arrive, so a
+    /// read stops at the budget (`sample_over_byte_budget`). Clips are read by ranges, a
+    /// block at a time, and are not counted.
+    #[serde(default = "default_max_sample_bytes")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_SAMPLE_BYTES))]
+    pub max_sample_bytes: u64,
     /// Longest JSONL line (one sample's text), in bytes; a longer one is skipped from the
     /// index's length without being read (`line_too_long`).
     #[serde(default = "default_max_line_bytes")]
@@ -349,6 +359,10 @@ fn default_max_object_bytes() -> u64 {
     DEFAULT_MAX_OBJECT_BYTES
 }
 
+fn default_max_sample_bytes() -> u64 {
+    DEFAULT_MAX_SAMPLE_BYTES
+}
+
 fn default_max_line_bytes() -> u64 {
     DEFAULT_MAX_LINE_BYTES
 }
@@ -374,6 +388,7 @@ impl Default for Preprocessing {
             max_images_per_sample: DEFAULT_MAX_IMAGES_PER_SAMPLE,
             max_sample_pixels: DEFAULT_MAX_SAMPLE_PIXELS,
             max_object_bytes: DEFAULT_MAX_OBJECT_BYTES,
+            max_sample_bytes: DEFAULT_MAX_SAMPLE_BYTES,
             max_line_bytes: DEFAULT_MAX_LINE_BYTES,
             max_turns: DEFAULT_MAX_TURNS,
             max_video_frames: DEFAULT_MAX_VIDEO_FRAMES,
@@ -804,6 +819,7 @@ impl Preprocessing {
         a.value("max-images-per-sample", self.max_images_per_sample);
         a.value("max-sample-pixels", self.max_sample_pixels);
         a.value("max-object-bytes", self.max_object_bytes);
+        a.value("max-sample-bytes", self.max_sample_bytes);
         a.value("max-line-bytes", self.max_line_bytes);
         a.value("max-turns", self.max_turns);
         a.value("max-video-frames", self.max_video_frames);
@@ -920,6 +936,7 @@ mod tests {
                 max_images_per_sample: 4,
                 max_sample_pixels: 1 << 26,
                 max_object_bytes: 1 << 22,
+                max_sample_bytes: 1 << 26,
                 max_line_bytes: 1 << 16,
                 max_turns: 12,
                 max_video_frames: 900,

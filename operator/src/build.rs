@@ -540,6 +540,7 @@ mod tests {
             max_images_per_sample: 8,
             max_sample_pixels: 1 << 27,
             max_object_bytes: 1 << 24,
+            max_sample_bytes: 1 << 27,
             max_line_bytes: 1 << 18,
             max_turns: 40,
             max_video_frames: 1800,

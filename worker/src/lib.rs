@@ -24,12 +24,14 @@ pub mod preprocess {
 pub mod alloc;
 pub(crate) mod assemble;
 pub mod batch;
+pub(crate) mod byte_budget;
 pub mod cancel;
 pub mod connection;
 pub(crate) mod failure;
 pub mod identity;
 pub mod limits;
 pub(crate) mod line_cache;
+pub(crate) mod media_check;
 pub mod metrics;
 pub mod open;
 pub(crate) mod pack;

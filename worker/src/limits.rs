@@ -21,6 +21,8 @@ pub struct SampleLimits {
     /// Decoded pixels of all the sample's images together.
     pub sample_pixels: u64,
     pub object_bytes: u64,
+    /// Bytes of a sample's images and frames together (`crate::byte_budget`).
+    pub sample_bytes: u64,
     pub line_bytes: u64,
     pub turns: u32,
     /// Frames a video's stream may hold.
@@ -73,6 +75,7 @@ impl SampleLimits {
             images: c.max_images_per_sample,
             sample_pixels: c.max_sample_pixels,
             object_bytes: c.max_object_bytes,
+            sample_bytes: c.max_sample_bytes,
             line_bytes: c.max_line_bytes,
             turns: c.max_turns,
             video_frames: c.max_video_frames,
@@ -174,6 +177,7 @@ mod tests {
             images: 2,
             sample_pixels: 600_000,
             object_bytes: 1 << 20,
+            sample_bytes: 1 << 21,
             line_bytes: 100,
             turns: 3,
             video_frames: 1000,

@@ -67,6 +67,7 @@ stoker_wire::label_set! {
         TooManyImages => "too_many_images",
         SampleTooLarge => "sample_too_large",
         SampleOverWorkBudget => "sample_over_work_budget",
+        SampleOverByteBudget => "sample_over_byte_budget",
     }
 }
 
