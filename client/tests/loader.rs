@@ -91,6 +91,7 @@ fn start_worker(f: &Fixture, seed: u64, store: StoreBehaviour) -> TestWorker {
                 max_inflight_samples: 64,
                 drain_timeout: Duration::from_secs(5),
                 links_per_rank: 0,
+                ..ServerConfig::default()
             },
         );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -18,6 +18,8 @@ pub const DEFAULT_MAX_IMAGE_PIXELS: u64 = 64 << 20;
 pub const DEFAULT_MAX_IMAGES_PER_SAMPLE: u32 = 64;
 pub const DEFAULT_MAX_SAMPLE_PIXELS: u64 = 256 << 20;
 pub const DEFAULT_MAX_OBJECT_BYTES: u64 = 64 << 20;
+/// 256 MiB: 64 photos of 4 MB, or a frame list of 768 frames (its most) of 300 KB.
+pub const DEFAULT_MAX_SAMPLE_BYTES: u64 = 256 << 20;
 pub const DEFAULT_MAX_LINE_BYTES: u64 = 4 << 20;
 pub const DEFAULT_MAX_TURNS: u32 = 512;
 pub const DEFAULT_MAX_VIDEO_FRAMES: u64 = 36_000;
@@ -32,6 +34,10 @@ pub const DEFAULT_MAX_INFLIGHT_PER_CONN: u32 = 8;
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 1024;
 pub const DEFAULT_LINKS_PER_RANK: u32 = 0;
 pub const DEFAULT_IDLE_TIMEOUT_S: u64 = 600;
+/// Bytes of samples being prepared and batches waiting to be sent, per worker.
+pub const DEFAULT_MAX_WORKER_BYTES: u64 = 2 << 30;
+/// How long a peer may take no bytes while an answer waits.
+pub const DEFAULT_SEND_TIMEOUT_S: u64 = 60;
 /// Bounds of the serving limits (the CRD schema, the worker's flags and the operator's check).
 pub const MAX_INFLIGHT_PER_CONN_LIMIT: u32 = 1024;
 pub const MAX_CONNECTIONS_LIMIT: u32 = 65_536;
@@ -292,6 +298,14 @@ pub struct Preprocessing {
     #[schemars(range(min = 1))]
     #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_OBJECT_BYTES))]
     pub max_object_bytes: u64,
+    /// Most bytes of one sample's images and frame lists' frames together, each object
+    /// counted once however often the sample names it; counted as the bytes arrive, so a
+    /// read stops at the budget (`sample_over_byte_budget`). Clips are read by ranges, a
+    /// block at a time, and are not counted.
+    #[serde(default = "default_max_sample_bytes")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_MAX_SAMPLE_BYTES))]
+    pub max_sample_bytes: u64,
     /// Longest JSONL line (one sample's text), in bytes; a longer one is skipped from the
     /// index's length without being read (`line_too_long`).
     #[serde(default = "default_max_line_bytes")]
@@ -349,6 +363,10 @@ fn default_max_object_bytes() -> u64 {
     DEFAULT_MAX_OBJECT_BYTES
 }
 
+fn default_max_sample_bytes() -> u64 {
+    DEFAULT_MAX_SAMPLE_BYTES
+}
+
 fn default_max_line_bytes() -> u64 {
     DEFAULT_MAX_LINE_BYTES
 }
@@ -374,6 +392,7 @@ impl Default for Preprocessing {
             max_images_per_sample: DEFAULT_MAX_IMAGES_PER_SAMPLE,
             max_sample_pixels: DEFAULT_MAX_SAMPLE_PIXELS,
             max_object_bytes: DEFAULT_MAX_OBJECT_BYTES,
+            max_sample_bytes: DEFAULT_MAX_SAMPLE_BYTES,
             max_line_bytes: DEFAULT_MAX_LINE_BYTES,
             max_turns: DEFAULT_MAX_TURNS,
             max_video_frames: DEFAULT_MAX_VIDEO_FRAMES,
@@ -615,6 +634,42 @@ pub struct ServingLimits {
         )
     )]
     pub idle_timeout_s: u64,
+    /// Bytes of samples being prepared and batches waiting to be sent, across connections
+    /// (fetched objects, decoded images, prepared pixels): a request starts only while the
+    /// worker holds less, and its connection less than its share (this over the connections
+    /// open plus one), so a rank that stops reading fills only its own share.
+    #[serde(default = "default_max_worker_bytes")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(
+        feature = "clap",
+        arg(
+            long,
+            default_value_t = DEFAULT_MAX_WORKER_BYTES,
+            value_parser = clap::value_parser!(u64).range(1..)
+        )
+    )]
+    pub max_worker_bytes: u64,
+    /// A connection whose peer takes no bytes for this many seconds while an answer waits is
+    /// closed and its answers dropped: a rank that stops reading gives back what it holds.
+    #[serde(default = "default_send_timeout_s")]
+    #[schemars(range(min = 1))]
+    #[cfg_attr(
+        feature = "clap",
+        arg(
+            long,
+            default_value_t = DEFAULT_SEND_TIMEOUT_S,
+            value_parser = clap::value_parser!(u64).range(1..)
+        )
+    )]
+    pub send_timeout_s: u64,
+}
+
+fn default_max_worker_bytes() -> u64 {
+    DEFAULT_MAX_WORKER_BYTES
+}
+
+fn default_send_timeout_s() -> u64 {
+    DEFAULT_SEND_TIMEOUT_S
 }
 
 fn default_max_inflight_per_conn() -> u32 {
@@ -636,6 +691,8 @@ impl Default for ServingLimits {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             links_per_rank: DEFAULT_LINKS_PER_RANK,
             idle_timeout_s: DEFAULT_IDLE_TIMEOUT_S,
+            max_worker_bytes: DEFAULT_MAX_WORKER_BYTES,
+            send_timeout_s: DEFAULT_SEND_TIMEOUT_S,
         }
     }
 }
@@ -673,6 +730,8 @@ impl ServingLimits {
             limit(LINKS_PER_RANK_LIMIT),
         );
         check("idleTimeoutS", self.idle_timeout_s, 1, None);
+        check("maxWorkerBytes", self.max_worker_bytes, 1, None);
+        check("sendTimeoutS", self.send_timeout_s, 1, None);
         out
     }
 }
@@ -695,8 +754,9 @@ pub struct Serving {
     pub no_auth: bool,
     #[cfg_attr(feature = "clap", command(flatten))]
     pub limits: ServingLimits,
-    /// Samples prepared or waiting to be sent at once, across connections: bounds the memory
-    /// batches take [default: 8 per preprocessing thread, at least 32].
+    /// Samples being prepared at once, across connections: with --max-worker-bytes, the
+    /// bound on the worker's memory [default: 8 per preprocessing thread, at least 32; a
+    /// value given is taken as it is].
     #[cfg_attr(feature = "clap", arg(long))]
     pub max_inflight_samples: Option<usize>,
     /// The pipeline this worker belongs to (the `pipeline` label of its metrics).
@@ -804,6 +864,7 @@ impl Preprocessing {
         a.value("max-images-per-sample", self.max_images_per_sample);
         a.value("max-sample-pixels", self.max_sample_pixels);
         a.value("max-object-bytes", self.max_object_bytes);
+        a.value("max-sample-bytes", self.max_sample_bytes);
         a.value("max-line-bytes", self.max_line_bytes);
         a.value("max-turns", self.max_turns);
         a.value("max-video-frames", self.max_video_frames);
@@ -846,10 +907,20 @@ impl ServingLimits {
         a.value("max-connections", self.max_connections);
         a.value("links-per-rank", self.links_per_rank);
         a.value("idle-timeout-s", self.idle_timeout_s);
+        a.value("max-worker-bytes", self.max_worker_bytes);
+        a.value("send-timeout-s", self.send_timeout_s);
     }
 }
 
 impl Serving {
+    /// Samples prepared at once on `cpu_threads` preprocessing threads: the flag's value as
+    /// given, else 8 a thread and at least 32.
+    pub fn inflight_samples(&self, cpu_threads: usize) -> usize {
+        (self.max_inflight_samples)
+            .unwrap_or((8 * cpu_threads).max(32))
+            .max(1)
+    }
+
     fn write_args(&self, a: &mut Args) {
         a.value("listen", &self.listen);
         a.value("metrics-listen", &self.metrics_listen);
@@ -920,6 +991,7 @@ mod tests {
                 max_images_per_sample: 4,
                 max_sample_pixels: 1 << 26,
                 max_object_bytes: 1 << 22,
+                max_sample_bytes: 1 << 26,
                 max_line_bytes: 1 << 16,
                 max_turns: 12,
                 max_video_frames: 900,
@@ -955,6 +1027,8 @@ mod tests {
                     max_connections: 5,
                     links_per_rank: 2,
                     idle_timeout_s: 9,
+                    max_worker_bytes: 11,
+                    send_timeout_s: 13,
                 },
                 max_inflight_samples: Some(99),
                 pipeline: "llava".into(),
@@ -1045,6 +1119,8 @@ mod tests {
         assert_eq!(bounds("linksPerRank"), (Some(0.0), Some(1024.0)));
         assert_eq!(bounds("maxInflightPerConn"), (Some(1.0), Some(1024.0)));
         assert_eq!(bounds("idleTimeoutS"), (Some(1.0), None));
+        assert_eq!(bounds("maxWorkerBytes"), (Some(1.0), None));
+        assert_eq!(bounds("sendTimeoutS"), (Some(1.0), None));
 
         let flag = |args: &[&str]| {
             let argv = ["stoker-worker", "--data", "x"].iter().chain(args);
@@ -1058,6 +1134,8 @@ mod tests {
             ["--links-per-rank", "1025"],
             ["--max-inflight-per-conn", "0"],
             ["--idle-timeout-s", "0"],
+            ["--max-worker-bytes", "0"],
+            ["--send-timeout-s", "0"],
         ] {
             let e = flag(&bad)
                 .err()
@@ -1071,6 +1149,8 @@ mod tests {
             max_connections: 70_000,
             links_per_rank: 2000,
             idle_timeout_s: 0,
+            max_worker_bytes: 0,
+            send_timeout_s: 0,
         };
         assert_eq!(
             wrong.problems(),
@@ -1079,6 +1159,8 @@ mod tests {
                 "serving.maxConnections 70000 is outside 1..=65536",
                 "serving.linksPerRank 2000 is outside 0..=1024",
                 "serving.idleTimeoutS 0 is below 1",
+                "serving.maxWorkerBytes 0 is below 1",
+                "serving.sendTimeoutS 0 is below 1",
             ]
         );
     }

@@ -540,6 +540,7 @@ mod tests {
             max_images_per_sample: 8,
             max_sample_pixels: 1 << 27,
             max_object_bytes: 1 << 24,
+            max_sample_bytes: 1 << 27,
             max_line_bytes: 1 << 18,
             max_turns: 40,
             max_video_frames: 1800,
@@ -551,6 +552,8 @@ mod tests {
             max_connections: 4096,
             links_per_rank: 2,
             idle_timeout_s: 120,
+            max_worker_bytes: 3 << 30,
+            send_timeout_s: 45,
         };
         let d = deployment(&valid(&dp), 1);
         let args = pod(&d).containers[0].args.clone().unwrap();
@@ -561,6 +564,8 @@ mod tests {
             "--max-connections 4096",
             "--links-per-rank 2",
             "--idle-timeout-s 120",
+            "--max-worker-bytes 3221225472",
+            "--send-timeout-s 45",
         ] {
             assert!(joined.contains(want), "{want:?} not in {joined}");
         }

@@ -44,10 +44,20 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
             max_inflight_per_conn: a.limits.max_inflight_per_conn as usize,
             max_connections: a.limits.max_connections as usize,
             idle_timeout: Duration::from_secs(a.limits.idle_timeout_s),
-            max_inflight_samples: a.max_inflight_samples.unwrap_or(8 * cpu_threads).max(32),
+            max_inflight_samples: a.inflight_samples(cpu_threads),
+            max_worker_bytes: a.limits.max_worker_bytes,
+            send_timeout: Duration::from_secs(a.limits.send_timeout_s),
             drain_timeout: Duration::from_secs(a.drain_timeout_s),
             links_per_rank: a.limits.links_per_rank,
         },
+    );
+    let (budget, samples) = (a.limits.max_worker_bytes, server.max_inflight_samples());
+    let per_sample = server.pipeline.peak_sample_bytes();
+    tracing::info!(
+        "memory: at most {budget} bytes of samples and batches (--max-worker-bytes), past it \
+         at most {samples} samples in preparation of {per_sample} bytes each: {} bytes of \
+         data in all (docs/reliability.md)",
+        budget.saturating_add((samples as u64).saturating_mul(per_sample))
     );
     let listener = tokio::net::TcpListener::bind(&a.listen).await?;
     tracing::info!(

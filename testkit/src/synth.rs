@@ -333,6 +333,19 @@ fn write_shard(
 
 /// Writes the dataset under `out`, shards in parallel on all cores, calling `on_sample` once
 /// per sample written. The output depends only on the options (each shard has its own RNG).
+/// A PNG of `side`² pixels of noise: about 3 bytes a pixel, as nothing compresses (an object
+/// of a chosen size, for byte budgets).
+pub fn noise_png(side: u32, seed: u64) -> Vec<u8> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut rgb = vec![0u8; side as usize * side as usize * 3];
+    rng.fill(&mut rgb[..]);
+    let img = image::RgbImage::from_raw(side, side, rgb).expect("side² pixels");
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png)
+        .expect("a PNG in memory");
+    out.into_inner()
+}
+
 pub fn generate(out: &Path, o: &SynthOptions, on_sample: &(dyn Fn() + Sync)) -> anyhow::Result<()> {
     std::fs::create_dir_all(out.join("images"))?;
     let per_shard = o.samples_per_shard.max(1);

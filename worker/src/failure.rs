@@ -59,6 +59,7 @@ impl Cause {
             Cause::Fetch(FetchError::NotFound(_)) => K::ObjectMissing,
             Cause::Fetch(FetchError::Io(..)) => K::ObjectStore,
             Cause::Fetch(FetchError::TooLarge { .. }) => K::ObjectTooLarge,
+            Cause::Fetch(FetchError::OverByteBudget { .. }) => K::SampleOverByteBudget,
             Cause::Sample(SampleError::NotUtf8(_)) => K::NotUtf8,
             Cause::Sample(SampleError::Json(_)) => K::InvalidJson,
             Cause::Sample(SampleError::Schema(_) | SampleError::UnknownFormat(_)) => {

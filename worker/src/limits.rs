@@ -9,7 +9,7 @@ use crate::dataset::sample::Conversation;
 use crate::metrics::SampleErrorKind;
 use crate::preprocess::video::VideoBudget;
 use crate::preprocess::video_decode::VideoLimits;
-use crate::preprocess::vision::{DecodeLimits, ImageError, Spent};
+use crate::preprocess::vision::{DecodeLimits, ImageError, Spent, MAX_DECODED_BYTES_PER_PIXEL};
 use serde::Serialize;
 use stoker_config::Preprocessing;
 
@@ -21,6 +21,8 @@ pub struct SampleLimits {
     /// Decoded pixels of all the sample's images together.
     pub sample_pixels: u64,
     pub object_bytes: u64,
+    /// Bytes of a sample's images and frames together (`crate::byte_budget`).
+    pub sample_bytes: u64,
     pub line_bytes: u64,
     pub turns: u32,
     /// Frames a video's stream may hold.
@@ -73,6 +75,7 @@ impl SampleLimits {
             images: c.max_images_per_sample,
             sample_pixels: c.max_sample_pixels,
             object_bytes: c.max_object_bytes,
+            sample_bytes: c.max_sample_bytes,
             line_bytes: c.max_line_bytes,
             turns: c.max_turns,
             video_frames: c.max_video_frames,
@@ -97,6 +100,29 @@ impl SampleLimits {
     /// The sample's pixels left when it has `spent` so much.
     pub fn pixels_left(&self, spent: Spent) -> u64 {
         self.sample_pixels.saturating_sub(spent.pixels)
+    }
+
+    /// The most bytes one sample may hold while it is prepared (docs/reliability.md, "What a
+    /// worker holds"): its line and parsed conversation, its images and frames as read, one
+    /// image or clip frame being decoded at the decoder's widest layout, a frame list's frames
+    /// decoded together (they count toward `sample_pixels`), its prepared pixels (each image
+    /// resized to at most `max_pixels` and doubled in time, a video's within
+    /// `sample_pixels`) at `value_bytes` a value, and a clip's read block.
+    pub fn peak_sample_bytes(&self, max_pixels: u64, value_bytes: u64) -> u64 {
+        let s = self.sample_pixels;
+        let images = u64::from(self.images);
+        let prepared = (3 * value_bytes)
+            .saturating_mul((2 * images).saturating_mul(max_pixels).saturating_add(s));
+        [
+            2 * self.line_bytes,
+            self.sample_bytes,
+            MAX_DECODED_BYTES_PER_PIXEL.saturating_mul(self.decode.max_pixels),
+            3 * s,
+            prepared,
+            crate::range_reader::BLOCK_BYTES,
+        ]
+        .into_iter()
+        .fold(0, u64::saturating_add)
     }
 
     /// Before the line is fetched: its length is in the index.
@@ -174,6 +200,7 @@ mod tests {
             images: 2,
             sample_pixels: 600_000,
             object_bytes: 1 << 20,
+            sample_bytes: 1 << 21,
             line_bytes: 100,
             turns: 3,
             video_frames: 1000,

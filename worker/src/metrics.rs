@@ -28,6 +28,8 @@ pub struct Metrics {
     pub requests_in_flight: IntGauge,
     pub connections: IntGauge,
     pub fetches_in_flight: IntGauge,
+    /// Bytes of samples being prepared and batches waiting to be sent (crate::memory).
+    pub memory_held_bytes: IntGauge,
     /// Work waiting for a bounded resource: "fetch" (object-store slots), "cpu" (pool).
     pub queue_depth: IntGaugeVec,
     pub dataset_samples: IntGauge,
@@ -67,6 +69,7 @@ stoker_wire::label_set! {
         TooManyImages => "too_many_images",
         SampleTooLarge => "sample_too_large",
         SampleOverWorkBudget => "sample_over_work_budget",
+        SampleOverByteBudget => "sample_over_byte_budget",
     }
 }
 
@@ -112,6 +115,7 @@ stoker_wire::label_set! {
         Version => "version",
         ConnectionLimit => "connection_limit",
         Idle => "idle",
+        Stalled => "stalled",
     }
 }
 
@@ -210,6 +214,10 @@ impl Metrics {
                 "stoker_worker_object_fetches_in_flight",
                 "Object-store reads in progress.",
             ),
+            memory_held_bytes: gauge(
+                "stoker_worker_memory_held_bytes",
+                "Bytes of samples being prepared and batches waiting to be sent.",
+            ),
             queue_depth: IntGaugeVec::new(
                 Opts::new(
                     "stoker_worker_queue_depth",
@@ -262,6 +270,7 @@ impl Metrics {
             &m.requests_in_flight,
             &m.connections,
             &m.fetches_in_flight,
+            &m.memory_held_bytes,
             &m.dataset_samples,
             &m.dataset_bad_lines,
         ] {

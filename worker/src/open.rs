@@ -115,15 +115,19 @@ pub async fn open_pipeline(
     let datasets = open_datasets(cfg).await?;
     let text = crate::tokenizer_source::text_processor(&cfg.preprocessing, &cfg.s3).await?;
     let c = &cfg.concurrency;
+    let cpu_threads = c
+        .cpu_threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
+    // A request's samples are prepared side by side, never more than the worker prepares at
+    // once (its memory bound counts on it).
+    let inflight = cfg.serving.inflight_samples(cpu_threads);
     let config = PipelineConfig {
         preset: Preset::from_config(&cfg.preprocessing),
         limits: SampleLimits::from_config(&cfg.preprocessing),
         on_error: cfg.sampling.on_error,
         max_fetches: c.max_fetches,
-        cpu_threads: c
-            .cpu_threads
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
-        sample_parallelism: c.sample_parallelism.unwrap_or(usize::MAX),
+        cpu_threads,
+        sample_parallelism: c.sample_parallelism.unwrap_or(usize::MAX).min(inflight),
         line_cache_bytes: c.line_cache_mib << 20,
         keep_decoded_frames: false,
     };

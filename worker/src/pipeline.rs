@@ -6,12 +6,15 @@
 //! concurrently, so a slow object delays only its own batch, never other requests.
 
 use crate::batch::PreparedSample;
+use crate::byte_budget::ByteBudget;
 use crate::cancel::Cancel;
 use crate::dataset::index::{DatasetIndex, Shard};
 use crate::dataset::sample::{Conversation, Media, VideoPart, VideoSource};
 use crate::failure::{image_cause, on_blocking_pool, video_cause, Cause};
 use crate::limits::SampleLimits;
 use crate::line_cache::{LineCache, Lookup};
+use crate::media_check::MediaCheck;
+use crate::memory::{self, Account, Charge};
 use crate::metrics::{GaugeGuard, LineCacheResult, Metrics, Queue, SampleErrorKind, Stage};
 use crate::plan::Plan;
 use crate::preprocess::preset::{PixelDtype, Preset};
@@ -19,12 +22,13 @@ use crate::preprocess::text::{MediaTokens, TextProcessor};
 use crate::preprocess::video;
 use crate::preprocess::video_error::VideoError;
 use crate::preprocess::vision::{
-    decode, decode_passes, image_cost, normalization_table, process_image, read_header,
-    video_normalization_table, ImageError, ImageHeader, ImageTimings, PixelLut, Spent,
+    self, normalization_table, process_image, read_header, video_normalization_table, DecodeLimits,
+    ImageError, ImageHeader, ImageTimings, PixelLut, Spent,
 };
 use crate::range_reader::{FetchRange, RangeReader};
 use crate::source::{FetchError, MediaRoot, PathError, ReadCap, Store};
 use futures::FutureExt;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use stoker_wire::DType;
@@ -73,6 +77,17 @@ enum Fetched {
     Image(String, bytes::Bytes),
     Clip(String, u64, VideoPart),
     Frames(Vec<(String, bytes::Bytes)>, VideoPart),
+}
+
+/// A medium checked from its header, not yet decoded (a clip is: its tokens need it).
+enum Checked {
+    Image(String, bytes::Bytes, ImageHeader, DecodeLimits),
+    Frames(
+        Vec<(String, bytes::Bytes, ImageHeader, DecodeLimits)>,
+        VideoPart,
+        u64,
+    ),
+    Clip(video::VideoOut),
 }
 
 #[derive(Debug, Clone)]
@@ -187,6 +202,14 @@ impl Pipeline {
 
     /// The `pixel_lut` tensor's bytes (`[3, 256]` float32) when pixels go out as u8: what
     /// the rank needs to normalize them exactly as this worker would have.
+    /// The most bytes one sample may hold while it is prepared
+    /// ([`SampleLimits::peak_sample_bytes`]).
+    pub fn peak_sample_bytes(&self) -> u64 {
+        let preset = &self.config.preset;
+        let value_bytes = self.pixel_dtype().size() as u64;
+        (self.config.limits).peak_sample_bytes(preset.max_pixels, value_bytes)
+    }
+
     pub fn pixel_lut(&self) -> Option<&[u8]> {
         self.pixel_lut.as_deref()
     }
@@ -204,11 +227,13 @@ impl Pipeline {
             .unwrap_or((&self.store, key))
     }
 
-    /// Reads a sample's line (`range`) or a whole image, at most `max_object_bytes` of it.
+    /// Reads a sample's line (`range`) or a whole image, at most `max_object_bytes` of it;
+    /// a whole one is also taken from `sample_bytes` as it arrives.
     async fn fetch(
         &self,
         key: &str,
         range: Option<(u64, u64)>,
+        sample_bytes: Option<&ByteBudget>,
     ) -> Result<bytes::Bytes, FetchError> {
         let (store, key) = self.store_for(key);
         let queued = self.metrics.queued(Queue::Fetch);
@@ -223,7 +248,10 @@ impl Pipeline {
                     bytes: self.config.limits.object_bytes,
                     name: "max-object-bytes",
                 };
-                store.get_at_most(key, cap).await
+                match sample_bytes {
+                    Some(b) => store.get_within(key, cap, b, "max-sample-bytes").await,
+                    None => store.get_at_most(key, cap).await,
+                }
             }
         };
         self.metrics.observe_stage(Stage::Fetch, t.elapsed());
@@ -293,11 +321,11 @@ impl Pipeline {
         len: u64,
     ) -> Result<bytes::Bytes, FetchError> {
         if !self.line_cache.covers(offset, len) {
-            return self.fetch(&shard.key, Some((offset, len))).await;
+            return self.fetch(&shard.key, Some((offset, len)), None).await;
         }
         let read_block = |start, len| {
             let (this, key) = (self.clone(), shard.key.clone());
-            async move { this.fetch(&key, Some((start, len))).await }.boxed()
+            async move { this.fetch(&key, Some((start, len)), None).await }.boxed()
         };
         let (line, lookup) = self
             .line_cache
@@ -339,33 +367,83 @@ impl Pipeline {
         Ok((conv, keys))
     }
 
-    /// Every object of a sample's media, read concurrently.
-    async fn fetch_media(&self, keys: Vec<MediaKey>) -> Result<Vec<Fetched>, Cause> {
-        let whole = |k: String| async move {
-            let r = self.fetch(&k, None).await;
-            r.map(|b| (k, b))
+    /// Every object of a sample's media, read concurrently and once however often the
+    /// sample names it, its images and frames within the sample's byte budget; and the bytes
+    /// read.
+    async fn fetch_media(&self, keys: Vec<MediaKey>) -> Result<(Vec<Fetched>, u64), Cause> {
+        let budget = ByteBudget::new(self.config.limits.sample_bytes);
+        let mut whole: Vec<&str> = Vec::new();
+        for m in &keys {
+            match m {
+                MediaKey::Image(k) => whole.push(k),
+                MediaKey::Frames(ks, _) => whole.extend(ks.iter().map(String::as_str)),
+                MediaKey::Clip(..) => {}
+            }
+        }
+        let mut seen = HashSet::new();
+        whole.retain(|k| seen.insert(*k));
+        let clips = keys.iter().filter_map(|m| match m {
+            MediaKey::Clip(k, _) => Some(k.as_str()),
+            _ => None,
+        });
+        let (read, sizes) = futures::future::join(
+            futures::future::join_all(whole.iter().map(|k| self.fetch(k, None, Some(&budget)))),
+            futures::future::join_all(clips.map(|k| self.clip_size(k))),
+        )
+        .await;
+        let mut failures = Vec::new();
+        let mut objects: HashMap<String, bytes::Bytes> = HashMap::new();
+        for (k, r) in whole.into_iter().zip(read) {
+            match r {
+                Ok(b) => drop(objects.insert(k.to_owned(), b)),
+                Err(e) => failures.push(e),
+            }
+        }
+        let mut clip_sizes = Vec::new();
+        for r in sizes {
+            match r {
+                Ok(size) => clip_sizes.push(size),
+                Err(e) => failures.push(e),
+            }
+        }
+        // The store's failure first (asked again: a read that failed may have held budget
+        // another was refused), then going over the budget (which does not depend on which
+        // read went over), then the first other: images and frames in the sample's order,
+        // then clips.
+        let rank = |e: &FetchError| match e {
+            FetchError::Io(..) => 0,
+            FetchError::OverByteBudget { .. } => 1,
+            _ => 2,
         };
-        let fetches = keys.into_iter().map(|m| async move {
-            Ok::<_, FetchError>(match m {
+        if let Some(first) = failures.into_iter().min_by_key(rank) {
+            return Err(first.into());
+        }
+        let read: u64 = objects.values().map(|b| b.len() as u64).sum();
+        let object = |k: &String| objects[k.as_str()].clone();
+        let mut clip_sizes = clip_sizes.into_iter();
+        let media = keys
+            .into_iter()
+            .map(|m| match m {
                 MediaKey::Image(k) => {
-                    let (k, b) = whole(k).await?;
+                    let b = object(&k);
                     Fetched::Image(k, b)
                 }
                 MediaKey::Clip(k, part) => {
-                    let size = self.clip_size(&k).await?;
+                    let size = clip_sizes.next().expect("one size per clip");
                     Fetched::Clip(k, size, part)
                 }
-                MediaKey::Frames(ks, part) => {
-                    let frames = futures::future::join_all(ks.into_iter().map(whole)).await;
-                    Fetched::Frames(frames.into_iter().collect::<Result<_, _>>()?, part)
-                }
+                MediaKey::Frames(ks, part) => Fetched::Frames(
+                    ks.into_iter()
+                        .map(|k| {
+                            let b = object(&k);
+                            (k, b)
+                        })
+                        .collect(),
+                    part,
+                ),
             })
-        });
-        let mut out = Vec::new();
-        for r in futures::future::join_all(fetches).await {
-            out.push(r?);
-        }
-        Ok(out)
+            .collect();
+        Ok((media, read))
     }
 
     async fn prepare(
@@ -375,7 +453,9 @@ impl Pipeline {
         line: (u64, u64),
     ) -> Result<PreparedSample, Cause> {
         let (conv, keys) = self.read_sample(shard, line).await?;
-        let media = self.fetch_media(keys).await?;
+        let (media, read) = self.fetch_media(keys).await?;
+        let account = memory::current();
+        let fetched = Charge::on(account.as_ref(), read);
 
         let queued = self.metrics.queued(Queue::Cpu);
         let permit = self
@@ -392,7 +472,8 @@ impl Pipeline {
         let this = self.clone();
         on_blocking_pool(move || {
             let _permit = permit;
-            let prepared = this.preprocess(sample_id, conv, media, &cancel);
+            let prepared = this.preprocess(sample_id, conv, media, &cancel, account.as_ref());
+            drop(fetched);
             if prepared.is_err() && cancel.is_set() {
                 // Counted here: nobody is left to count the sample's failure.
                 let stopped = SampleErrorKind::Cancelled.as_str();
@@ -406,22 +487,30 @@ impl Pipeline {
         .await
     }
 
-    /// The CPU part: decode/resize/patchify every image and video, then tokenize.
+    /// The CPU part: every image and video checked from its header (a clip decoded: its
+    /// tokens need its container), the text tokenized and truncated, then the images and
+    /// frame lists it keeps decoded, resized and patchified. What it decodes and prepares is
+    /// charged to `account` (the prepared pixels kept until the batch is sent).
     fn preprocess(
         self: &Arc<Self>,
         sample_id: u64,
         conv: Conversation,
         media: Vec<Fetched>,
         cancel: &Cancel,
+        account: Option<&Arc<Account>>,
     ) -> Result<PreparedSample, Cause> {
+        let keep = |pixels: &vision::PixelBuf| {
+            if let Some(a) = account {
+                a.keep(pixels.as_bytes().len() as u64);
+            }
+        };
         let preset = &self.config.preset;
         let limits = &self.config.limits;
         let mut timings = ImageTimings::default();
-        let mut images = Vec::new();
-        let mut videos = Vec::new();
         let mut tokens = Vec::with_capacity(media.len());
-        let mut spent = Spent::default();
-        let keep = self.config.keep_decoded_frames;
+        let mut checked = Vec::with_capacity(media.len());
+        let mut check = MediaCheck::new(preset, limits);
+        let keep_frames = self.config.keep_decoded_frames;
         let go_on = || match cancel.is_set() {
             true => Err(Cause::Cancelled),
             false => Ok(()),
@@ -430,69 +519,95 @@ impl Pipeline {
             go_on()?;
             match m {
                 Fetched::Image(key, bytes) => {
-                    let decode = limits.next_image(spent);
-                    let out = process_image(&bytes, preset, &self.lut, decode, &mut timings)
-                        .map_err(|err| image_cause(limits, &key, err))?;
-                    let (h, w) = out.original;
-                    spent += image_cost(w, h, decode_passes(&bytes));
-                    tokens.push(MediaTokens::Image(preset.image_tokens(out.resized)));
-                    images.push(out);
+                    let header = whole_header(&key, &bytes)?;
+                    let (decode, t) = check.image(&key, &header)?;
+                    tokens.push(t);
+                    checked.push(Checked::Image(key, bytes, header, decode));
                 }
                 Fetched::Clip(key, size, part) => {
                     let t = Instant::now();
-                    let budget = limits.next_video(spent);
+                    let budget = check.next_clip();
                     let lut = &self.video_lut;
                     let failure = Arc::default();
                     let open = || self.clip_reader(&key, size, &failure);
-                    let out = video::process_clip(open, &part, preset, lut, budget, keep, cancel)
-                        .map_err(|e| clip_cause(&key, e, &failure))?;
+                    let out =
+                        video::process_clip(open, &part, preset, lut, budget, keep_frames, cancel)
+                            .map_err(|e| clip_cause(&key, e, &failure))?;
+                    keep(&out.pixels);
                     timings.decode += t.elapsed();
-                    spent += Spent {
+                    check.spend(Spent {
                         pixels: out.rows as u64
                             * u64::from(preset.patch_size.pow(2))
                             * u64::from(preset.temporal_patch_size),
                         work: out.work,
-                    };
+                    });
                     tokens.push(MediaTokens::Video(out.tokens(preset)));
-                    videos.push(out);
+                    checked.push(Checked::Clip(out));
                 }
                 Fetched::Frames(frames, part) => {
-                    let first = frames.first().map(|f| f.0.clone()).unwrap_or_default();
-                    let mut decoded = Vec::with_capacity(frames.len());
+                    let mut size = None;
+                    let mut listed = Vec::with_capacity(frames.len());
                     for (key, bytes) in frames {
+                        let header = whole_header(&key, &bytes)?;
+                        let decode = check.frame(&key, &header, &mut size)?;
+                        listed.push((key, bytes, header, decode));
+                    }
+                    let upright = size.expect("a frame list holds frames");
+                    let (t, left) = check.frame_list(&listed[0].0, listed.len(), upright, &part)?;
+                    tokens.push(t);
+                    checked.push(Checked::Frames(listed, part, left));
+                }
+            }
+        }
+        go_on()?;
+        let t = Instant::now();
+        let tok = self.text.tokenize(&conv, &tokens)?;
+        self.metrics.observe_stage(Stage::Tokenize, t.elapsed());
+        // What the truncation keeps is decoded; the rest never is.
+        let mut images = Vec::with_capacity(tok.kept_images);
+        let mut videos = Vec::with_capacity(tok.kept_videos);
+        for c in checked {
+            match c {
+                Checked::Image(key, bytes, header, decode) if images.len() < tok.kept_images => {
+                    go_on()?;
+                    let decoding = Charge::on(account, decoded_bytes(&header));
+                    let out = process_image(&bytes, preset, &self.lut, decode, &mut timings)
+                        .map_err(|err| image_cause(limits, &key, err))?;
+                    drop(decoding);
+                    as_its_header_says(&key, &header, out.original)?;
+                    keep(&out.pixels);
+                    images.push(out);
+                }
+                Checked::Frames(listed, part, left) if videos.len() < tok.kept_videos => {
+                    let first = listed[0].0.clone();
+                    let mut decoded = Vec::with_capacity(listed.len());
+                    let mut decoding = Vec::with_capacity(listed.len());
+                    for (key, bytes, header, decode) in listed {
                         go_on()?;
-                        let limit = limits.next_image(spent);
-                        let rgb =
-                            decode(&bytes, limit).map_err(|err| image_cause(limits, &key, err))?;
-                        let (w, h) = (rgb.width as u32, rgb.height as u32);
-                        spent += image_cost(w, h, decode_passes(&bytes));
+                        decoding.push(Charge::on(account, decoded_bytes(&header)));
+                        let t = Instant::now();
+                        let rgb = vision::decode(&bytes, decode)
+                            .map_err(|err| image_cause(limits, &key, err))?;
+                        timings.decode += t.elapsed();
+                        as_its_header_says(&key, &header, (rgb.height as u32, rgb.width as u32))?;
                         decoded.push(rgb);
                     }
-                    let left = limits.pixels_left(spent);
-                    let out = video::process_frame_list(
-                        decoded,
-                        &part,
-                        preset,
-                        &self.video_lut,
-                        left,
-                        keep,
-                    )
-                    .map_err(|e| video_cause(&first, e))?;
-                    tokens.push(MediaTokens::Video(out.tokens(preset)));
+                    let lut = &self.video_lut;
+                    let out =
+                        video::process_frame_list(decoded, &part, preset, lut, left, keep_frames)
+                            .map_err(|e| video_cause(&first, e))?;
+                    drop(decoding);
+                    keep(&out.pixels);
                     videos.push(out);
                 }
+                Checked::Clip(out) if videos.len() < tok.kept_videos => videos.push(out),
+                Checked::Image(..) | Checked::Frames(..) | Checked::Clip(_) => {}
             }
         }
         if !tokens.is_empty() {
             self.metrics.observe_stage(Stage::Decode, timings.decode);
             self.metrics.observe_stage(Stage::Resize, timings.resize);
         }
-        go_on()?;
-        let t = Instant::now();
-        let tok = self.text.tokenize(&conv, &tokens)?;
-        self.metrics.observe_stage(Stage::Tokenize, t.elapsed());
-        images.truncate(tok.kept_images);
-        videos.truncate(tok.kept_videos);
         Ok(PreparedSample {
             sample_id,
             input_ids: tok.input_ids,
@@ -510,22 +625,18 @@ impl Pipeline {
         line: (u64, u64),
     ) -> Result<SampleShape, Cause> {
         let (conv, keys) = self.read_sample(shard, line).await?;
-        let (preset, limits) = (&self.config.preset, &self.config.limits);
         let mut tokens = Vec::with_capacity(keys.len());
-        let mut spent = Spent::default();
+        let mut check = MediaCheck::new(&self.config.preset, &self.config.limits);
         for m in keys {
             match m {
                 MediaKey::Image(key) => {
                     let header = self.image_header(&key).await?;
-                    let refused = |err| image_cause(limits, &key, err);
-                    spent += header.check(limits.next_image(spent)).map_err(refused)?;
-                    let resized = preset.resized(header.upright()).map_err(refused)?;
-                    tokens.push(MediaTokens::Image(preset.image_tokens(resized)));
+                    tokens.push(check.image(&key, &header)?.1);
                 }
                 MediaKey::Clip(key, part) => {
                     // Only what the container's header needs is read (never a frame decoded).
                     let size = self.clip_size(&key).await?;
-                    let budget = limits.next_video(spent);
+                    let budget = check.next_clip();
                     let this = self.clone();
                     let (t, cost) = on_blocking_pool(move || {
                         let failure = Arc::default();
@@ -534,25 +645,17 @@ impl Pipeline {
                             .map_err(|e| clip_cause(&key, e, &failure))
                     })
                     .await?;
-                    spent += cost;
+                    check.spend(cost);
                     tokens.push(MediaTokens::Video(t));
                 }
                 MediaKey::Frames(keys, part) => {
                     let mut size = None;
                     for key in &keys {
                         let header = self.image_header(key).await?;
-                        let refused = |err| image_cause(limits, key, err);
-                        spent += header.check(limits.next_image(spent)).map_err(refused)?;
-                        let first = *size.get_or_insert(header.upright());
-                        video::same_size(key, header.upright(), first)
-                            .map_err(|e| video_cause(key, e))?;
+                        check.frame(key, &header, &mut size)?;
                     }
                     let upright = size.expect("a frame list holds frames");
-                    let left = limits.pixels_left(spent);
-                    let (t, _) =
-                        video::measure_frame_list(keys.len(), upright, &part, preset, left)
-                            .map_err(|e| video_cause(&keys[0], e))?;
-                    tokens.push(MediaTokens::Video(t));
+                    tokens.push(check.frame_list(&keys[0], keys.len(), upright, &part)?.0);
                 }
             }
         }
@@ -599,8 +702,9 @@ impl Pipeline {
     ) -> RangeReader {
         let (this, key) = (self.clone(), key.to_string());
         let runtime = tokio::runtime::Handle::current();
-        let fetch: FetchRange =
-            Box::new(move |start, len| runtime.block_on(this.fetch(&key, Some((start, len)))));
+        let fetch: FetchRange = Box::new(move |start, len| {
+            runtime.block_on(this.fetch(&key, Some((start, len)), None))
+        });
         RangeReader::new(size, fetch, failure.clone())
     }
 
@@ -610,14 +714,46 @@ impl Pipeline {
             key: key.to_string(),
             err,
         };
-        let prefix = self.fetch(key, Some((0, HEADER_PREFIX))).await?;
+        let prefix = self.fetch(key, Some((0, HEADER_PREFIX)), None).await?;
         let complete = (prefix.len() as u64) < HEADER_PREFIX;
         if let Some(h) = read_header(&prefix, complete).map_err(image_error)? {
             return Ok(h);
         }
-        let whole = self.fetch(key, None).await?;
-        read_header(&whole, true)
-            .map_err(image_error)?
-            .ok_or_else(|| image_error(ImageError::Corrupt("no image header".into())))
+        let whole = self.fetch(key, None, None).await?;
+        whole_header(key, &whole)
+    }
+}
+
+/// An image's or frame's header from its whole bytes.
+/// An image decoded to 8-bit RGB, as the sample holds it until it is resized.
+fn decoded_bytes(header: &ImageHeader) -> u64 {
+    u64::from(header.width) * u64::from(header.height) * 3
+}
+
+fn whole_header(key: &str, bytes: &[u8]) -> Result<ImageHeader, Cause> {
+    let image_error = |err| Cause::Image {
+        key: key.to_string(),
+        err,
+    };
+    read_header(bytes, true)
+        .map_err(image_error)?
+        .ok_or_else(|| image_error(ImageError::Corrupt("no image header".into())))
+}
+
+/// A decoded image's (height, width) is the one its header gave, from which its tokens were
+/// counted: otherwise the batch would not add up.
+fn as_its_header_says(key: &str, header: &ImageHeader, decoded: (u32, u32)) -> Result<(), Cause> {
+    match decoded == header.upright() {
+        true => Ok(()),
+        false => Err(Cause::Image {
+            key: key.to_string(),
+            err: ImageError::Corrupt(format!(
+                "it decodes to {}x{} (HxW), its header says {}x{}",
+                decoded.0,
+                decoded.1,
+                header.upright().0,
+                header.upright().1
+            )),
+        }),
     }
 }

@@ -7,21 +7,21 @@
 //! are prepared at once and up to [`READ_AHEAD`] more wait for a slot; beyond that the server
 //! stops reading, and TCP pushes back. A Cancel frame aborts a waiting or running request.
 
-use crate::batch::{i64_bytes, Batch};
+use crate::batch::Batch;
+use crate::batch_frame::{check_frame_size, write_batch};
 use crate::identity::plan_id;
+use crate::memory::{self, Account, ConnMemory, MemoryPool};
 use crate::metrics::{Queue, RefusalReason, Stage};
 use crate::pipeline::Pipeline;
+use crate::stall::{Watch, Watched};
 use futures::StreamExt;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use stoker_wire::io::{read_frame, write_frame, ReadError};
-use stoker_wire::{
-    tensor, BatchHead, BatchRequest, Cancel, ErrorCode, ErrorFrame, FrameHeader, Hello, Kind,
-    TensorRef, Welcome, WireError, HEADER_LEN,
-};
-use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter};
+use stoker_wire::{BatchRequest, Cancel, ErrorCode, ErrorFrame, Hello, Kind, Welcome, WireError};
+use tokio::io::{AsyncWriteExt, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
@@ -47,9 +47,15 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// With nothing in flight, how long a connection may go without completing a frame.
     pub idle_timeout: Duration,
-    /// Samples prepared or waiting to be sent, across all connections: the bound on the
-    /// memory batches take (a float32 Qwen2-VL sample is ~20 MB of pixels).
+    /// Samples started and not yet built into a batch, across all connections (a request
+    /// of more takes them all): with the byte budget, the bound on the worker's memory.
     pub max_inflight_samples: usize,
+    /// Bytes of samples being prepared and batches waiting to be sent, across connections:
+    /// a request starts only below it, and below its connection's share (crate::memory).
+    pub max_worker_bytes: u64,
+    /// A connection whose peer takes no bytes for this long while an answer waits is closed,
+    /// its answers dropped (their bytes freed).
+    pub send_timeout: Duration,
     /// How long a drain waits for in-flight requests before giving up.
     pub drain_timeout: Duration,
     /// Told to clients in the Welcome: the most workers one trainer rank should connect to
@@ -67,6 +73,8 @@ impl Default for ServerConfig {
             max_connections: d.max_connections as usize,
             idle_timeout: Duration::from_secs(d.idle_timeout_s),
             max_inflight_samples: 64,
+            max_worker_bytes: d.max_worker_bytes,
+            send_timeout: Duration::from_secs(d.send_timeout_s),
             drain_timeout: Duration::from_secs(stoker_config::DEFAULT_DRAIN_TIMEOUT_S),
             links_per_rank: d.links_per_rank,
         }
@@ -80,7 +88,7 @@ pub struct Server {
     draining: AtomicBool,
     inflight: AtomicUsize,
     idle: Notify,
-    sample_budget: Arc<Semaphore>,
+    memory: Arc<MemoryPool>,
     connections: Arc<Semaphore>,
 }
 
@@ -91,173 +99,6 @@ fn connection_error(code: ErrorCode, message: String) -> ErrorFrame {
         code,
         message,
     }
-}
-
-/// Values per row of the batch's video patches (the same row layout as its images').
-fn pixel_dim_of(batch: &Batch, dtype: stoker_wire::DType) -> u64 {
-    let bytes: u64 = (batch.video_chunks.iter())
-        .map(|c| c.as_bytes().len() as u64)
-        .sum();
-    match batch.video_rows {
-        0 => 0,
-        rows => bytes / rows as u64 / dtype.size() as u64,
-    }
-}
-
-/// Writes a batch frame: head, then each tensor's padding and chunks, with no staging copy.
-/// `pixel_lut` (u8 pixels only) goes along as a `[3, 256]` float32 tensor, and with a video
-/// `pixel_lut_videos`, the video processors' own table.
-async fn write_batch<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    req: BatchRequest,
-    batch: &Batch,
-    pixel_dtype: stoker_wire::DType,
-    (pixel_lut, video_lut): (Option<&[u8]>, Option<&[u8]>),
-) -> std::io::Result<u64> {
-    let b = batch.rows as u64;
-    let l = batch.seq_len as u64;
-    let ids = i64_bytes(&batch.input_ids);
-    let labels = i64_bytes(&batch.labels);
-    let mask = i64_bytes(&batch.attention_mask);
-    let grid = i64_bytes(&batch.image_grid_thw);
-    let pixel_bytes: u64 = batch
-        .pixel_chunks
-        .iter()
-        .map(|c| c.as_bytes().len() as u64)
-        .sum();
-    let row_bytes = if batch.pixel_rows == 0 {
-        0
-    } else {
-        pixel_bytes / batch.pixel_rows as u64
-    };
-    let pixel_dim = row_bytes / pixel_dtype.size() as u64;
-    let i64_tensor = |name, shape: Vec<u64>, bytes| TensorRef {
-        name,
-        dtype: stoker_wire::DType::I64,
-        shape,
-        chunks: vec![bytes],
-    };
-    let mut tensors = vec![
-        i64_tensor(tensor::INPUT_IDS, vec![b, l], &ids),
-        i64_tensor(tensor::LABELS, vec![b, l], &labels),
-        i64_tensor(tensor::ATTENTION_MASK, vec![b, l], &mask),
-        TensorRef {
-            name: tensor::PIXEL_VALUES,
-            dtype: pixel_dtype,
-            shape: vec![batch.pixel_rows as u64, pixel_dim],
-            chunks: batch.pixel_chunks.iter().map(|c| c.as_bytes()).collect(),
-        },
-        i64_tensor(
-            tensor::IMAGE_GRID_THW,
-            vec![batch.image_grid_thw.len() as u64 / 3, 3],
-            &grid,
-        ),
-    ];
-    let video_grid = i64_bytes(&batch.video_grid_thw);
-    let seconds: Vec<u8> = (batch.second_per_grid_ts.iter())
-        .flat_map(|s| s.to_le_bytes())
-        .collect();
-    if !batch.video_chunks.is_empty() {
-        tensors.push(TensorRef {
-            name: tensor::PIXEL_VALUES_VIDEOS,
-            dtype: pixel_dtype,
-            shape: vec![batch.video_rows as u64, pixel_dim_of(batch, pixel_dtype)],
-            chunks: batch.video_chunks.iter().map(|c| c.as_bytes()).collect(),
-        });
-        tensors.push(i64_tensor(
-            tensor::VIDEO_GRID_THW,
-            vec![batch.video_grid_thw.len() as u64 / 3, 3],
-            &video_grid,
-        ));
-        if batch.second_per_grid_ts.iter().any(|&s| s > 0.0) {
-            tensors.push(TensorRef {
-                name: tensor::SECOND_PER_GRID_TS,
-                dtype: stoker_wire::DType::F32,
-                shape: vec![batch.second_per_grid_ts.len() as u64],
-                chunks: vec![&seconds],
-            });
-        }
-    }
-    let packing = batch.packing.as_ref().map(|p| {
-        let cu: Vec<u8> = p.cu_seqlens.iter().flat_map(|x| x.to_le_bytes()).collect();
-        let counts = (i64_bytes(&p.pack_images), i64_bytes(&p.pack_videos));
-        (p, i64_bytes(&p.position_ids), cu, counts)
-    });
-    if let Some((p, positions, cu, (images, videos))) = &packing {
-        tensors.push(i64_tensor(tensor::POSITION_IDS, vec![4, b, l], positions));
-        tensors.push(TensorRef {
-            name: tensor::CU_SEQLENS,
-            dtype: stoker_wire::DType::I32,
-            shape: vec![b, p.max_samples as u64 + 1],
-            chunks: vec![cu],
-        });
-        tensors.push(i64_tensor(tensor::PACK_IMAGES, vec![b], images));
-        if !batch.video_chunks.is_empty() {
-            tensors.push(i64_tensor(tensor::PACK_VIDEOS, vec![b], videos));
-        }
-    }
-    let with_videos = !batch.video_chunks.is_empty();
-    let luts = [
-        (tensor::PIXEL_LUT, pixel_lut, true),
-        (tensor::PIXEL_LUT_VIDEOS, video_lut, with_videos),
-    ];
-    for (name, lut, wanted) in luts {
-        if let (Some(lut), true) = (lut, wanted) {
-            tensors.push(TensorRef {
-                name,
-                dtype: stoker_wire::DType::F32,
-                shape: vec![3, 256],
-                chunks: vec![lut],
-            });
-        }
-    }
-    let (head, pads) = BatchHead::layout(
-        req,
-        batch.sample_ids.clone(),
-        batch.skipped.clone(),
-        &tensors,
-    );
-    let total = head.len() as u64
-        + tensors
-            .iter()
-            .zip(&pads)
-            .map(|(t, p)| *p as u64 + t.nbytes())
-            .sum::<u64>();
-    w.write_all(
-        &FrameHeader {
-            kind: Kind::Batch,
-            len: total,
-        }
-        .encode(),
-    )
-    .await?;
-    w.write_all(&head).await?;
-    let zeros = [0u8; stoker_wire::ALIGN];
-    for (t, pad) in tensors.iter().zip(pads) {
-        w.write_all(&zeros[..pad]).await?;
-        for c in &t.chunks {
-            w.write_all(c).await?;
-        }
-    }
-    Ok(total + HEADER_LEN as u64)
-}
-
-/// Room a batch frame keeps beside the tensors for its head (sample ids, skip reasons) and
-/// alignment padding.
-const FRAME_HEAD_ROOM: u64 = 64 << 20;
-
-/// A batch too large for one frame fails by name (every worker would build the same one),
-/// rather than breaking the connection of the client reading it, again on every worker.
-fn check_frame_size(batch: &Batch, max_payload: u64) -> Result<(), String> {
-    let bytes = batch.tensor_bytes();
-    if bytes + FRAME_HEAD_ROOM <= max_payload {
-        return Ok(());
-    }
-    Err(format!(
-        "the batch's tensors are {bytes} bytes, more than a batch frame carries ({max_payload} \
-         bytes with its head): lower global_batch_size, max_pixels or max_images_per_sample, \
-         or use pixel_dtype u8"
-    ))
 }
 
 /// Equal-time comparison, so the token cannot be guessed byte by byte from response times.
@@ -275,8 +116,8 @@ struct Ready {
     request: BatchRequest,
     batch: Batch,
     started: Instant,
-    /// The batch's share of the sample budget, released once it is sent.
-    _budget: OwnedSemaphorePermit,
+    /// The batch's bytes, held until it is sent (or thrown away).
+    _bytes: Arc<Account>,
 }
 
 enum Outgoing {
@@ -398,7 +239,11 @@ impl Server {
             links_per_rank: config.links_per_rank,
         };
         Arc::new(Server {
-            sample_budget: Arc::new(Semaphore::new(config.max_inflight_samples.max(1))),
+            memory: MemoryPool::new(
+                config.max_worker_bytes,
+                config.max_inflight_samples,
+                pipeline.metrics.memory_held_bytes.clone(),
+            ),
             connections: Arc::new(Semaphore::new(config.max_connections.max(1))),
             pipeline,
             welcome,
@@ -407,6 +252,11 @@ impl Server {
             inflight: AtomicUsize::new(0),
             idle: Notify::new(),
         })
+    }
+
+    /// Samples prepared at once (`--max-inflight-samples`).
+    pub fn max_inflight_samples(&self) -> usize {
+        self.config.max_inflight_samples.max(1)
     }
 
     fn refuse(&self, reason: RefusalReason) {
@@ -495,8 +345,11 @@ impl Server {
         write_frame(&mut wr, Kind::Welcome, &self.welcome.encode()).await?;
         wr.flush().await?;
         let (tx, rx) = mpsc::channel::<Answer>(OUTBOX_CAPACITY);
-        let writer = tokio::spawn(self.clone().write_answers(wr, rx));
-        self.read_requests(&mut rd, tx).await;
+        let watch = Watch::new();
+        let wr = BufWriter::with_capacity(64 << 10, watch.writer(wr.into_inner()));
+        let writer = tokio::spawn(self.clone().write_answers(wr, rx, watch));
+        self.read_requests(&mut rd, tx, self.memory.connection())
+            .await;
         writer.await??;
         Ok(())
     }
@@ -537,47 +390,68 @@ impl Server {
         }
     }
 
-    /// Writes answers as they become ready; each request's in-flight guard (and sample
-    /// budget) is released once its answer is on the socket.
+    /// Writes answers as they become ready; each request's in-flight guard (and bytes) is
+    /// released once its answer is on the socket. A peer that takes no bytes for
+    /// `send_timeout` while an answer waits loses the connection.
     async fn write_answers(
         self: Arc<Self>,
-        mut wr: BufWriter<OwnedWriteHalf>,
+        mut wr: BufWriter<Watched<OwnedWriteHalf>>,
         mut rx: mpsc::Receiver<Answer>,
+        watch: Watch,
     ) -> anyhow::Result<()> {
-        let pixel_dtype = self.pipeline.pixel_dtype();
-        let metrics = &self.pipeline.metrics;
         while let Some((out, _guard)) = rx.recv().await {
-            match out {
-                Outgoing::Error(e) => write_frame(&mut wr, Kind::Error, &e.encode()).await?,
-                Outgoing::Batch(ready) => {
-                    // `_budget` stays bound (held) until the batch is written.
-                    let Ready {
-                        request,
-                        batch,
-                        started,
-                        _budget,
-                    } = *ready;
-                    let t = Instant::now();
-                    let luts = (self.pipeline.pixel_lut(), self.pipeline.video_pixel_lut());
-                    let n = write_batch(&mut wr, request, &batch, pixel_dtype, luts).await?;
-                    metrics.observe_stage(Stage::Send, t.elapsed());
-                    metrics
-                        .request_seconds
-                        .observe(started.elapsed().as_secs_f64());
-                    metrics.bytes_sent_total.inc_by(n);
-                    metrics.batches_total.inc();
-                    metrics.samples_total.inc_by(batch.sample_ids.len() as u64);
-                    for (dataset, n) in self.pipeline.samples_by_dataset(&batch.sample_ids) {
-                        metrics
-                            .dataset_samples_served
-                            .with_label_values(&[dataset])
-                            .inc_by(n);
-                    }
+            watch.touch();
+            tokio::select! {
+                written = self.write_answer(&mut wr, out) => written?,
+                () = watch.stalled_for(self.config.send_timeout) => {
+                    self.refuse(RefusalReason::Stalled);
+                    anyhow::bail!(
+                        "the peer took no bytes for {:?} while an answer waited; closing \
+                         the connection",
+                        self.config.send_timeout
+                    );
                 }
             }
-            wr.flush().await?;
         }
         Ok(())
+    }
+
+    async fn write_answer(
+        &self,
+        wr: &mut BufWriter<Watched<OwnedWriteHalf>>,
+        out: Outgoing,
+    ) -> std::io::Result<()> {
+        let pixel_dtype = self.pipeline.pixel_dtype();
+        let metrics = &self.pipeline.metrics;
+        match out {
+            Outgoing::Error(e) => write_frame(wr, Kind::Error, &e.encode()).await?,
+            Outgoing::Batch(ready) => {
+                // `_bytes` stays bound (held) until the batch is written.
+                let Ready {
+                    request,
+                    batch,
+                    started,
+                    _bytes,
+                } = *ready;
+                let t = Instant::now();
+                let luts = (self.pipeline.pixel_lut(), self.pipeline.video_pixel_lut());
+                let n = write_batch(wr, request, &batch, pixel_dtype, luts).await?;
+                metrics.observe_stage(Stage::Send, t.elapsed());
+                metrics
+                    .request_seconds
+                    .observe(started.elapsed().as_secs_f64());
+                metrics.bytes_sent_total.inc_by(n);
+                metrics.batches_total.inc();
+                metrics.samples_total.inc_by(batch.sample_ids.len() as u64);
+                for (dataset, n) in self.pipeline.samples_by_dataset(&batch.sample_ids) {
+                    metrics
+                        .dataset_samples_served
+                        .with_label_values(&[dataset])
+                        .inc_by(n);
+                }
+            }
+        }
+        wr.flush().await
     }
 
     /// Reads Requests and Cancels (each at most [`MAX_REQUEST_BYTES`]) until the client
@@ -585,7 +459,12 @@ impl Server {
     /// once, and up to [`READ_AHEAD`] more wait for a slot (reading goes on meanwhile, so a
     /// Cancel is read while every slot is busy). Anything else ends the connection with an
     /// Error frame naming it.
-    async fn read_requests(self: &Arc<Self>, rd: &mut OwnedReadHalf, tx: mpsc::Sender<Answer>) {
+    async fn read_requests(
+        self: &Arc<Self>,
+        rd: &mut OwnedReadHalf,
+        tx: mpsc::Sender<Answer>,
+        memory: Arc<ConnMemory>,
+    ) {
         let slots = Arc::new(Semaphore::new(self.config.max_inflight_per_conn.max(1)));
         let mut conn = ConnRequests::default();
         // A stream keeps a frame that is half read across the select below (a bare
@@ -605,7 +484,7 @@ impl Server {
                 }
                 permit = slots.clone().acquire_owned(), if !conn.waiting.is_empty() => {
                     let req = conn.waiting.pop_front().expect("a request waits");
-                    self.start(req, permit.expect("never closed"), &tx, &mut conn);
+                    self.start(req, permit.expect("never closed"), &tx, &memory, &mut conn);
                 }
                 frame = frames.next(), if reading && conn.waiting.len() < READ_AHEAD => {
                     match Incoming::from_frame(frame.expect("the stream never ends")) {
@@ -623,6 +502,12 @@ impl Server {
                             break;
                         }
                     }
+                }
+                // The writer is gone (the peer stalled or reset): nothing prepared now
+                // would reach it.
+                () = tx.closed() => {
+                    conn.running.abort_all();
+                    return;
                 }
                 () = tokio::time::sleep(self.config.idle_timeout), if idle && reading => {
                     self.refuse(RefusalReason::Idle);
@@ -650,14 +535,15 @@ impl Server {
         req: BatchRequest,
         slot: OwnedSemaphorePermit,
         tx: &mpsc::Sender<Answer>,
+        memory: &Arc<ConnMemory>,
         conn: &mut ConnRequests,
     ) {
         let guard = InflightGuard::new(self.clone());
-        let (this, tx) = (self.clone(), tx.clone());
+        let (this, tx, memory) = (self.clone(), tx.clone(), memory.clone());
         // Aborting the task drops this future with everything it holds: the in-flight guard,
         // the slot, the sample budget and the fetches under way.
         let task = conn.running.spawn(async move {
-            let out = this.answer(req).await;
+            let out = this.answer(req, &memory).await;
             let _ = tx.send((out, Some(guard))).await;
             drop(slot);
             req.request_id
@@ -665,7 +551,7 @@ impl Server {
         conn.tasks.insert(req.request_id, task);
     }
 
-    async fn answer(&self, req: BatchRequest) -> Outgoing {
+    async fn answer(&self, req: BatchRequest, memory: &Arc<ConnMemory>) -> Outgoing {
         let started = Instant::now();
         let err = |code, message: String| {
             Outgoing::Error(ErrorFrame {
@@ -703,28 +589,22 @@ impl Server {
                 return err(ErrorCode::BadRequest, e.to_string());
             }
         };
-        // A slice larger than the whole budget takes all of it (and waits for it to be free).
-        let want = slice
-            .samples
-            .len()
-            .clamp(1, self.config.max_inflight_samples.max(1)) as u32;
-        let metrics = &self.pipeline.metrics;
-        let queued = metrics.queued(Queue::Requests);
-        let budget = self
-            .sample_budget
-            .clone()
-            .acquire_many_owned(want)
-            .await
-            .expect("never closed");
+        // A slice of more samples than the worker starts at once waits for all of them.
+        let queued = self.pipeline.metrics.queued(Queue::Requests);
+        let bytes = memory.admit(slice.samples.len()).await;
         drop(queued);
-        match self.pipeline.build_batch(&slice).await {
+        let built = memory::with_account(bytes.clone(), self.pipeline.build_batch(&slice)).await;
+        match built {
             Ok(batch) => match check_frame_size(&batch, stoker_wire::MAX_PAYLOAD) {
-                Ok(()) => Outgoing::Batch(Box::new(Ready {
-                    request: req,
-                    batch,
-                    started,
-                    _budget: budget,
-                })),
+                Ok(()) => {
+                    bytes.settle(slice.samples.len(), batch.tensor_bytes());
+                    Outgoing::Batch(Box::new(Ready {
+                        request: req,
+                        batch,
+                        started,
+                        _bytes: bytes,
+                    }))
+                }
                 Err(too_large) => err(ErrorCode::Failed, too_large),
             },
             Err(f) if f.transient => err(ErrorCode::Transient, f.to_string()),
@@ -736,32 +616,6 @@ impl Server {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::preprocess::vision::PixelBuf;
-
-    #[test]
-    fn a_batch_over_the_frame_limit_is_refused_by_name() {
-        let batch = Batch {
-            sample_ids: vec![0],
-            skipped: vec![],
-            rows: 1,
-            input_ids: vec![1; 10],
-            labels: vec![1; 10],
-            attention_mask: vec![1; 10],
-            seq_len: 10,
-            pixel_chunks: vec![PixelBuf::F32(vec![0.0; 1000])],
-            pixel_rows: 1,
-            image_grid_thw: vec![1, 1, 1],
-            video_chunks: vec![],
-            video_rows: 0,
-            video_grid_thw: vec![],
-            second_per_grid_ts: vec![],
-            packing: None,
-        };
-        assert_eq!(batch.tensor_bytes(), 33 * 8 + 4000);
-        assert!(check_frame_size(&batch, FRAME_HEAD_ROOM + 4264).is_ok());
-        let e = check_frame_size(&batch, FRAME_HEAD_ROOM + 4263).unwrap_err();
-        assert!(e.starts_with("the batch's tensors are 4264 bytes"), "{e}");
-    }
 
     #[test]
     fn token_comparison() {

@@ -8,6 +8,7 @@
 //! (the listing behind the index never follows one), and every whole-object read has a
 //! [`ReadCap`].
 
+use crate::byte_budget::ByteBudget;
 use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata};
 use bytes::Bytes;
 use std::path::{Path, PathBuf};
@@ -32,6 +33,12 @@ pub enum FetchError {
     /// A key that would leave the root, or a local path through a symbolic link.
     #[error("object {0} is not read: {1}")]
     Refused(String, String),
+    /// Reads that share a budget (one sample's objects) came to more than it. The message
+    /// names no object: which read went over depends on timing, that one did does not.
+    #[error(
+        "its images and frames come to more than {max} bytes ({limit}); reading stopped there"
+    )]
+    OverByteBudget { max: u64, limit: &'static str },
     #[error("fetching {0}: {1}")]
     Io(String, String),
 }
@@ -490,7 +497,19 @@ impl Store {
     /// A whole object of at most `cap` bytes: a bigger one is refused from its length, and a
     /// body that grows past it (a length that lied) stops being read there.
     pub async fn get_at_most(&self, key: &str, cap: ReadCap) -> Result<Bytes, FetchError> {
-        self.retrying(|| self.read_once(key, None, cap)).await
+        self.retrying(|| self.read_once(key, None, cap, None)).await
+    }
+
+    /// [`Self::get_at_most`], its bytes also taken from `budget` as they arrive.
+    pub(crate) async fn get_within(
+        &self,
+        key: &str,
+        cap: ReadCap,
+        budget: &ByteBudget,
+        limit: &'static str,
+    ) -> Result<Bytes, FetchError> {
+        self.retrying(|| self.read_once(key, None, cap, Some((budget, limit))))
+            .await
     }
 
     /// Bytes `start .. start + len` of an object.
@@ -499,7 +518,7 @@ impl Store {
             bytes: len,
             name: "the range asked for",
         };
-        self.retrying(|| self.read_once(key, Some((start, len)), cap))
+        self.retrying(|| self.read_once(key, Some((start, len)), cap, None))
             .await
     }
 
@@ -554,12 +573,15 @@ impl Store {
         FetchError::Io(self.describe(key), why)
     }
 
-    /// One read of at most `cap` bytes into memory.
+    /// One read of at most `cap` bytes into memory, taken from `budget` (named `limit`) as
+    /// they arrive: the length the store gives first, then what the body holds past it. A
+    /// failed read gives its bytes back to the budget.
     async fn read_once(
         &self,
         key: &str,
         range: Option<(u64, u64)>,
         cap: ReadCap,
+        budget: Option<(&ByteBudget, &'static str)>,
     ) -> Result<Bytes, FetchError> {
         let mut body = self.open_object(key, range).await?;
         let max = cap.bytes;
@@ -572,12 +594,29 @@ impl Store {
         if let Some(len) = body.len.filter(|&len| len > max) {
             return Err(too_large(len));
         }
+        let mut claim = budget.map(|(b, limit)| (b.claim(), limit));
+        let mut take = |total: u64| match &mut claim {
+            Some((claim, limit)) => claim.grow_to(total).map_err(|over| {
+                let limit = *limit;
+                FetchError::OverByteBudget {
+                    max: over.max,
+                    limit,
+                }
+            }),
+            None => Ok(()),
+        };
+        take(body.len.unwrap_or(0))?;
         let mut buf = bytes::BytesMut::with_capacity(body.len.unwrap_or(0) as usize);
         while let Some(chunk) = body.next_chunk().await? {
-            if (buf.len() + chunk.len()) as u64 > max {
-                return Err(too_large((buf.len() + chunk.len()) as u64));
+            let total = (buf.len() + chunk.len()) as u64;
+            if total > max {
+                return Err(too_large(total));
             }
+            take(total)?;
             buf.extend_from_slice(&chunk);
+        }
+        if let Some((claim, _)) = claim {
+            claim.keep();
         }
         Ok(buf.freeze())
     }

@@ -92,6 +92,8 @@ pub async fn start_worker(cfg: &WorkerConfig) -> Worker {
             max_connections: limits.max_connections as usize,
             idle_timeout: Duration::from_secs(limits.idle_timeout_s),
             max_inflight_samples: cfg.serving.max_inflight_samples.unwrap_or(64),
+            max_worker_bytes: limits.max_worker_bytes,
+            send_timeout: Duration::from_secs(limits.send_timeout_s),
             drain_timeout: Duration::from_secs(30),
             links_per_rank: limits.links_per_rank,
         },
