@@ -32,6 +32,15 @@ def train_existing(trainer, workers, resume=None):
     return trainer.train(resume_from_checkpoint=resume)
 
 
+def end_process_group() -> None:
+    # Call once training is over: a process that exits with its Gloo process group alive can
+    # abort (SIGABRT) in the interpreter's teardown, after a run that succeeded.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", required=True, help="dns:HOST:PORT or HOST:PORT,HOST:PORT")
@@ -47,6 +56,7 @@ def main() -> None:
     model = AutoModelForImageTextToText.from_pretrained(a.model, dtype="auto")
     train(a.workers, model, a.output_dir, a.max_steps, resume=a.resume or None,
           save_steps=a.save_steps, bf16=model.dtype == torch.bfloat16)
+    end_process_group()
 
 
 if __name__ == "__main__":

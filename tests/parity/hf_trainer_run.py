@@ -124,12 +124,13 @@ def main() -> None:
     if a.form == "class":
         hf_trainer.train(a.workers, model, str(a.out / "ckpt"), a.steps, resume=a.resume, callbacks=callbacks,
                          optimizers=optimizers, **training)
-        return
+        return hf_trainer.end_process_group()
     args = Seq2SeqTrainingArguments(output_dir=str(a.out / "ckpt"), max_steps=a.steps, report_to="none", **training)
     own_dataset = [{"input_ids": [0], "labels": [0]}]  # what LLaMA-Factory would have tokenized
     trainer = CustomSeq2SeqTrainer(finetuning_args=argparse.Namespace(), processor=None, model=model, args=args,
                                    train_dataset=own_dataset, callbacks=callbacks, optimizers=optimizers)
     hf_trainer.train_existing(trainer, a.workers, resume=a.resume)
+    hf_trainer.end_process_group()
 
 
 if __name__ == "__main__":
