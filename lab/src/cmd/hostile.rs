@@ -1,7 +1,8 @@
 //! `stoker-lab bench hostile`: what each crafted image or clip of docs/reliability.md costs
 //! the worker's own decode path, beside a normal photo and clip, the largest image the limits
-//! decode and a sample near the work budget (ten minutes of 1080p at 60 fps, decoded to its
-//! last sampled frame): CPU seconds on one thread, peak resident memory and the outcome.
+//! decode and the costliest legitimate sample they serve (ten minutes of 1080p at 60 fps
+//! sampled at 0.5 fps: every frame decoded to the last sampled one, 36,000 frames): CPU
+//! seconds on one thread, peak resident memory and the outcome.
 //!
 //! Inputs are made once under `$STOKER_CACHE/bench/hostile` (the clips with Debian's ffmpeg,
 //! as the test clips are); every case runs in this process, one after another, each with the
@@ -32,7 +33,8 @@ pub struct HostileArgs {
 
 enum Medium {
     Image(Vec<u8>),
-    Clip(Vec<u8>),
+    /// A clip and the frames per second its sample asks for (the preset's when `None`).
+    Clip(Vec<u8>, Option<f64>),
 }
 
 struct Case {
@@ -41,8 +43,11 @@ struct Case {
     medium: Medium,
 }
 
-/// The legitimate sample the crafted ones are held against: near `--max-sample-work`.
-const REFERENCE: &str = "clip, 10 minutes of 1920x1080 H.264 at 60 fps";
+/// The legitimate sample the crafted ones are held against: the most decoding the default
+/// limits serve from a real clip (at the preset's 2 fps its 768 sampled frames, the preset's
+/// cap, are over --max-sample-pixels; at 0.5 fps its 300 are not, and every frame up to the
+/// last is decoded: 74.6 G of the 137.4 G pixel passes of --max-sample-work).
+const REFERENCE: &str = "clip, 10 minutes of 1920x1080 H.264 at 60 fps, sampled at 0.5 fps";
 
 /// CPU seconds past which a case runs once.
 const LONG_S: f64 = 10.0;
@@ -59,7 +64,7 @@ pub fn run(a: HostileArgs) -> anyhow::Result<()> {
     let (lut, video_lut) = (PixelLut::new(&preset), PixelLut::for_videos(&preset));
     println!("| input | outcome | CPU s | peak RSS MiB | CPU vs the 10-minute clip |");
     println!("|---|---|---|---|---|");
-    let mut reference = None;
+    let (mut reference, mut costliest) = (None, (0.0, ""));
     for case in &cases {
         let (mut cpu, mut peak, mut outcome) = (Vec::new(), 0f64, String::new());
         for _ in 0..a.runs.max(1) {
@@ -78,10 +83,10 @@ pub fn run(a: HostileArgs) -> anyhow::Result<()> {
                         Err(e) => format!("refused: {e}"),
                     }
                 }
-                Medium::Clip(bytes) => {
+                Medium::Clip(bytes, fps) => {
                     let part = VideoPart {
                         video: VideoSource::Clip(case.name.into()),
-                        fps: None,
+                        fps: *fps,
                         video_start: None,
                         video_end: None,
                     };
@@ -109,6 +114,9 @@ pub fn run(a: HostileArgs) -> anyhow::Result<()> {
         if case.name == REFERENCE {
             reference = Some(median);
         }
+        if case.crafted && median > costliest.0 {
+            costliest = (median, case.name);
+        }
         let ratio = match (case.crafted, reference) {
             (true, Some(r)) => format!("{:.2}x", median / r),
             _ => "".into(),
@@ -118,6 +126,14 @@ pub fn run(a: HostileArgs) -> anyhow::Result<()> {
             if case.crafted { "crafted: " } else { "" },
             case.name,
             outcome.replace('|', "/"),
+        );
+    }
+    if let Some(r) = reference {
+        println!(
+            "\nthe costliest crafted input: {:.3} CPU s, {:.2}x the 10-minute clip (goal <= 2x): {}",
+            costliest.0,
+            costliest.0 / r,
+            costliest.1
         );
     }
     Ok(())
@@ -168,11 +184,11 @@ fn cases(dir: &Path) -> anyhow::Result<Vec<Case>> {
             medium: Medium::Image(cached(file, make)?),
         })
     };
-    let clip = |name, crafted, file, make: &dyn Fn(&Path) -> anyhow::Result<()>| {
+    let clip = |name, crafted, (file, fps), make: &dyn Fn(&Path) -> anyhow::Result<()>| {
         anyhow::Ok(Case {
             name,
             crafted,
-            medium: Medium::Clip(cached(file, make)?),
+            medium: Medium::Clip(cached(file, make)?, fps),
         })
     };
     let (side, jpeg_largest) = (LARGEST, || jpeg(LARGEST, LARGEST, true));
@@ -204,26 +220,38 @@ fn cases(dir: &Path) -> anyhow::Result<Vec<Case>> {
         clip(
             "clip, 10 s of 1280x720 H.264 at 30 fps",
             false,
-            "720p30-10s.mp4",
+            ("720p30-10s.mp4", None),
             &encoded("testsrc2=s=1280x720:r=30:d=10"),
+        )?,
+        clip(
+            "clip, 10 minutes of 1920x1080 H.264 at 60 fps, at the preset's 2 fps",
+            false,
+            ("1080p60-10min.mp4", None),
+            &looped("1080p60-10s.mp4", 59),
         )?,
         clip(
             REFERENCE,
             false,
-            "1080p60-10min.mp4",
+            ("1080p60-10min.mp4", Some(0.5)),
             &looped("1080p60-10s.mp4", 59),
         )?,
         clip(
             "4096x4096 GIF of 1,800 one-pixel frames, as a video",
             true,
-            "frames.gif",
+            ("frames.gif", None),
             &|p| Ok(std::fs::write(p, gif(4096, 1800))?),
         )?,
         clip(
             "8,400 still frames of 4096x4096 H.264 (2.8 MB)",
             true,
-            "still-4096-long.mp4",
+            ("still-4096-long.mp4", None),
             &looped("still-4096.mp4", 27),
+        )?,
+        clip(
+            "8,100 still frames of 4096x4096 H.264 sampled at 0.1 fps: every frame decoded, just under the work budget",
+            true,
+            ("still-4096-8100.mp4", Some(0.1)),
+            &looped("still-4096.mp4", 26),
         )?,
     ])
 }
