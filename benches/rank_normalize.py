@@ -95,7 +95,7 @@ def serve(data: Path, cpu_threads: int, batch: int):
     tok = os.environ.get("STOKER_TOKENIZER") or str(Path(cache) / "qwen-tokenizer")
     proc = subprocess.Popen(
         [stoker_bin, "worker", "--data", str(data), "--listen", "127.0.0.1:0", "--metrics-listen",
-         "127.0.0.1:0", "--no-auth", "--global-batch-size", str(batch), "--cpu-threads",
+         "127.0.0.1:0", "--no-auth", "--insecure-plaintext", "--global-batch-size", str(batch), "--cpu-threads",
          str(cpu_threads), "--tokenizer", tok, "--pixel-dtype", "u8"],
         stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
@@ -115,13 +115,13 @@ def epoch(opts) -> None:
     }
     rates = {name: [] for name in modes}
     try:
-        for _ in stoker.Loader(addr, rank=0, world_size=1):  # warms the worker's caches
+        for _ in stoker.Loader(addr, rank=0, world_size=1, insecure_plaintext=True):  # warms the worker's caches
             pass
         for _ in range(opts.rounds):
             for name, (kwargs, consume) in modes.items():
                 # A loader per epoch: one that read an epoch slowly has the next one prefetched.
                 time.sleep(opts.settle_s)  # the last loader's prefetched requests drain
-                loader = stoker.Loader(addr, rank=0, world_size=1, **kwargs)
+                loader = stoker.Loader(addr, rank=0, world_size=1, insecure_plaintext=True, **kwargs)
                 start, samples = time.perf_counter(), 0
                 for b in loader:
                     consume(b)
@@ -150,7 +150,7 @@ def gpu(opts) -> None:
             torch.cuda.synchronize()
         return 1e3 * median_s(synced, repeats)
 
-    loader = stoker.Loader(opts.addr, rank=0, world_size=1, prefetch=2)
+    loader = stoker.Loader(opts.addr, rank=0, world_size=1, prefetch=2, insecure_plaintext=True)
     pinned = stoker.torch.pinned_pool()
     print(f"{'batch':>5} {'u8 MB':>8} {'f32 MB':>8} {'u8+lookup ms':>13} {'host+pinned ms':>15} "
           f"{'f32 pinned ms':>14} {'f32 pageable ms':>16}")

@@ -222,7 +222,7 @@ def serve(args) -> Tuple[subprocess.Popen, str]:
                         str(args.tokenizer), "--write-lengths"], check=True, capture_output=True)
     proc = subprocess.Popen(
         [args.stoker, "worker", "--data", str(args.data), "--listen", "127.0.0.1:0",
-         "--metrics-listen", "127.0.0.1:0", "--no-auth", "--global-batch-size", str(args.batch),
+         "--metrics-listen", "127.0.0.1:0", "--no-auth", "--insecure-plaintext", "--global-batch-size", str(args.batch),
          "--cpu-threads", str(args.loader_workers), "--tokenizer", str(args.tokenizer),
          "--pixel-dtype", "u8", *extra],
         stdout=subprocess.PIPE, text=True,
@@ -237,7 +237,7 @@ def serve(args) -> Tuple[subprocess.Popen, str]:
 def train_stoker(args, model, optimizer, meter: Meter, addr: str, device: torch.device) -> Dict[str, Any]:
     """(a): the README's training-script example (tests/parity/test_train_step.py holds the
     README to these lines), with the meter's two calls and the packed variant added."""
-    loader = stoker.Loader(addr, rank=0, world_size=1)
+    loader = stoker.Loader(addr, rank=0, world_size=1, insecure_plaintext=True)  # the bench's loopback worker
     epochs = math.ceil(args.steps / len(loader))
     ckpt: Dict[str, Any] = {}
     try:

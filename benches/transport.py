@@ -38,7 +38,7 @@ def start_server(stoker_bin, batch_mib):
 def bench_stoker(addr, batches):
     import stoker
 
-    loader = stoker.Loader(addr, prefetch=4, hedge=False)
+    loader = stoker.Loader(addr, prefetch=4, hedge=False, insecure_plaintext=True)
     for _ in range(3):
         next(loader)
     nbytes = 0

@@ -34,11 +34,16 @@ def train_existing(trainer, workers, resume=None):
 
 def end_process_group() -> None:
     # Call once training is over: a process that exits with its Gloo process group alive can
-    # abort (SIGABRT) in the interpreter's teardown, after a run that succeeded.
+    # abort (SIGABRT) in the interpreter's teardown, after a run that succeeded. The Trainer's
+    # DDP wrapper holds the group too: collect it first, while the interpreter is whole.
+    import gc
+
     import torch.distributed as dist
 
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "trans
 python3 -m pytest -q -rs -s tests/parity/test_rank_normalization.py -k torch 2>&1 | tee "$out/parity.log" || true
 ds=/tmp/gpu-ds
 .dev/stoker-lab synth --out $ds --samples 64 --seed 5 --max-side 1600 > /dev/null
-"$STOKER_BIN" worker --data $ds --listen 127.0.0.1:7711 --metrics-listen 127.0.0.1:0 --no-auth \
+"$STOKER_BIN" worker --data $ds --listen 127.0.0.1:7711 --metrics-listen 127.0.0.1:0 --no-auth --insecure-plaintext \
   --global-batch-size 16 --tokenizer "$STOKER_TOKENIZER" --pixel-dtype u8 > /tmp/worker.log 2>&1 &
 worker=$!
 trap 'kill $worker' EXIT

@@ -5,6 +5,7 @@
 use clap::{Parser, Subcommand};
 
 mod cmd {
+    pub mod certs;
     pub mod dataset;
     pub mod operator;
     pub mod worker;
@@ -30,6 +31,9 @@ enum Command {
     Dataset(cmd::dataset::DatasetCommand),
     /// Serve preprocessed batches to trainer ranks over TCP.
     Worker(stoker_config::WorkerConfig),
+    /// Make a CA and a worker certificate for TLS between ranks and workers run without the
+    /// operator.
+    Certs(cmd::certs::CertsArgs),
     /// Print the DataPipeline CustomResourceDefinition (YAML), as `crds/` holds it.
     Crd,
     /// Run the operator: reconcile DataPipelines into worker pools and scale them on the
@@ -67,6 +71,7 @@ fn run() -> anyhow::Result<()> {
             Command::Dataset(c) => cmd::dataset::run(c).await,
             Command::Worker(a) => cmd::worker::run(a).await,
             Command::Operator(a) => cmd::operator::run(a).await,
+            Command::Certs(a) => cmd::certs::run(a),
             Command::Crd => cmd::operator::print_crd(),
         }
     })

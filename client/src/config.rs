@@ -5,9 +5,16 @@
 use crate::discovery::Discovery;
 use crate::policy::{Depth, HedgePolicy};
 use std::time::Duration;
+use stoker_tls::{ClientTls, Dial};
+
+/// The CA bundle (PEM) a loader trusts when it is given no other way to dial.
+pub const CA_ENV: &str = "STOKER_TLS_CA";
 
 pub struct LoaderConfig {
     pub workers: Discovery,
+    /// How workers are dialled; `None`: TLS trusting the CA bundle at `$STOKER_TLS_CA` (an
+    /// error when unset: plaintext is only ever asked for by name).
+    pub dial: Option<Dial>,
     /// The pipeline token (the operator's Secret); empty for workers run with --no-auth.
     pub token: String,
     pub rank: u32,
@@ -44,6 +51,7 @@ impl LoaderConfig {
     pub fn new(workers: Discovery, rank: u32, world_size: u32) -> Self {
         LoaderConfig {
             workers,
+            dial: None,
             token: String::new(),
             rank,
             world_size,
@@ -60,6 +68,44 @@ impl LoaderConfig {
             max_prefetch_bytes: 4 << 30,
         }
     }
+}
+
+impl LoaderConfig {
+    /// `dial`, else TLS trusting `$STOKER_TLS_CA`. Workers found through `dns:NAME:PORT` are
+    /// dialled by address and must prove NAME, unless a server name was given.
+    pub(crate) fn resolve_dial(&self) -> crate::Result<Dial> {
+        let config = |e: stoker_tls::TlsError| crate::Error::Config(e.to_string());
+        let dial = match &self.dial {
+            Some(dial) => dial.clone(),
+            None => match ca_from_env()? {
+                Some(tls) => Dial::Tls(tls),
+                None => {
+                    return Err(crate::Error::Config(format!(
+                        "no CA bundle to check the workers' certificates with: set {CA_ENV} (or \
+                     the loader's tls_ca) to the pipeline's CA, or dial workers run with \
+                     --insecure-plaintext in plaintext (insecure_plaintext)"
+                    )))
+                }
+            },
+        };
+        Ok(match (dial, &self.workers) {
+            (Dial::Tls(tls), Discovery::Dns { name, .. }) if !tls.has_server_name() => {
+                let host = name.rsplit_once(':').map_or(name.as_str(), |(h, _)| h);
+                Dial::Tls(tls.with_server_name(host).map_err(config)?)
+            }
+            (dial, _) => dial,
+        })
+    }
+}
+
+/// TLS trusting the CA bundle at `$STOKER_TLS_CA`, when it is set.
+pub fn ca_from_env() -> crate::Result<Option<ClientTls>> {
+    std::env::var_os(CA_ENV)
+        .map(|path| {
+            ClientTls::from_ca_file(&path)
+                .map_err(|e| crate::Error::Config(format!("{CA_ENV}: {e}")))
+        })
+        .transpose()
 }
 
 /// Where a loader is in the plan: enough to resume exactly, on any world size.

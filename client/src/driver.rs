@@ -12,6 +12,7 @@ use crate::scheduler::{Action, Control, Delivery, Event, LinkId, PlanIdentity, S
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use stoker_tls::Dial;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
@@ -30,6 +31,7 @@ pub struct Handles {
 struct Driver {
     core: Scheduler,
     shared: Arc<Shared>,
+    dial: Dial,
     token: String,
     pool: BufferPool,
     events_tx: mpsc::Sender<Event>,
@@ -41,6 +43,7 @@ struct Driver {
 /// Spawns the scheduler and its driver on the current runtime.
 pub fn spawn(
     cfg: LoaderConfig,
+    dial: Dial,
     workers: watch::Receiver<WorkerSet>,
     shared: Arc<Shared>,
     metrics: Arc<ClientMetrics>,
@@ -55,6 +58,7 @@ pub fn spawn(
     let driver = Driver {
         core,
         shared,
+        dial,
         token,
         // Enough to recycle what the trainer releases while the window refills.
         pool: BufferPool::new(4),
@@ -121,6 +125,7 @@ impl Driver {
                     let task = tokio::spawn(link::run(
                         link,
                         addr,
+                        self.dial.clone(),
                         self.token.clone(),
                         rx,
                         self.events_tx.clone(),

@@ -32,13 +32,14 @@ pub mod topology;
 
 pub use batch::{Batch, Pack, TensorView};
 pub use buffer::{AlignedBuf, BufferPool};
-pub use config::{LoaderConfig, LoaderState, Policy};
+pub use config::{ca_from_env, LoaderConfig, LoaderState, Policy, CA_ENV};
 pub use discovery::{Discovery, WorkerSet};
 pub use error::{Error, Result};
 pub use metrics::ClientMetrics;
 pub use normalize::{normalize_pixels, NormalizeError, PixelLut, PixelOut};
 pub use policy::{Depth, HedgePolicy};
 pub use scheduler::PlanIdentity;
+pub use stoker_tls::{ClientTls, Dial, TlsError};
 
 use scheduler::{Control, Delivery, Shared};
 use std::sync::atomic::Ordering;
@@ -99,6 +100,7 @@ impl Loader {
                 cfg.rank, cfg.world_size
             )));
         }
+        let dial = cfg.resolve_dial()?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("stoker-client")
@@ -124,7 +126,7 @@ impl Loader {
         let handles = {
             let _guard = runtime.enter();
             let workers = cfg.workers.start();
-            driver::spawn(cfg, workers, shared.clone(), metrics.clone())
+            driver::spawn(cfg, dial, workers, shared.clone(), metrics.clone())
         };
         let identity = runtime
             .block_on(async {

@@ -6,10 +6,10 @@
 use crate::buffer::BufferPool;
 use crate::scheduler::{Event, LinkId, LINK_QUEUE};
 use std::time::Duration;
+use stoker_tls::Dial;
 use stoker_wire::io::{handshake, read_header, write_frame, HandshakeError, ReadError};
 use stoker_wire::{BatchHead, BatchRequest, Cancel, ErrorFrame, Kind, WireError};
 use tokio::io::AsyncReadExt;
-use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 /// Frames queued for one worker's socket: its requests (at most [`LINK_QUEUE`] outstanding)
@@ -42,12 +42,13 @@ enum LinkError {
 pub async fn run(
     link: LinkId,
     addr: String,
+    dial: Dial,
     token: String,
     frames: mpsc::Receiver<Outbound>,
     events: mpsc::Sender<Event>,
     pool: BufferPool,
 ) {
-    let error = match session(link, &addr, &token, frames, &events, &pool).await {
+    let error = match session(link, &addr, &dial, &token, frames, &events, &pool).await {
         Ok(()) => "closed by the worker".to_string(),
         Err(e) => format!("{e:#}"),
     };
@@ -57,17 +58,18 @@ pub async fn run(
 async fn session(
     link: LinkId,
     addr: &str,
+    dial: &Dial,
     token: &str,
     mut frames: mpsc::Receiver<Outbound>,
     events: &mpsc::Sender<Event>,
     pool: &BufferPool,
 ) -> Result<(), LinkError> {
-    let mut stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
+    // TCP and TLS: the worker proves its name before the token is sent.
+    let mut stream = tokio::time::timeout(CONNECT_TIMEOUT, dial.connect(addr))
         .await
         .map_err(|_| {
             LinkError::Protocol(format!("connect timed out after {CONNECT_TIMEOUT:?}"))
         })??;
-    stream.set_nodelay(true)?;
     let client = format!("stoker-client/{}", env!("CARGO_PKG_VERSION"));
     let welcome = match handshake(&mut stream, token, &client, CONNECT_TIMEOUT).await {
         Ok(w) => w,
@@ -80,7 +82,7 @@ async fn session(
     if events.send(Event::Up { link, welcome }).await.is_err() {
         return Ok(());
     }
-    let (mut rd, mut wr) = stream.into_split();
+    let (mut rd, mut wr) = tokio::io::split(stream);
     let writer = async move {
         while let Some(frame) = frames.recv().await {
             match frame {

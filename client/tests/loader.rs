@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
-use stoker_client::{Depth, Discovery, HedgePolicy, Loader, LoaderConfig, LoaderState};
+use stoker_client::{Depth, Dial, Discovery, HedgePolicy, Loader, LoaderConfig, LoaderState};
 use stoker_config::WorkerConfig;
 use stoker_testkit::embedded_s3::{EmbeddedS3, Faults, StoreBehaviour};
 use stoker_testkit::http;
@@ -113,6 +113,7 @@ fn worker(f: &Fixture) -> TestWorker {
 fn config(workers: &[&TestWorker], rank: u32, world: u32) -> LoaderConfig {
     let list = workers.iter().map(|w| w.addr.clone()).collect();
     let mut c = LoaderConfig::new(Discovery::Static(list), rank, world);
+    c.dial = Some(Dial::InsecurePlaintext); // in-process servers
     c.token = TOKEN.into();
     c.no_worker_timeout = Duration::from_secs(10);
     c

@@ -752,6 +752,24 @@ pub struct Serving {
     /// Run without a token (only on a trusted, local network).
     #[cfg_attr(feature = "clap", arg(long))]
     pub no_auth: bool,
+    /// The worker's TLS certificate chain (PEM), for the names ranks dial [default:
+    /// $STOKER_TLS_CERT].
+    #[cfg_attr(
+        feature = "clap",
+        arg(long, env = "STOKER_TLS_CERT", requires = "tls_key")
+    )]
+    pub tls_cert: Option<String>,
+    /// The private key of --tls-cert (PEM) [default: $STOKER_TLS_KEY].
+    #[cfg_attr(
+        feature = "clap",
+        arg(long, env = "STOKER_TLS_KEY", requires = "tls_cert")
+    )]
+    pub tls_key: Option<String>,
+    /// Serve without TLS, whatever certificate is configured: the token travels in the clear
+    /// and nothing proves to a rank that it talks to this worker (only on a trusted, local
+    /// network; docs/security.md).
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub insecure_plaintext: bool,
     #[cfg_attr(feature = "clap", command(flatten))]
     pub limits: ServingLimits,
     /// Samples being prepared at once, across connections: with --max-worker-bytes, the
@@ -777,6 +795,9 @@ impl Default for Serving {
             metrics_listen: "0.0.0.0:9090".into(),
             token_file: None,
             no_auth: false,
+            tls_cert: None,
+            tls_key: None,
+            insecure_plaintext: false,
             limits: ServingLimits::default(),
             max_inflight_samples: None,
             pipeline: "default".into(),
@@ -926,6 +947,9 @@ impl Serving {
         a.value("metrics-listen", &self.metrics_listen);
         a.optional("token-file", self.token_file.as_ref());
         a.switch("no-auth", self.no_auth);
+        a.optional("tls-cert", self.tls_cert.as_ref());
+        a.optional("tls-key", self.tls_key.as_ref());
+        a.switch("insecure-plaintext", self.insecure_plaintext);
         self.limits.write_args(a);
         a.optional("max-inflight-samples", self.max_inflight_samples);
         a.value("pipeline", &self.pipeline);
@@ -1022,6 +1046,9 @@ mod tests {
                 metrics_listen: "127.0.0.1:2".into(),
                 token_file: Some("/var/run/stoker/token".into()),
                 no_auth: false,
+                tls_cert: Some("/var/run/stoker/tls/tls.crt".into()),
+                tls_key: Some("/var/run/stoker/tls/tls.key".into()),
+                insecure_plaintext: false,
                 limits: ServingLimits {
                     max_inflight_per_conn: 3,
                     max_connections: 5,
@@ -1053,15 +1080,18 @@ mod tests {
     fn to_args_parses_back_to_the_same_configuration() {
         let c = everything_set();
         assert_eq!(parse(&c.to_args()), c);
-        let no_auth = WorkerConfig {
+        let plain = WorkerConfig {
             serving: Serving {
                 token_file: None,
                 no_auth: true,
+                tls_cert: None,
+                tls_key: None,
+                insecure_plaintext: true,
                 ..c.serving.clone()
             },
             ..c
         };
-        assert_eq!(parse(&no_auth.to_args()), no_auth);
+        assert_eq!(parse(&plain.to_args()), plain);
     }
 
     #[test]

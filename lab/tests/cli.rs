@@ -1,13 +1,15 @@
 //! The `stoker` binary end to end: dataset commands against the embedded S3 server, and a
-//! worker process that serves, reports health, and drains on SIGTERM.
+//! worker process that serves over TLS, reports health, and drains on SIGTERM.
 
 use std::io::Write;
 use std::process::Command;
 use std::time::Duration;
+use stoker_client::Dial;
 use stoker_config::WorkerConfig;
 use stoker_testkit::embedded_s3::EmbeddedS3;
 use stoker_testkit::http;
 use stoker_testkit::local_worker::{write_sample_lengths, LocalWorker};
+use stoker_testkit::tls::serve_tls;
 use stoker_worker::connection::{Answer, Connection};
 use stoker_worker::dataset::lengths::SampleLengths;
 
@@ -24,7 +26,8 @@ fn stoker(s3: &EmbeddedS3, args: &[&str]) -> std::process::Output {
         .expect("run stoker")
 }
 
-fn spawn_worker(s3: &EmbeddedS3, token_file: &std::path::Path) -> LocalWorker {
+/// A worker with a token, serving TLS with a certificate for 127.0.0.1; how to dial it.
+fn spawn_worker(s3: &EmbeddedS3, token_file: &std::path::Path) -> (LocalWorker, Dial) {
     let mut cfg = WorkerConfig {
         data: "s3://bucket/data".into(),
         ..WorkerConfig::default()
@@ -32,7 +35,10 @@ fn spawn_worker(s3: &EmbeddedS3, token_file: &std::path::Path) -> LocalWorker {
     cfg.s3.path_style = true;
     cfg.sampling.global_batch_size = 6;
     cfg.serving.token_file = Some(token_file.display().to_string());
-    LocalWorker::spawn(STOKER.as_ref(), &cfg, &s3.env()).unwrap()
+    let tls_dir = token_file.with_file_name("tls");
+    let trust = serve_tls(&tls_dir, &["127.0.0.1"], &mut cfg).unwrap();
+    let w = LocalWorker::spawn(STOKER.as_ref(), &cfg, &s3.env()).unwrap();
+    (w, Dial::Tls(trust))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -186,11 +192,14 @@ async fn dataset_commands_and_worker_lifecycle_over_s3() {
 
     let token_file = root.path().join("token");
     std::fs::write(&token_file, "s3cret\n").unwrap();
-    let mut w = spawn_worker(&s3, &token_file);
+    let (mut w, dial) = spawn_worker(&s3, &token_file);
     assert_eq!(http::get(&w.metrics_addr, "/healthz").unwrap().status, 200);
     w.wait_ready(Duration::from_secs(30)).unwrap();
 
-    let mut conn = Connection::open(&w.addr, "s3cret").await.unwrap().unwrap();
+    let mut conn = Connection::open_with(&dial, &w.addr, "s3cret")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(conn.welcome.num_samples, 12);
     let req = conn.request(1, 0, 0, 0, 1);
     conn.send(&req).await.unwrap();
@@ -281,6 +290,7 @@ async fn balanced_ranks_need_the_datasets_lengths_and_keep_every_global_batch() 
         };
         cfg.s3.path_style = true;
         cfg.serving.no_auth = true;
+        cfg.serving.insecure_plaintext = true;
         cfg.sampling.global_batch_size = 8;
         cfg.sampling.balance_ranks = balance;
         cfg
@@ -415,6 +425,7 @@ async fn a_mix_serves_each_dataset_by_weight_and_counts_it() {
     };
     cfg.s3.path_style = true;
     cfg.serving.no_auth = true;
+    cfg.serving.insecure_plaintext = true;
     cfg.sampling.global_batch_size = 8;
     cfg.sampling.mix = vec!["s3://bucket/sft/vqa=1".parse().unwrap()];
     let worker = LocalWorker::spawn(STOKER.as_ref(), &cfg, &s3.env()).unwrap();

@@ -1,5 +1,5 @@
-//! The trainer client against real `stoker worker` processes: workers SIGKILLed at random
-//! moments during an epoch (and replaced, as a Deployment would) cost neither a sample nor a
+//! The trainer client against real `stoker worker` processes over TLS: workers SIGKILLed at
+//! random moments during an epoch (and replaced, as a Deployment would) cost neither a sample nor a
 //! duplicate, with plain or token-shaped plans (balanced ranks, length buckets, packs: each
 //! delivered pack holds the plan's samples); and
 //! `stoker-lab demo` prints its ablation.
@@ -9,13 +9,14 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use stoker_client::{Depth, Discovery, Loader, LoaderConfig, WorkerSet};
+use stoker_client::{Depth, Dial, Discovery, Loader, LoaderConfig, WorkerSet};
 use stoker_config::WorkerConfig;
 use stoker_control::exposition::metric_value;
 use stoker_testkit::embedded_s3::EmbeddedS3;
 use stoker_testkit::http;
 use stoker_testkit::local_worker::{write_sample_lengths, LocalWorker};
 use stoker_testkit::synth::{generate, SynthFormat, SynthOptions};
+use stoker_testkit::tls::serve_tls;
 use stoker_worker::dataset::lengths::SampleLengths;
 use stoker_worker::plan::{Plan, Shaping};
 
@@ -84,6 +85,8 @@ fn kills_lose_and_duplicate_no_sample(shaping: Shaping) {
     cfg.sampling.global_batch_size = GLOBAL_BATCH;
     cfg.concurrency.cpu_threads = Some(1);
     cfg.serving.token_file = Some(token.display().to_string());
+    // Over TLS, as on Kubernetes: every worker proves it is 127.0.0.1 before the token goes.
+    let tls = serve_tls(&root.path().join("tls"), &["127.0.0.1"], &mut cfg).unwrap();
     cfg.sampling.balance_ranks = shaping.balance_ranks;
     cfg.sampling.bucket_by_length = shaping.bucket_by_length;
     cfg.sampling.pack_max_tokens = shaping.pack_max_tokens;
@@ -109,6 +112,7 @@ fn kills_lose_and_duplicate_no_sample(shaping: Shaping) {
     let ranks: Vec<_> = (0..WORLD)
         .map(|rank| {
             let mut cfg = LoaderConfig::new(Discovery::Watch(set_rx.clone()), rank, WORLD);
+            cfg.dial = Some(Dial::Tls(tls.clone()));
             cfg.token = "kill-test".into();
             cfg.depth = Depth::Fixed(4);
             let mut loader = Loader::new(cfg).unwrap();
@@ -228,6 +232,7 @@ fn many_ranks_in_lock_step_on_few_connection_slots_get_exactly_their_batches() {
     cfg.sampling.global_batch_size = GLOBAL;
     cfg.concurrency.cpu_threads = Some(1);
     cfg.serving.no_auth = true;
+    cfg.serving.insecure_plaintext = true;
     cfg.serving.limits.max_connections = SLOTS;
     let env = s3.env();
     let spawn = move || LocalWorker::spawn(STOKER.as_ref(), &cfg, &env);
@@ -246,6 +251,7 @@ fn many_ranks_in_lock_step_on_few_connection_slots_get_exactly_their_batches() {
             let barrier = barrier.clone();
             std::thread::spawn(move || {
                 let mut cfg = LoaderConfig::new(Discovery::Watch(set_rx), rank, RANKS);
+                cfg.dial = Some(Dial::InsecurePlaintext);
                 cfg.depth = Depth::Fixed(2);
                 let fail = |e: stoker_client::Error| -> ! {
                     // The other ranks and the controller wait at the barrier for this one:

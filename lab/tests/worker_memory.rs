@@ -98,6 +98,7 @@ fn a_worker_under_its_worst_inputs_stays_within_its_memory_formula() {
     cfg.sampling.global_batch_size = GLOBAL_BATCH;
     cfg.concurrency.cpu_threads = Some(2);
     cfg.serving.no_auth = true;
+    cfg.serving.insecure_plaintext = true;
     cfg.serving.max_inflight_samples = Some(INFLIGHT);
     cfg.serving.limits.max_worker_bytes = BUDGET;
     cfg.serving.limits.send_timeout_s = 3600;

@@ -88,6 +88,9 @@ pub fn worker_config(p: &Valid) -> WorkerConfig {
             listen: format!("0.0.0.0:{BATCH_PORT}"),
             metrics_listen: format!("0.0.0.0:{METRICS_PORT}"),
             token_file: Some(format!("{TOKEN_DIR}/token")),
+            // The operator issues no certificates yet: its workers serve plaintext, said so by
+            // name (docs/security.md).
+            insecure_plaintext: true,
             pipeline: dp.name_any(),
             drain_timeout_s: DRAIN_SECONDS as u64,
             limits: s.serving.clone(),

@@ -11,8 +11,8 @@ use std::os::raw::{c_int, c_void};
 use std::sync::Arc;
 use std::time::Duration;
 use stoker_client::{
-    normalize_pixels, AlignedBuf, Depth, Discovery, HedgePolicy, LoaderConfig, LoaderState,
-    PixelLut, PixelOut,
+    ca_from_env, normalize_pixels, AlignedBuf, ClientTls, Depth, Dial, Discovery, HedgePolicy,
+    LoaderConfig, LoaderState, PixelLut, PixelOut, TlsError,
 };
 
 /// The memory of one batch, exported through the buffer protocol: numpy arrays made with
@@ -65,6 +65,37 @@ impl Payload {
     unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
 }
 
+/// How the loader dials: plaintext when asked for (and then nothing of TLS may be given),
+/// TLS trusting `tls_ca`, else TLS trusting $STOKER_TLS_CA (the client crate's default).
+fn dial(
+    tls_ca: Option<String>,
+    server_name: Option<String>,
+    insecure_plaintext: bool,
+) -> PyResult<Option<Dial>> {
+    let tls_error = |e: TlsError| ConfigError::new_err(e.to_string());
+    if insecure_plaintext {
+        if tls_ca.is_some() || server_name.is_some() {
+            return Err(ConfigError::new_err(
+                "insecure_plaintext=True dials without TLS: tls_ca and tls_server_name would \
+                 not be used",
+            ));
+        }
+        return Ok(Some(Dial::InsecurePlaintext));
+    }
+    let tls = match tls_ca {
+        Some(path) => Some(ClientTls::from_ca_file(path).map_err(tls_error)?),
+        None => ca_from_env().map_err(py_error)?,
+    };
+    // Neither: the loader says what is missing.
+    let Some(mut tls) = tls else {
+        return Ok(None);
+    };
+    if let Some(name) = server_name {
+        tls = tls.with_server_name(&name).map_err(tls_error)?;
+    }
+    Ok(Some(Dial::Tls(tls)))
+}
+
 /// The trainer client (see `stoker.Loader` for the documented Python API).
 #[pyclass(module = "stoker._native")]
 struct NativeLoader {
@@ -74,13 +105,16 @@ struct NativeLoader {
 #[pymethods]
 impl NativeLoader {
     #[new]
-    #[pyo3(signature = (workers, rank, world_size, token, prefetch, max_prefetch, hedge, metrics_addr, pipeline, no_worker_timeout_s, request_timeout_s, state))]
+    #[pyo3(signature = (workers, rank, world_size, tls_ca, tls_server_name, insecure_plaintext, token, prefetch, max_prefetch, hedge, metrics_addr, pipeline, no_worker_timeout_s, request_timeout_s, state))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         workers: &str,
         rank: u32,
         world_size: u32,
+        tls_ca: Option<String>,
+        tls_server_name: Option<String>,
+        insecure_plaintext: bool,
         token: String,
         prefetch: Option<usize>,
         max_prefetch: usize,
@@ -93,6 +127,7 @@ impl NativeLoader {
     ) -> PyResult<Self> {
         let discovery = Discovery::parse(workers).map_err(py_error)?;
         let mut cfg = LoaderConfig::new(discovery, rank, world_size);
+        cfg.dial = dial(tls_ca, tls_server_name, insecure_plaintext)?;
         cfg.token = token;
         cfg.depth = match prefetch {
             Some(0) => Depth::OnDemand,

@@ -476,6 +476,15 @@ class Loader:
             lists every ready worker pod), or ``"HOST:PORT,HOST:PORT"``, or a list of those.
         rank, world_size: this process's data-parallel rank; default from ``RANK`` /
             ``WORLD_SIZE`` (torchrun sets them), else 0 / 1.
+        tls_ca: the CA bundle (PEM file) that signed the workers' certificates; default
+            ``$STOKER_TLS_CA`` (on Kubernetes, the pipeline's CA Secret mounted in the trainer).
+            Each worker must prove its name before the token is sent: the ``dns:`` name, else
+            the host dialled, else ``tls_server_name``.
+        tls_server_name: the name every worker's certificate must hold, whatever address is
+            dialled.
+        insecure_plaintext: dial workers run with ``--insecure-plaintext`` without TLS: the
+            token travels in the clear and anything that listens at a worker's address can
+            serve batches (docs/security.md). Without it and without a CA bundle, ``ConfigError``.
         token: the pipeline token; default ``$STOKER_TOKEN``, else none (workers run with
             ``--no-auth``).
         prefetch: batches kept requested ahead; ``None`` adapts to latency and your step
@@ -500,6 +509,9 @@ class Loader:
         *,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
+        tls_ca: Optional[str] = None,
+        tls_server_name: Optional[str] = None,
+        insecure_plaintext: bool = False,
         token: Optional[str] = None,
         prefetch: Optional[int] = None,
         max_prefetch: int = 16,
@@ -522,6 +534,9 @@ class Loader:
             workers,
             rank,
             world_size,
+            None if tls_ca is None else os.fspath(tls_ca),
+            tls_server_name,
+            insecure_plaintext,
             token,
             prefetch,
             max_prefetch,

@@ -1,6 +1,7 @@
 """The Python package against real workers: zero-copy views, order, resume, wait accounting."""
 
 import hashlib
+import os
 import subprocess
 import threading
 import time
@@ -159,6 +160,34 @@ def test_wrong_token_is_refused_with_the_reason(worker):
     with pytest.raises(stoker.ConfigError, match="rank 3"):
         stoker.Loader(w.addr, token="right", rank=3, world_size=2)
     assert next(stoker.Loader(w.addr, token="right")).sample_ids
+
+
+def test_workers_prove_their_name_and_plaintext_is_asked_for_by_name(worker, tmp_path, monkeypatch):
+    # The fixtures' workers serve TLS (conftest: STOKER_TLS_CERT/KEY), loaders trust
+    # $STOKER_TLS_CA; a CA bundle given by path works the same.
+    w = worker()
+    ca = os.environ["STOKER_TLS_CA"]
+    assert next(stoker.Loader(w.addr, tls_ca=ca)).sample_ids
+    # A worker whose certificate another CA signed is not trusted: the reason names it.
+    other = tmp_path / "other"
+    subprocess.run([stoker_bin(), "certs", "--name", "127.0.0.1", "--out", str(other)], check=True,
+                   capture_output=True)
+    with pytest.raises(stoker.NoWorker, match="UnknownIssuer"):
+        stoker.Loader(w.addr, tls_ca=str(other / "ca.crt"), no_worker_timeout_s=2.0)
+    # ...nor one dialled by a name its certificate does not hold.
+    with pytest.raises(stoker.NoWorker, match="not valid for name"):
+        stoker.Loader(w.addr, tls_server_name="elsewhere.example", no_worker_timeout_s=2.0)
+
+    # Plaintext only when both ends ask for it.
+    plain = worker("--insecure-plaintext")
+    assert next(stoker.Loader(plain.addr, insecure_plaintext=True)).sample_ids
+    with pytest.raises(stoker.NoWorker):
+        stoker.Loader(plain.addr, no_worker_timeout_s=2.0)
+    with pytest.raises(stoker.ConfigError, match="insecure_plaintext"):
+        stoker.Loader(plain.addr, insecure_plaintext=True, tls_ca=ca)
+    monkeypatch.delenv("STOKER_TLS_CA")
+    with pytest.raises(stoker.ConfigError, match="no CA bundle"):
+        stoker.Loader(w.addr)
 
 
 def test_torch_adapter_shares_memory(worker, torch):

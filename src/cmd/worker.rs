@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 use stoker_config::WorkerConfig;
+use stoker_tls::{Serve, ServerTls};
 use stoker_worker::metrics::{serve_http, Metrics};
 use stoker_worker::open::open_pipeline;
 use stoker_worker::server::{Server, ServerConfig};
@@ -24,9 +25,39 @@ fn load_token(a: &stoker_config::Serving) -> anyhow::Result<Option<String>> {
     Ok(Some(token))
 }
 
+/// TLS with --tls-cert/--tls-key, plaintext only with --insecure-plaintext (which wins over
+/// certificates from the environment: the flag is the explicit word).
+fn load_transport(a: &stoker_config::Serving) -> anyhow::Result<Serve> {
+    if a.insecure_plaintext {
+        tracing::warn!(
+            "serving without TLS (--insecure-plaintext{}): tokens travel in the clear and ranks \
+             cannot tell this worker from an impostor",
+            if a.tls_cert.is_some() {
+                ", the TLS certificate unused"
+            } else {
+                ""
+            }
+        );
+        return Ok(Serve::InsecurePlaintext);
+    }
+    match (&a.tls_cert, &a.tls_key) {
+        (Some(cert), Some(key)) => {
+            let tls = ServerTls::from_files(cert, key)?;
+            tracing::info!("serving TLS with the certificate {cert}");
+            Ok(Serve::Tls(tls))
+        }
+        _ => anyhow::bail!(
+            "no TLS certificate: pass --tls-cert and --tls-key (or STOKER_TLS_CERT and \
+             STOKER_TLS_KEY; `stoker certs` makes them), or --insecure-plaintext on a trusted \
+             network (docs/security.md)"
+        ),
+    }
+}
+
 pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
     let a = &cfg.serving;
     let token = load_token(a)?;
+    let transport = load_transport(a)?;
     let metrics = Metrics::for_pipeline(&a.pipeline);
     // Health first: liveness holds while the index loads; readiness waits for the server.
     let http = tokio::net::TcpListener::bind(&a.metrics_listen).await?;
@@ -40,6 +71,7 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
     let server = Server::new(
         pipeline,
         ServerConfig {
+            transport,
             token,
             max_inflight_per_conn: a.limits.max_inflight_per_conn as usize,
             max_connections: a.limits.max_connections as usize,

@@ -1,6 +1,6 @@
 //! What Stoker's demo, benchmarks and tests run against, kept out of the data-plane library:
 //! an S3-compatible server in-process, a synthetic VLM dataset, `stoker worker` as a child
-//! process, and the one plain-HTTP GET they scrape metrics with.
+//! process, certificates for it, and the one plain-HTTP GET they scrape metrics with.
 
 #![forbid(unsafe_code)]
 
@@ -9,3 +9,4 @@ pub mod embedded_s3;
 pub mod http;
 pub mod local_worker;
 pub mod synth;
+pub mod tls;

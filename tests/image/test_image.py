@@ -1,5 +1,5 @@
 """The image scripts/build-image.sh builds: started with podman (runc, cgroupfs, read-only
-root, non-root user), `stoker worker` inside it serves a real client outside it."""
+root, non-root user), `stoker worker` inside it serves a real client outside it over TLS."""
 
 import os
 import pathlib
@@ -49,7 +49,7 @@ def image() -> str:
 
 @pytest.fixture(scope="module")
 def shared_dirs():
-    """A dataset and the tokenizer, readable by the image's non-root user."""
+    """A dataset, the tokenizer and TLS certificates, readable by the image's non-root user."""
     root = pathlib.Path(tempfile.mkdtemp(prefix="stoker-image-"))
     stoker = os.environ.get("STOKER_BIN", str(REPO / "target" / "release" / "stoker"))
     data = root / "data"
@@ -59,19 +59,23 @@ def shared_dirs():
                    check=True, capture_output=True)
     tok = root / "tokenizer"
     shutil.copytree(os.environ.get("STOKER_TOKENIZER", CACHE / "qwen-tokenizer"), tok)
+    tls = root / "tls"
+    subprocess.run([stoker, "certs", "--name", "127.0.0.1", "--out", str(tls)], check=True,
+                   capture_output=True)
     subprocess.run(["chmod", "-R", "a+rX", str(root)], check=True)
-    yield data, tok
+    yield data, tok, tls
     shutil.rmtree(root, ignore_errors=True)
 
 
 def test_a_worker_in_the_image_serves_a_client_outside_it(image, shared_dirs):
     import stoker
 
-    data, tok = shared_dirs
+    data, tok, tls = shared_dirs
     port, metrics = free_port(), free_port()
     name = f"stoker-image-test-{os.getpid()}"
     podman("run", "-d", "--name", name, "--network", "host", "--read-only",
            "--tmpfs", "/tmp", "-v", f"{data}:/data:ro", "-v", f"{tok}:/tokenizer:ro",
+           "-v", f"{tls}:/tls:ro", "-e", "STOKER_TLS_CERT=/tls/tls.crt", "-e", "STOKER_TLS_KEY=/tls/tls.key",
            "-e", "STOKER_TOKEN=image-test", image,
            "worker", "--data", "/data", "--tokenizer", "/tokenizer",
            "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{metrics}",
@@ -91,7 +95,8 @@ def test_a_worker_in_the_image_serves_a_client_outside_it(image, shared_dirs):
                 logs = podman("logs", name, check=False)
                 pytest.fail(f"worker in the image never ready: {logs.stdout}{logs.stderr}")
             time.sleep(0.5)
-        loader = stoker.Loader(f"127.0.0.1:{port}", rank=0, world_size=1, token="image-test")
+        loader = stoker.Loader(f"127.0.0.1:{port}", rank=0, world_size=1, token="image-test",
+                               tls_ca=str(tls / "ca.crt"))
         batch = next(iter(loader))
         assert len(batch.sample_ids) == 8
         assert batch.tensors["pixel_values"].shape[0] > 0

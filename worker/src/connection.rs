@@ -3,9 +3,9 @@
 //! adds discovery, retries and hedging on top of the same frames.
 
 use std::time::Duration;
+use stoker_tls::{Dial, Stream};
 use stoker_wire::io::{handshake, read_frame, read_frame_into, write_frame, HandshakeError};
 use stoker_wire::{BatchHead, BatchRequest, Cancel, ErrorFrame, Kind, Welcome, MAX_PAYLOAD};
-use tokio::net::TcpStream;
 
 /// A worker answers a Hello at once; this only bounds a peer that never does.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -17,15 +17,28 @@ pub enum Answer {
 }
 
 pub struct Connection {
-    stream: TcpStream,
+    stream: Stream,
     pub welcome: Welcome,
 }
 
 impl Connection {
-    /// Connects and authenticates; a refusal comes back as the worker's error frame.
+    /// Connects in plaintext (a worker run with --insecure-plaintext, or an in-process
+    /// server) and authenticates; a refusal comes back as the worker's error frame.
     pub async fn open(addr: &str, token: &str) -> anyhow::Result<Result<Connection, ErrorFrame>> {
-        let mut stream = TcpStream::connect(addr).await?;
-        stream.set_nodelay(true)?;
+        Self::open_with(&Dial::InsecurePlaintext, addr, token).await
+    }
+
+    /// [`Connection::open`], dialled as `dial` says (TLS checks the worker's name before the
+    /// token is sent).
+    pub async fn open_with(
+        dial: &Dial,
+        addr: &str,
+        token: &str,
+    ) -> anyhow::Result<Result<Connection, ErrorFrame>> {
+        let mut stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, dial.connect(addr))
+            .await
+            .map_err(|_| anyhow::anyhow!("{addr}: no connection within {HANDSHAKE_TIMEOUT:?}"))?
+            .map_err(|e| anyhow::anyhow!("{addr}: {e}"))?;
         let client = format!("stoker/{}", env!("CARGO_PKG_VERSION"));
         match handshake(&mut stream, token, &client, HANDSHAKE_TIMEOUT).await {
             Ok(welcome) => Ok(Ok(Connection { stream, welcome })),

@@ -116,6 +116,7 @@ stoker_wire::label_set! {
         ConnectionLimit => "connection_limit",
         Idle => "idle",
         Stalled => "stalled",
+        Tls => "tls",
     }
 }
 

@@ -1,6 +1,7 @@
 //! The batch server: a framed TCP protocol (docs/protocol.md).
 //!
-//! A connection starts with the client's Hello (the pipeline token) and the worker's Welcome
+//! A connection starts with the TLS handshake (unless the worker serves plaintext, asked for by
+//! name), then the client's Hello (the pipeline token) and the worker's Welcome
 //! (the plan it serves). Then the client pipelines Requests; each is prepared as its own task
 //! and its Batch (or Error) is written as soon as it is ready, so answers may come out of
 //! order (they echo the request id). Per connection at most `max_inflight_per_conn` requests
@@ -19,14 +20,15 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use stoker_tls::{Serve, Stream};
 use stoker_wire::io::{read_frame, write_frame, ReadError};
 use stoker_wire::{BatchRequest, Cancel, ErrorCode, ErrorFrame, Hello, Kind, Welcome, WireError};
-use tokio::io::{AsyncWriteExt, BufWriter};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::{AbortHandle, JoinError, JoinSet};
 
+/// Bounds the TLS handshake, and then the Hello, of every connection.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// The largest Hello accepted (a token and a client name), before authentication.
 pub const MAX_HELLO_BYTES: u64 = 4 << 10;
@@ -40,6 +42,9 @@ const OUTBOX_CAPACITY: usize = 4;
 pub const READ_AHEAD: usize = 256;
 
 pub struct ServerConfig {
+    /// TLS with the worker's certificate, or plaintext (`stoker worker` serves plaintext only
+    /// when given --insecure-plaintext).
+    pub transport: Serve,
     /// The pipeline token clients must present; `None` disables the check (local use only).
     pub token: Option<String>,
     pub max_inflight_per_conn: usize,
@@ -64,10 +69,12 @@ pub struct ServerConfig {
 }
 
 impl Default for ServerConfig {
-    /// The worker command's defaults (an authenticated server needs `token` set).
+    /// The worker command's limits, in plaintext and without a token (in-process tests; the
+    /// worker command sets `transport` and `token`).
     fn default() -> Self {
         let d = stoker_config::ServingLimits::default();
         ServerConfig {
+            transport: Serve::InsecurePlaintext,
             token: None,
             max_inflight_per_conn: d.max_inflight_per_conn as usize,
             max_connections: d.max_connections as usize,
@@ -309,9 +316,17 @@ impl Server {
         }
     }
 
-    /// Serves one connection within the connection limit; over it, the peer gets an Error
-    /// frame (Unavailable) naming the limit, and the refusal is counted.
-    async fn admit(self: Arc<Self>, mut stream: TcpStream, peer: std::net::SocketAddr) {
+    /// Serves one connection within the connection limit, after its TLS handshake; over the
+    /// limit, the peer gets an Error frame (Unavailable) naming it, and the refusal is counted.
+    async fn admit(self: Arc<Self>, tcp: TcpStream, peer: std::net::SocketAddr) {
+        let mut stream = match self.secure(tcp).await {
+            Ok(s) => s,
+            Err(e) => {
+                self.refuse(RefusalReason::Tls);
+                tracing::debug!("connection from {peer}: {e}");
+                return;
+            }
+        };
         let Ok(slot) = self.connections.clone().try_acquire_owned() else {
             self.refuse(RefusalReason::ConnectionLimit);
             let e = connection_error(
@@ -322,6 +337,7 @@ impl Server {
                 ),
             );
             let _ = write_frame(&mut stream, Kind::Error, &e.encode()).await;
+            self.close(&mut stream).await;
             return;
         };
         let open = self.pipeline.metrics.connections.clone();
@@ -333,13 +349,24 @@ impl Server {
         drop(slot);
     }
 
-    async fn handle(self: Arc<Self>, stream: TcpStream) -> anyhow::Result<()> {
-        stream.set_nodelay(true)?;
-        let (mut rd, wr) = stream.into_split();
+    /// The TLS handshake (none in plaintext), within [`HELLO_TIMEOUT`].
+    async fn secure(&self, tcp: TcpStream) -> std::io::Result<Stream> {
+        tcp.set_nodelay(true)?;
+        match tokio::time::timeout(HELLO_TIMEOUT, self.config.transport.accept(tcp)).await {
+            Ok(r) => r.map_err(|e| std::io::Error::new(e.kind(), format!("TLS handshake: {e}"))),
+            Err(_) => Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no TLS handshake within {HELLO_TIMEOUT:?}"),
+            )),
+        }
+    }
+
+    async fn handle(self: Arc<Self>, stream: Stream) -> anyhow::Result<()> {
+        let (mut rd, wr) = tokio::io::split(stream);
         let mut wr = BufWriter::with_capacity(64 << 10, wr);
         if let Err(refusal) = self.handshake(&mut rd).await {
             write_frame(&mut wr, Kind::Error, &refusal.encode()).await?;
-            wr.flush().await?;
+            self.close(&mut wr).await;
             return Ok(());
         }
         write_frame(&mut wr, Kind::Welcome, &self.welcome.encode()).await?;
@@ -356,7 +383,7 @@ impl Server {
 
     /// Reads the client's Hello (bounded in size and time) and checks its token; the Error
     /// frame to send back when the client is refused.
-    async fn handshake(&self, rd: &mut OwnedReadHalf) -> Result<(), ErrorFrame> {
+    async fn handshake(&self, rd: &mut ReadHalf<Stream>) -> Result<(), ErrorFrame> {
         let hello = tokio::time::timeout(HELLO_TIMEOUT, read_frame(rd, MAX_HELLO_BYTES)).await;
         let no_hello = |why: String| (RefusalReason::NoHello, why);
         let hello = match hello {
@@ -395,7 +422,7 @@ impl Server {
     /// `send_timeout` while an answer waits loses the connection.
     async fn write_answers(
         self: Arc<Self>,
-        mut wr: BufWriter<Watched<OwnedWriteHalf>>,
+        mut wr: BufWriter<Watched<WriteHalf<Stream>>>,
         mut rx: mpsc::Receiver<Answer>,
         watch: Watch,
     ) -> anyhow::Result<()> {
@@ -413,12 +440,19 @@ impl Server {
                 }
             }
         }
+        self.close(&mut wr).await;
         Ok(())
+    }
+
+    /// Flushes and ends the connection with a FIN (TLS: close_notify first), so that the peer
+    /// reads the last frame before the socket closes; bounded by the send timeout.
+    async fn close<W: AsyncWrite + Unpin>(&self, w: &mut W) {
+        let _ = tokio::time::timeout(self.config.send_timeout, w.shutdown()).await;
     }
 
     async fn write_answer(
         &self,
-        wr: &mut BufWriter<Watched<OwnedWriteHalf>>,
+        wr: &mut BufWriter<Watched<WriteHalf<Stream>>>,
         out: Outgoing,
     ) -> std::io::Result<()> {
         let pixel_dtype = self.pipeline.pixel_dtype();
@@ -461,7 +495,7 @@ impl Server {
     /// Error frame naming it.
     async fn read_requests(
         self: &Arc<Self>,
-        rd: &mut OwnedReadHalf,
+        rd: &mut ReadHalf<Stream>,
         tx: mpsc::Sender<Answer>,
         memory: Arc<ConnMemory>,
     ) {

@@ -9,11 +9,13 @@ use clap::Subcommand;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
+use stoker_client::Dial;
 use stoker_config::{cache_root, Preprocessing, Serving, WorkerConfig};
 use stoker_testkit::embedded_s3::EmbeddedS3;
 use stoker_testkit::http;
 use stoker_testkit::local_worker::LocalWorker;
 use stoker_testkit::synth::{SynthFormat, SynthOptions};
+use stoker_testkit::tls::serve_tls;
 use stoker_worker::connection::Connection;
 use stoker_worker::dataset::sample::Conversation;
 use stoker_worker::preprocess::preset::Preset;
@@ -96,6 +98,10 @@ pub struct PreprocessBench {
     /// Where the dataset is cached [default: $STOKER_CACHE/bench, the cache defaulting to ~/.cache/stoker].
     #[arg(long)]
     cache: Option<PathBuf>,
+    /// Serve the batches over TLS (a fresh CA; the worker's certificate for 127.0.0.1), as
+    /// in production: the served row's CPU then includes the record layer's.
+    #[arg(long)]
+    tls: bool,
     /// Python with transformers (as installed by scripts/setup-test-deps.sh).
     #[arg(long)]
     python: Option<PathBuf>,
@@ -482,6 +488,7 @@ async fn served_pipeline(
         preprocessing: b.pre.clone(),
         serving: Serving {
             no_auth: true,
+            insecure_plaintext: true,
             ..Serving::default()
         },
         ..WorkerConfig::default()
@@ -489,6 +496,10 @@ async fn served_pipeline(
     config.s3.path_style = true;
     config.sampling.global_batch_size = global_batch_size;
     config.concurrency.cpu_threads = b.cpu_threads;
+    let dial = match b.tls {
+        true => Dial::Tls(serve_tls(&root.join("tls"), &["127.0.0.1"], &mut config)?),
+        false => Dial::InsecurePlaintext,
+    };
     let env = s3.env();
     let pin = b.pin_worker.clone();
     let worker = tokio::task::spawn_blocking(move || match pin {
@@ -501,7 +512,7 @@ async fn served_pipeline(
         worker.metrics_addr.clone(),
         worker.pid(),
     );
-    let mut conn = Connection::open(&addr, "")
+    let mut conn = Connection::open_with(&dial, &addr, "")
         .await?
         .map_err(|e| anyhow::anyhow!("{}", e.message))?;
     let batches = conn.welcome.batches_per_epoch;
@@ -540,9 +551,10 @@ async fn served_pipeline(
         wall_s: wall,
         cpu_s: cpu,
         note: format!(
-            "{batches} batches of {global_batch_size}, depth {}, {skipped} skipped; {requests} \
-             S3 requests ({:.2} per sample); {}worker stage means: {stages}",
+            "{batches} batches of {global_batch_size}, depth {}, {}, {skipped} skipped; \
+             {requests} S3 requests ({:.2} per sample); {}worker stage means: {stages}",
             b.depth,
+            if b.tls { "TLS" } else { "plaintext" },
             requests as f64 / samples.max(1) as f64,
             match &b.pin_worker {
                 Some(cpus) => format!("worker pinned to CPU {cpus}; "),

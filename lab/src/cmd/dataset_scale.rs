@@ -119,10 +119,11 @@ async fn measure(
         .stdout(std::process::Stdio::null());
     let (index_s, index_peak_kib) = run_measured(index)?;
     eprintln!("{binary} on {store}: starting a worker");
-    let config = WorkerConfig {
+    let mut config = WorkerConfig {
         data: uri.into(),
         ..WorkerConfig::default()
     };
+    config.serving.insecure_plaintext = true;
     let before = s3.map(EmbeddedS3::requests_received);
     let t = Instant::now();
     let worker = tokio::task::spawn_blocking({

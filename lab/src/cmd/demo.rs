@@ -28,7 +28,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use stoker_client::{Depth, Discovery, Loader, LoaderConfig, WorkerSet};
+use stoker_client::{Depth, Dial, Discovery, Loader, LoaderConfig, WorkerSet};
 use stoker_config::{cache_root, Concurrency, Preprocessing, Serving, WorkerConfig};
 use stoker_control::autoscale::{Autoscaler, Observation, RankCounters, Rule, Rules, Spec};
 use stoker_control::exposition::rank_counters;
@@ -273,6 +273,7 @@ fn worker_config(a: &DemoArgs, data: &str, serial: bool) -> WorkerConfig {
         },
         serving: Serving {
             no_auth: true,
+            insecure_plaintext: true,
             pipeline: PIPELINE.into(),
             ..Serving::default()
         },
@@ -365,6 +366,7 @@ fn run_stage(
     let mut metrics_addrs = Vec::new();
     for rank in 0..a.ranks {
         let mut cfg = LoaderConfig::new(Discovery::Watch(set_rx.clone()), rank, a.ranks);
+        cfg.dial = Some(Dial::InsecurePlaintext); // the demo's workers, on loopback
         cfg.depth = stage.depth;
         cfg.metrics_listen = Some("127.0.0.1:0".into());
         cfg.pipeline = PIPELINE.into();

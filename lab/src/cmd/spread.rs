@@ -357,6 +357,7 @@ fn one_run(
         preprocessing: a.pre.clone(),
         serving: Serving {
             no_auth: true,
+            insecure_plaintext: true,
             pipeline: "spread".into(),
             ..Serving::default()
         },
@@ -506,10 +507,11 @@ pub struct TrainerArgs {
 }
 
 pub fn trainer(a: TrainerArgs) -> anyhow::Result<()> {
-    use stoker_client::{Discovery, Loader, LoaderConfig};
+    use stoker_client::{Dial, Discovery, Loader, LoaderConfig};
     let ranks: Vec<_> = (0..a.ranks)
         .map(|rank| {
             let mut cfg = LoaderConfig::new(Discovery::parse(&a.workers)?, rank, a.ranks);
+            cfg.dial = Some(Dial::InsecurePlaintext); // the bench's plaintext workers
             cfg.no_worker_timeout = Duration::from_secs(20);
             let mut loader = Loader::new(cfg)?;
             let (step, warm, dur) = (

@@ -87,6 +87,7 @@ pub async fn start_worker(cfg: &WorkerConfig) -> Worker {
     let server = Server::new(
         pipeline,
         ServerConfig {
+            transport: stoker_tls::Serve::InsecurePlaintext,
             token: Some(TOKEN.into()),
             max_inflight_per_conn: limits.max_inflight_per_conn as usize,
             max_connections: limits.max_connections as usize,
