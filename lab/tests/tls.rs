@@ -16,7 +16,7 @@ use stoker_testkit::local_worker::LocalWorker;
 use stoker_testkit::synth::{generate, SynthFormat, SynthOptions};
 use stoker_testkit::tls::serve_tls;
 use stoker_tls::issue::Authority;
-use stoker_tls::ServerTls;
+use stoker_tls::{ClientTls, ServerTls};
 use stoker_worker::connection::Connection;
 use tokio::io::AsyncReadExt;
 
@@ -87,12 +87,20 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle)
 }
 
+/// A worker of `dataset` serving TLS with a certificate for `name`, and what a rank trusts.
+fn tls_worker(root: &std::path::Path, name: &str) -> (LocalWorker, ClientTls) {
+    let mut cfg = dataset(root);
+    let trust = serve_tls(&root.join("tls"), &[name], &mut cfg).unwrap();
+    (
+        LocalWorker::spawn(STOKER.as_ref(), &cfg, &[]).unwrap(),
+        trust,
+    )
+}
+
 #[test]
 fn impostors_beside_a_real_worker_never_receive_the_token() {
     let root = tempfile::tempdir().unwrap();
-    let mut cfg = dataset(root.path());
-    let trust = serve_tls(&root.path().join("tls"), &["127.0.0.1"], &mut cfg).unwrap();
-    let w = LocalWorker::spawn(STOKER.as_ref(), &cfg, &[]).unwrap();
+    let (w, trust) = tls_worker(root.path(), "127.0.0.1");
 
     let rt = tokio::runtime::Runtime::new().unwrap();
     let (plain_heard, tls_heard) = (Arc::default(), Arc::default());
@@ -132,9 +140,7 @@ fn impostors_beside_a_real_worker_never_receive_the_token() {
 #[test]
 fn a_worker_certificate_for_another_name_is_refused_by_name() {
     let root = tempfile::tempdir().unwrap();
-    let mut cfg = dataset(root.path());
-    let trust = serve_tls(&root.path().join("tls"), &["other.example"], &mut cfg).unwrap();
-    let w = LocalWorker::spawn(STOKER.as_ref(), &cfg, &[]).unwrap();
+    let (w, trust) = tls_worker(root.path(), "other.example");
     let mut c = LoaderConfig::new(Discovery::Static(vec![w.addr.clone()]), 0, 1);
     c.dial = Some(Dial::Tls(trust.clone()));
     c.token = TOKEN.into();
