@@ -1,9 +1,7 @@
 //! `stoker certs`: a CA and one worker certificate, for workers run without the operator (the
 //! operator issues its own per pipeline; docs/security.md).
 
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 use stoker_tls::issue::{unique_name, Authority};
 
@@ -23,26 +21,11 @@ pub struct CertsArgs {
     days: u64,
 }
 
-fn write(path: &Path, text: &str, mode: u32) -> anyhow::Result<()> {
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(mode)
-        .open(path)
-        .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
-    f.write_all(text.as_bytes())?;
-    Ok(())
-}
-
 pub fn run(a: CertsArgs) -> anyhow::Result<()> {
     let valid_for = Duration::from_secs(a.days.max(1) * 86_400);
     let ca = Authority::new(&unique_name("stoker workers CA"), valid_for)?;
     let worker = ca.issue(&a.names, valid_for)?;
-    std::fs::create_dir_all(&a.out)?;
-    write(&a.out.join("ca.crt"), ca.cert_pem(), 0o644)?;
-    write(&a.out.join("tls.crt"), &worker.cert_pem, 0o644)?;
-    write(&a.out.join("tls.key"), &worker.key_pem, 0o600)?;
+    ca.write_files(&a.out, &worker)?;
     println!(
         "{}: ca.crt (ranks trust it), tls.crt and tls.key (workers serve with them) for {}",
         a.out.display(),

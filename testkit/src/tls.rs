@@ -15,11 +15,7 @@ pub fn serve_tls(dir: &Path, names: &[&str], cfg: &mut WorkerConfig) -> anyhow::
     let ca = Authority::new(&unique_name("stoker test CA"), VALID_FOR)?;
     let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
     let worker = ca.issue(&names, VALID_FOR)?;
-    std::fs::create_dir_all(dir)?;
-    let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
-    std::fs::write(dir.join("ca.crt"), ca.cert_pem())?;
-    std::fs::write(&cert, &worker.cert_pem)?;
-    std::fs::write(&key, &worker.key_pem)?;
+    let (cert, key) = ca.write_files(dir, &worker)?;
     cfg.serving.tls_cert = Some(cert.display().to_string());
     cfg.serving.tls_key = Some(key.display().to_string());
     cfg.serving.insecure_plaintext = false;

@@ -87,6 +87,34 @@ impl Authority {
         self.issuer.key().serialize_pem()
     }
 
+    /// Writes this CA's certificate (`ca.crt`, what ranks trust) and `worker` (`tls.crt`, and
+    /// `tls.key` readable by its owner only) into `dir`; the certificate's and the key's paths.
+    pub fn write_files(
+        &self,
+        dir: &std::path::Path,
+        worker: &Issued,
+    ) -> std::io::Result<(std::path::PathBuf, std::path::PathBuf)> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let write = |name: &str, text: &str, mode: u32| {
+            let path = dir.join(name);
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(mode)
+                .open(&path)
+                .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+            f.write_all(text.as_bytes())?;
+            Ok::<_, std::io::Error>(path)
+        };
+        std::fs::create_dir_all(dir)?;
+        write("ca.crt", self.cert_pem(), 0o644)?;
+        let cert = write("tls.crt", &worker.cert_pem, 0o644)?;
+        let key = write("tls.key", &worker.key_pem, 0o600)?;
+        Ok((cert, key))
+    }
+
     /// A server certificate for `names` (DNS names or IP addresses), with a fresh key.
     pub fn issue(&self, names: &[String], valid_for: Duration) -> Result<Issued, TlsError> {
         let mut params =
