@@ -157,8 +157,7 @@ impl Loader {
         };
         if let Some(s) = state {
             // The scheduler already starts there; this validates and sets our side.
-            loader.check_state(&s)?;
-            loader.position = s.epoch * loader.identity.batches_per_epoch + s.next_batch;
+            loader.position = loader.check_state(&s)?;
             loader
                 .shared
                 .consumed
@@ -266,9 +265,7 @@ impl Loader {
 
     /// Continues from `state` (of this or any other world size: positions are global).
     pub fn load_state(&mut self, state: LoaderState) -> Result<()> {
-        self.check_state(&state)?;
-        let bpe = self.identity.batches_per_epoch;
-        self.position = state.epoch * bpe + state.next_batch;
+        self.position = self.check_state(&state)?;
         self.generation += 1;
         self.epoch_end_pending = false;
         self.shared.consumed.store(self.position, Ordering::Release);
@@ -280,7 +277,8 @@ impl Loader {
             .map_err(|_| Error::Internal("the loader's scheduler stopped".into()))
     }
 
-    fn check_state(&self, state: &LoaderState) -> Result<()> {
+    /// The global position `state` names, if it is one of this plan's.
+    fn check_state(&self, state: &LoaderState) -> Result<u64> {
         if state.plan_id != self.identity.plan_id {
             return Err(Error::PlanMismatch(format!(
                 "the state is for plan {:016x}, the workers serve plan {:016x} ({}): same dataset, seed, batch size and preprocessing are needed to resume",
@@ -294,7 +292,14 @@ impl Loader {
                 state.next_batch
             )));
         }
-        Ok(())
+        self.identity
+            .position(state.epoch, state.next_batch)
+            .ok_or_else(|| {
+                Error::PlanMismatch(format!(
+                    "the state names epoch {} of {bpe} batches: past the last position a loader counts",
+                    state.epoch
+                ))
+            })
     }
 
     pub fn stats(&self) -> WaitStats {

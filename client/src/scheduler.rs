@@ -681,7 +681,7 @@ impl Scheduler {
         let depth = self.depth();
         self.metrics.depth.set(depth as i64);
         let consumed = self.shared.consumed.load(Ordering::Acquire);
-        while self.next_issue < consumed + depth as u64 {
+        while self.next_issue < consumed.saturating_add(depth as u64) {
             self.pending.insert(self.next_issue, Pending::default());
             self.next_issue += 1;
         }
@@ -1121,7 +1121,9 @@ impl Scheduler {
         }
         if self.identity.is_none() {
             let (epoch, batch) = self.cfg.state.map_or((0, 0), |s| (s.epoch, s.next_batch));
-            self.next_issue = epoch * offered.batches_per_epoch + batch;
+            // A state past the last position is refused by the loader before it takes a
+            // batch (`check_state`); until then the scheduler must not overflow on it.
+            self.next_issue = offered.position(epoch, batch).unwrap_or(u64::MAX);
             self.next_deliver = self.next_issue;
             self.shared
                 .consumed
@@ -1242,7 +1244,7 @@ impl Scheduler {
     /// differ), if it does not.
     fn wrong_answer(&self, got: &BatchRequest, position: u64) -> Option<String> {
         let plan = self.identity.as_ref()?;
-        let bpe = plan.batches_per_epoch.max(1);
+        let bpe = plan.batches_per_epoch;
         let want = (
             plan.plan_id,
             position / bpe,

@@ -110,6 +110,13 @@ def test_resume_is_exact_and_keeps_global_order_on_another_world_size(worker, da
 
     with pytest.raises(stoker.PlanMismatch, match="plan"):
         loader.load_state_dict({**state, "plan_id": state["plan_id"] ^ 1})
+    # A state past the last position a loader counts (epoch x batches overflows) is refused
+    # by name, resumed or loaded.
+    past = {**state, "epoch": 2**64 - 1}
+    with pytest.raises(stoker.PlanMismatch, match="past the last position"):
+        loader.load_state_dict(past)
+    with pytest.raises(stoker.PlanMismatch, match="past the last position"):
+        stoker.Loader(w.addr, state=past)
 
 
 def test_wait_accounting_stats_and_metrics_endpoint(worker):

@@ -13,6 +13,9 @@ pub const ALIGN: usize = 64;
 pub const MAX_PAYLOAD: u64 = 8 << 30;
 /// Upper bound for control frames (everything but batches).
 pub const MAX_CONTROL_PAYLOAD: u64 = 1 << 20;
+/// Upper bound on the tensors of one batch (a worker sends at most ~16): a head naming more
+/// is refused before a table of them is built.
+pub const MAX_TENSORS: usize = 64;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum WireError {
@@ -155,7 +158,7 @@ impl Welcome {
     }
     pub fn decode(p: &[u8]) -> Result<Self, WireError> {
         let mut r = Reader::new(p);
-        Ok(Welcome {
+        let welcome = Welcome {
             plan_id: r.u64()?,
             dataset_version: r.u64()?,
             num_samples: r.u64()?,
@@ -164,7 +167,23 @@ impl Welcome {
             description: r.str16()?,
             max_connections: r.u32()?,
             links_per_rank: r.u32()?,
-        })
+        };
+        // Positions are epoch × batches_per_epoch + batch: a plan without batches has none.
+        if welcome.batches_per_epoch == 0 {
+            return Err(WireError::Invalid(format!(
+                "the worker's plan {:016x} has 0 batches per epoch",
+                welcome.plan_id
+            )));
+        }
+        Ok(welcome)
+    }
+
+    /// The global position of `batch` of `epoch`; None where it does not fit in a u64 (a
+    /// resume state of another plan, or a forged one).
+    pub fn position(&self, epoch: u64, batch: u64) -> Option<u64> {
+        epoch
+            .checked_mul(self.batches_per_epoch)?
+            .checked_add(batch)
     }
 
     /// Whether `other` serves the same plan, so that batches from either are interchangeable.
@@ -498,9 +517,19 @@ impl BatchHead {
             });
         }
         let n = r.count(20)?;
+        if n > MAX_TENSORS {
+            return Err(WireError::Invalid(format!(
+                "batch of {n} tensors exceeds the limit of {MAX_TENSORS}"
+            )));
+        }
         let mut tensors: Vec<TensorMeta> = Vec::with_capacity(n);
         for _ in 0..n {
             let name = r.str16()?;
+            // Tensors are looked up by name: a second one of a name would be unreachable, or
+            // taken in place of the first by a reader that scans from the end.
+            if tensors.iter().any(|t| t.name == name) {
+                return Err(WireError::Invalid(format!("tensor {name} appears twice")));
+            }
             let dtype = DType::from_u8(r.u8()?)?;
             let ndim = r.u8()? as usize;
             let shape = (0..ndim).map(|_| r.u64()).collect::<Result<Vec<_>, _>>()?;
@@ -750,5 +779,64 @@ mod tests {
         let mut r = request();
         r.rank = 4;
         assert!(BatchRequest::decode(&r.encode()).is_err());
+    }
+
+    fn tensors_named<'a>(names: &[&'a str], data: &'a [u8]) -> Vec<TensorRef<'a>> {
+        names
+            .iter()
+            .map(|name| TensorRef {
+                name,
+                dtype: DType::U8,
+                shape: vec![data.len() as u64],
+                chunks: vec![data],
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_batch_with_a_tensor_named_twice_is_refused_by_name() {
+        let data = [1u8; 8];
+        let tensors = tensors_named(&["input_ids", "labels", "input_ids"], &data);
+        let payload = encode_batch(request(), vec![1], vec![], &tensors);
+        assert_eq!(
+            BatchHead::decode(&payload, payload.len() as u64),
+            Err(WireError::Invalid("tensor input_ids appears twice".into()))
+        );
+    }
+
+    #[test]
+    fn a_batch_of_more_tensors_than_the_limit_is_refused() {
+        let data = [1u8; 1];
+        let names: Vec<String> = (0..=MAX_TENSORS).map(|i| format!("t{i}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let payload = encode_batch(request(), vec![1], vec![], &tensors_named(&names, &data));
+        assert_eq!(
+            BatchHead::decode(&payload, payload.len() as u64),
+            Err(WireError::Invalid(format!(
+                "batch of {} tensors exceeds the limit of {MAX_TENSORS}",
+                MAX_TENSORS + 1
+            )))
+        );
+        let at_limit = &names[..MAX_TENSORS];
+        let payload = encode_batch(request(), vec![1], vec![], &tensors_named(at_limit, &data));
+        assert!(BatchHead::decode(&payload, payload.len() as u64).is_ok());
+    }
+
+    #[test]
+    fn a_plan_without_batches_is_refused_and_positions_never_overflow() {
+        let empty = Welcome {
+            batches_per_epoch: 0,
+            ..welcome()
+        };
+        let e = Welcome::decode(&empty.encode()).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid frame: the worker's plan 000000000000feed has 0 batches per epoch"
+        );
+        let w = welcome(); // 13 batches per epoch
+        assert_eq!(w.position(2, 5), Some(31));
+        assert_eq!(w.position(u64::MAX / 13, 0), Some(u64::MAX / 13 * 13));
+        assert_eq!(w.position(u64::MAX / 13 + 1, 0), None);
+        assert_eq!(w.position(u64::MAX / 13, 13), None);
     }
 }

@@ -14,14 +14,19 @@ fuzz_target!(|data: &[u8]| {
     // Decode the payload as the header's kind, and, to reach deeper code, as every kind.
     let _ = FrameHeader::decode(&header);
     let _ = Hello::decode(payload);
-    let _ = Welcome::decode(payload);
+    if let Ok(w) = Welcome::decode(payload) {
+        assert!(w.batches_per_epoch > 0);
+    }
     let _ = BatchRequest::decode(payload);
     let _ = ErrorFrame::decode(payload);
     let _ = Cancel::decode(payload);
     if let Ok(head) = BatchHead::decode(payload, payload.len() as u64) {
         // A decoded head must describe bytes inside the payload.
-        for t in &head.tensors {
+        // and name each tensor once, within the limit.
+        assert!(head.tensors.len() <= MAX_TENSORS);
+        for (i, t) in head.tensors.iter().enumerate() {
             assert!(t.offset + t.nbytes <= payload.len() as u64);
+            assert!(head.tensors[..i].iter().all(|u| u.name != t.name));
         }
     }
 });
