@@ -803,8 +803,8 @@ impl Sim {
                 break;
             };
             c.preparing += 1;
-            let step = req.epoch * self.welcome.batches_per_epoch + req.global_batch;
-            if let Some(l) = self.load.get_mut(step as usize) {
+            let step = self.welcome.position(req.epoch, req.global_batch);
+            if let Some(l) = step.and_then(|s| self.load.get_mut(s as usize)) {
                 if l.len() < self.workers.len() {
                     l.resize(self.workers.len(), 0);
                 }

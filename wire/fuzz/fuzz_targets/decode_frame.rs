@@ -21,8 +21,8 @@ fuzz_target!(|data: &[u8]| {
     let _ = ErrorFrame::decode(payload);
     let _ = Cancel::decode(payload);
     if let Ok(head) = BatchHead::decode(payload, payload.len() as u64) {
-        // A decoded head must describe bytes inside the payload.
-        // and name each tensor once, within the limit.
+        // A decoded head must describe bytes inside the payload, name each tensor once and
+        // hold no more tensors than the limit.
         assert!(head.tensors.len() <= MAX_TENSORS);
         for (i, t) in head.tensors.iter().enumerate() {
             assert!(t.offset + t.nbytes <= payload.len() as u64);
