@@ -5,6 +5,9 @@
 Rows (one run, side by side):
   stoker     the Python package's Loader: frames read once into the buffer the numpy
              arrays view (prefetch 4), from `stoker-lab bench transport-server`;
+  stoker TLS the same over TLS 1.3 (the server's `--tls-dir`: a CA and a certificate for
+             127.0.0.1 made for the run; the Loader trusts that CA), as the operator's
+             workers serve by default;
   tcp bound  plain TCP: the same server sends the same bytes unframed, Python recv_into
              one reused buffer (kernel -> user copy only: the ceiling of any TCP transport);
   mp.Queue   the same arrays pickled through a multiprocessing.Queue between processes (how
@@ -25,20 +28,24 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def start_server(stoker_bin, batch_mib):
+def start_server(stoker_bin, batch_mib, tls_dir=None):
+    """The server, its address, the payload's size and (with `tls_dir`) the CA to trust."""
+    tls = ["--tls-dir", str(tls_dir)] if tls_dir else []
     proc = subprocess.Popen(
-        [stoker_bin, "bench", "transport-server", "--batch-mib", str(batch_mib)],
+        [stoker_bin, "bench", "transport-server", "--batch-mib", str(batch_mib), *tls],
         stdout=subprocess.PIPE, text=True,
     )
     size = int(proc.stdout.readline().split()[1])
     addr = proc.stdout.readline().split()[1]
-    return proc, addr, size
+    ca = proc.stdout.readline().split()[1] if tls_dir else None
+    return proc, addr, size, ca
 
 
-def bench_stoker(addr, batches):
+def bench_stoker(addr, batches, ca=None):
     import stoker
 
-    loader = stoker.Loader(addr, prefetch=4, hedge=False, insecure_plaintext=True)
+    dial = dict(tls_ca=ca) if ca else dict(insecure_plaintext=True)
+    loader = stoker.Loader(addr, prefetch=4, hedge=False, **dial)
     for _ in range(3):
         next(loader)
     nbytes = 0
@@ -113,15 +120,20 @@ def main():
     ap.add_argument("--stoker-bin", default=os.environ.get("STOKER_LAB", str(REPO / "target/release/stoker-lab")),
                     help="the lab binary (its `bench transport-server`)")
     a = ap.parse_args()
-    proc, addr, size = start_server(a.stoker_bin, a.batch_mib)
-    try:
-        rows = [
-            ("stoker Loader -> numpy views", bench_stoker(addr, a.batches)),
-            ("plain TCP recv_into (bound)", bench_tcp(addr, size, a.batches)),
-            ("pickle via multiprocessing.Queue", bench_mp_queue(a.batch_mib, a.batches)),
-        ]
-    finally:
-        proc.kill()
+    import tempfile
+    with tempfile.TemporaryDirectory() as tls_dir:
+        proc, addr, size, _ = start_server(a.stoker_bin, a.batch_mib)
+        tls_proc, tls_addr, _, ca = start_server(a.stoker_bin, a.batch_mib, tls_dir)
+        try:
+            rows = [
+                ("stoker Loader -> numpy views", bench_stoker(addr, a.batches)),
+                ("plain TCP recv_into (bound)", bench_tcp(addr, size, a.batches)),
+                ("pickle via multiprocessing.Queue", bench_mp_queue(a.batch_mib, a.batches)),
+                ("stoker Loader, TLS 1.3", bench_stoker(tls_addr, a.batches, ca)),
+            ]
+        finally:
+            proc.kill()
+            tls_proc.kill()
     bound = rows[1][1][0] / rows[1][1][1]
     print(f"Transport on loopback: {a.batches} batches of {size / 2**20:.1f} MiB, {os.cpu_count()} cores")
     print(f"{'transport':<34} {'GB/s':>7} {'of TCP bound':>13}")
@@ -129,7 +141,9 @@ def main():
         rate = nbytes / dt
         print(f"{name:<34} {rate / 1e9:>7.2f} {100 * rate / bound:>12.0f} %")
     ours, pickled = rows[0][1][0] / rows[0][1][1], rows[2][1][0] / rows[2][1][1]
-    print(f"stoker / TCP bound: {100 * ours / bound:.0f} % (target >= 70 %); stoker / mp.Queue: {ours / pickled:.1f}x")
+    tls = rows[3][1][0] / rows[3][1][1]
+    print(f"stoker / TCP bound: {100 * ours / bound:.0f} % (target >= 70 %); stoker / mp.Queue: {ours / pickled:.1f}x; "
+          f"TLS / plaintext: {tls / ours:.2f}x")
 
 
 if __name__ == "__main__":

@@ -72,6 +72,37 @@ pub struct DataPipelineSpec {
     /// `<name>-token`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_secret: Option<String>,
+    /// How ranks and workers talk: TLS with certificates the operator issues (default), or
+    /// plaintext when asked for by name.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub tls: Tls,
+}
+
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Tls {
+    /// Operator (default): TLS with certificates the operator issues; trainers trust the CA
+    /// certificate in ConfigMap `<name>-ca`. InsecurePlaintext: no TLS (docs/security.md says
+    /// what that gives up).
+    #[serde(default)]
+    pub mode: TlsMode,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum TlsMode {
+    /// The operator keeps a CA for the pipeline (Secret `<name>-tls-ca`), issues the workers a
+    /// certificate for the Service's names (Secret `<name>-tls`, renewed before it expires)
+    /// and publishes the CA certificate for trainers (ConfigMap `<name>-ca`, key `ca.crt`).
+    #[default]
+    Operator,
+    /// Workers serve plaintext: any network peer reads the token and the batches, and anything
+    /// at a dialled address can serve forged batches. Trainers dial with
+    /// `insecure_plaintext=True`.
+    InsecurePlaintext,
 }
 
 fn one() -> i32 {

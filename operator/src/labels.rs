@@ -2,7 +2,8 @@
 //! that find them (one definition for the builders, the caches and the status).
 
 use crate::crd::DataPipeline;
-use kube::ResourceExt;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::{Resource, ResourceExt};
 use std::collections::BTreeMap;
 
 /// The field manager of every apply, and the `managed-by` label's value.
@@ -13,6 +14,12 @@ pub struct Names {
     pub workers: String,
     pub service: String,
     pub token_secret: String,
+    /// The pipeline's CA (certificate and key: the operator's alone).
+    pub ca_secret: String,
+    /// The workers' certificate and key.
+    pub tls_secret: String,
+    /// The CA certificate, for trainers.
+    pub ca_config_map: String,
 }
 
 pub fn names(dp: &DataPipeline) -> Names {
@@ -25,6 +32,9 @@ pub fn names(dp: &DataPipeline) -> Names {
             .token_secret
             .clone()
             .unwrap_or_else(|| format!("{name}-token")),
+        ca_secret: format!("{name}-tls-ca"),
+        tls_secret: format!("{name}-tls"),
+        ca_config_map: format!("{name}-ca"),
     }
 }
 
@@ -66,4 +76,21 @@ pub fn labels(dp: &DataPipeline) -> BTreeMap<String, String> {
     l.insert(MANAGED_BY.into(), FIELD_MANAGER.into());
     l.insert("app.kubernetes.io/component".into(), "worker".into());
     l
+}
+
+/// An owned object's metadata: its name in the pipeline's namespace, the pipeline's labels, the
+/// pipeline as its controlling owner (garbage-collected with it).
+pub fn meta(dp: &DataPipeline, name: &str) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.into()),
+        namespace: dp.namespace(),
+        labels: Some(labels(dp)),
+        owner_references: Some(vec![owner(dp)]),
+        ..ObjectMeta::default()
+    }
+}
+
+fn owner(dp: &DataPipeline) -> OwnerReference {
+    dp.controller_owner_ref(&())
+        .expect("a DataPipeline from the API server has a name and uid")
 }

@@ -10,6 +10,8 @@ pub mod apply;
 pub mod build;
 pub mod cache;
 pub mod crd;
+pub mod credentials;
+pub mod error;
 pub mod labels;
 pub mod leader;
 pub mod metrics;
@@ -17,6 +19,7 @@ pub mod placement;
 pub mod quantity;
 pub mod reconcile;
 pub mod scrape;
+pub mod secrets;
 pub mod status;
 pub mod validate;
 
@@ -43,6 +46,8 @@ pub struct Config {
     pub identity: String,
     /// Watch DataPipelines of this namespace only (`None`: all namespaces).
     pub namespace: Option<String>,
+    /// The cluster's DNS domain (the last name in the workers' certificates).
+    pub cluster_domain: String,
 }
 
 const LEASE_NAME: &str = "stoker-operator";
@@ -161,7 +166,14 @@ async fn control(client: kube::Client, cfg: Config, metrics: Arc<metrics::Operat
         .applied_objects()
         .predicate_filter(predicates::generation, Default::default());
     let pipelines = cache::logged(pipelines);
-    let ctx = Arc::new(reconcile::Context::new(client, recorder, metrics, cluster));
+    let credentials = secrets::Credentials::new(&cfg.cluster_domain);
+    let ctx = Arc::new(reconcile::Context::new(
+        client,
+        recorder,
+        metrics,
+        cluster,
+        credentials,
+    ));
     // Nodes and pods trigger nothing (a pipeline's cap is re-read at its next reconcile):
     // the controller only drives their reflectors.
     fn nothing<K>(_: K) -> Option<kube::runtime::reflector::ObjectRef<DataPipeline>> {

@@ -22,6 +22,7 @@ stoker_wire::label_set! {
         KubeClient => "kube_client",
         InvalidSpec => "invalid_spec",
         NoNamespace => "no_namespace",
+        Credentials => "credentials",
     }
 }
 
@@ -30,6 +31,7 @@ stoker_wire::label_set! {
     Step {
         Validate => "validate",
         Token => "token",
+        Tls => "tls",
         Apply => "apply",
         Status => "status",
     }
@@ -61,7 +63,7 @@ impl OperatorMetrics {
             Opts::new(
                 "stoker_operator_reconcile_errors_total",
                 "Failed reconciles by error kind (invalid_spec, kube_api, ...) and the step \
-                 that failed (validate, token, apply, status).",
+                 that failed (validate, token, tls, apply, status).",
             ),
             &["kind", "step"],
         )?;

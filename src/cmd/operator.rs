@@ -16,6 +16,10 @@ pub struct OperatorArgs {
     /// Watch DataPipelines of this namespace only [default: all namespaces].
     #[arg(long)]
     namespace: Option<String>,
+    /// The cluster's DNS domain: workers' certificates name their Service up to
+    /// `<service>.<namespace>.svc.<domain>`.
+    #[arg(long, default_value = "cluster.local")]
+    cluster_domain: String,
 }
 
 pub async fn run(a: OperatorArgs) -> anyhow::Result<()> {
@@ -29,6 +33,7 @@ pub async fn run(a: OperatorArgs) -> anyhow::Result<()> {
         lease_namespace: a.lease_namespace,
         identity,
         namespace: a.namespace,
+        cluster_domain: a.cluster_domain,
     })
     .await
 }

@@ -123,7 +123,8 @@ def datapipeline(name: str, replicas: int, mode: str, link_mbit: int, autoscalin
 def trainer_pod(name: str, step_s: float, out: pathlib.Path) -> dict:
     """A pod on the trainer node running trainer.py with this machine's Python and the
     installed `stoker` package, mounted read-only from the host (the image holds only the
-    `stoker` binary); it logs its batches to `out`/batches.jsonl."""
+    `stoker` binary), trusting the pipeline's CA from its ConfigMap; it logs its batches to
+    `out`/batches.jsonl."""
     venv, base = pathlib.Path(sys.prefix), pathlib.Path(sys.base_prefix)
     mounts = {"usr": "/usr", "venv": str(venv), "code": str(TRAINER_CODE.parent), "out": str(out)}
     if not base.is_relative_to("/usr"):  # a Python of its own (pyenv), not Debian's
@@ -141,13 +142,16 @@ def trainer_pod(name: str, step_s: float, out: pathlib.Path) -> dict:
                             f"dns:{name}-workers.default.svc:7700", f"{out}/batches.jsonl",
                             str(step_s), name, f"{out}/stop"],
                 "env": [{"name": "STOKER_TOKEN", "valueFrom": {"secretKeyRef": {
-                    "name": f"{name}-token", "key": "token"}}}],
+                    "name": f"{name}-token", "key": "token"}}},
+                        {"name": "STOKER_TLS_CA", "value": "/var/run/stoker-ca/ca.crt"}],
                 "ports": [{"name": "metrics", "containerPort": 9400}],
                 "securityContext": {"runAsUser": 0},
                 "volumeMounts": [{"name": k, "mountPath": v, "readOnly": k != "out"}
-                                 for k, v in mounts.items()],
+                                 for k, v in mounts.items()]
+                + [{"name": "ca", "mountPath": "/var/run/stoker-ca", "readOnly": True}],
             }],
-            "volumes": [{"name": k, "hostPath": {"path": v}} for k, v in mounts.items()],
+            "volumes": [{"name": k, "hostPath": {"path": v}} for k, v in mounts.items()]
+            + [{"name": "ca", "configMap": {"name": f"{name}-ca"}}],
         },
     }
 

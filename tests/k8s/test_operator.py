@@ -3,12 +3,15 @@ placement by the real scheduler, autoscaling on trainer metrics, the scale subre
 and operator-side validation, garbage collection, restarts and leader election.
 Tests run in file order and share one cluster and one operator (see conftest.py)."""
 
+import base64
 import copy
 import http.server
 import json
 import pathlib
 import threading
 import time
+
+import subprocess
 
 import pytest
 import yaml
@@ -19,6 +22,19 @@ from conftest import (REPO, RELEASE_NS, SA, Audit, Operator, helm, restricted_na
 NS = "ml"
 EXAMPLE = yaml.safe_load((REPO / "examples" / "datapipeline.yaml").read_text())
 OWNED = ["deployment", "service", "poddisruptionbudget", "networkpolicy"]
+# What the operator creates beside the owned objects it applies: the token, the CA, the
+# workers' certificate (Secrets) and the CA for trainers (a ConfigMap).
+CREDENTIALS = [("secret", "{}-token"), ("secret", "{}-tls-ca"), ("secret", "{}-tls"),
+               ("configmap", "{}-ca")]
+
+
+def owned_names(name: str) -> list:
+    """(kind, name) of everything pipeline `name` owns."""
+    return [(k, f"{name}-workers") for k in OWNED] + [(k, n.format(name)) for k, n in CREDENTIALS]
+
+
+def secret_text(cluster, name: str, key: str) -> str:
+    return base64.b64decode(cluster.get("secret", name, NS)["data"][key]).decode()
 
 
 def pipeline(name: str, **spec) -> dict:
@@ -78,14 +94,17 @@ def test_the_operator_runs_with_the_charts_least_privilege(cluster, operator, op
     cluster.kubectl("create", "secret", "generic", "someone-elses", "-n", NS,
                     "--from-literal=password=hunter2")
     as_sa = dict(kubeconfig=operator_kubeconfig, check=False)
-    # It may create Secrets (the pipeline token) but read none, its own included.
-    for verb in ("get", "list", "watch"):
-        r = cluster.kubectl("auth", "can-i", verb, "secrets", "-n", NS, **as_sa)
-        assert r.stdout.strip() == "no", f"{verb} secrets: {r.stdout}"
-    r = cluster.kubectl("get", "secret", "someone-elses", "-n", NS, **as_sa)
+    # Secrets: the pipeline's own by name (token, CA, certificate), never listed or watched,
+    # so it reads no Secret it does not name; and never deleted.
+    for verb in ("list", "watch", "delete"):
+        for res in ("secrets", "configmaps"):
+            r = cluster.kubectl("auth", "can-i", verb, res, "-n", NS, **as_sa)
+            assert r.stdout.strip() == "no", f"{verb} {res}: {r.stdout}"
+    r = cluster.kubectl("get", "secrets", "-n", NS, **as_sa)
     assert r.returncode != 0 and "Forbidden" in r.stderr, r.stderr
-    assert cluster.kubectl("auth", "can-i", "create", "secrets", "-n", NS,
-                           **as_sa).stdout.strip() == "yes"
+    for verb in ("get", "create", "patch"):
+        assert cluster.kubectl("auth", "can-i", verb, "secrets", "-n", NS,
+                               **as_sa).stdout.strip() == "yes", verb
     # Nothing it does not use: no deletes, no pods exec, no RBAC.
     for verb, res in [("delete", "deployments"), ("create", "pods/exec"), ("create", "roles"),
                       ("update", "datapipelines.stoker.dev")]:
@@ -113,18 +132,50 @@ def test_watch_namespace_confines_the_operator_to_one_namespace(cluster, release
 
 # --- the example pipeline, as written -----------------------------------------------------
 
-def test_the_example_pipeline_creates_owned_objects_and_spread_admitted_pods(cluster, operator):
+def test_the_example_pipeline_creates_owned_objects_and_spread_admitted_pods(cluster, operator,
+                                                                             tmp_path):
     cluster.kubectl("apply", "-n", NS, "-f", str(REPO / "examples" / "datapipeline.yaml"))
     dp = cluster.get("datapipeline", "qwen-sft", NS)
     uid = dp["metadata"]["uid"]
-    for kind in OWNED + ["secret"]:
-        name = "qwen-sft-token" if kind == "secret" else "qwen-sft-workers"
+    for kind, name in owned_names("qwen-sft"):
         obj = wait_until(f"{kind} {name}", lambda: cluster.get(kind, name, NS, check=False)
                          if cluster.kubectl("get", kind, name, "-n", NS, check=False).returncode == 0
                          else None)
         owners = obj["metadata"].get("ownerReferences", [])
         assert [(o["kind"], o["uid"], o.get("controller")) for o in owners] == \
             [("DataPipeline", uid, True)], f"{kind}: {owners}"
+    # TLS on by default: the workers serve a certificate of the pipeline's CA for the Service's
+    # names, and trainers find that CA in the ConfigMap.
+    ca = cluster.get("configmap", "qwen-sft-ca", NS)["data"]["ca.crt"]
+    assert secret_text(cluster, "qwen-sft-tls-ca", "ca.crt") == ca
+    assert secret_text(cluster, "qwen-sft-tls", "ca.crt") == ca
+    tmp = tmp_path
+    (tmp / "ca.crt").write_text(ca)
+    (tmp / "tls.crt").write_text(secret_text(cluster, "qwen-sft-tls", "tls.crt"))
+    for host in ["qwen-sft-workers.ml.svc", "qwen-sft-workers.ml.svc.cluster.local"]:
+        subprocess.run(["openssl", "verify", "-CAfile", str(tmp / "ca.crt"), "-verify_hostname",
+                        host, str(tmp / "tls.crt")], check=True, capture_output=True)
+    r = subprocess.run(["openssl", "verify", "-CAfile", str(tmp / "ca.crt"), "-verify_hostname",
+                        "qwen-sft-workers.other.svc", str(tmp / "tls.crt")], capture_output=True)
+    assert r.returncode != 0
+    # The trainer example mounts that ConfigMap and the token, and is admitted as written.
+    job = yaml.safe_load((REPO / "examples" / "trainer-job.yaml").read_text())
+    pod = job["spec"]["template"]
+    assert pod["metadata"]["labels"] == dp["spec"]["trainerSelector"]
+    assert pod["spec"]["volumes"][0]["configMap"]["name"] == "qwen-sft-ca"
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env["STOKER_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "qwen-sft-token"
+    assert env["STOKER_TLS_CA"]["value"].startswith(
+        pod["spec"]["containers"][0]["volumeMounts"][0]["mountPath"])
+    cluster.kubectl("apply", "--dry-run=server", "-n", NS, "-f",
+                    str(REPO / "examples" / "trainer-job.yaml"))
+    deployment = cluster.get("deployment", "qwen-sft-workers", NS)
+    template = deployment["spec"]["template"]
+    args = " ".join(template["spec"]["containers"][0]["args"])
+    assert "--tls-cert /var/run/stoker-tls/tls.crt" in args and "--insecure-plaintext" not in args
+    tls = cluster.get("secret", "qwen-sft-tls", NS)
+    assert template["metadata"]["annotations"]["stoker.dev/tls-not-after"] == \
+        tls["metadata"]["annotations"]["stoker.dev/tls-not-after"]
     # PodSecurity `restricted` is enforced in the namespace, and the worker pods are admitted.
     pods = wait_until("2 running worker pods", lambda: len(worker_pods(cluster, "qwen-sft")) == 2
                       and worker_pods(cluster, "qwen-sft"), 90)
@@ -143,6 +194,26 @@ def test_the_example_pipeline_creates_owned_objects_and_spread_admitted_pods(clu
     assert condition(cluster, "qwen-sft", "MetricsAvailable").get("reason") == "TrainerMetricsMissing"
 
 
+def test_a_secret_of_the_pipelines_name_that_it_does_not_own_is_left_alone(cluster, operator):
+    """The operator writes only into what it created: a CA Secret that was there before the
+    pipeline is neither read as its CA nor overwritten; the reconcile fails by name and counts
+    it, and no worker starts without its certificate."""
+    cluster.kubectl("create", "secret", "generic", "squatted-tls-ca", "-n", NS,
+                    "--from-literal=ca.crt=not-ours")
+    errors = 'stoker_operator_reconcile_errors_total{kind="credentials",step="tls"}'
+    count = lambda: sample(operator.metrics(), errors) if errors in operator.metrics() else 0
+    before = count()
+    apply(cluster, pipeline("squatted"))
+    wait_until("a counted credentials error", lambda: count() > before, 60)
+    secret = cluster.get("secret", "squatted-tls-ca", NS)
+    assert secret["data"] == {"ca.crt": base64.b64encode(b"not-ours").decode()}
+    assert "ownerReferences" not in secret["metadata"]
+    for kind, name in [("deployment", "squatted-workers"), ("secret", "squatted-tls")]:
+        assert cluster.kubectl("get", kind, name, "-n", NS, check=False).returncode != 0, name
+    cluster.kubectl("delete", "dp", "squatted", "-n", NS)
+    cluster.kubectl("delete", "secret", "squatted-tls-ca", "-n", NS)
+
+
 def test_pack_puts_workers_together(cluster, operator):
     apply(cluster, pipeline("packed", replicas=3, placement={"mode": "Pack"}))
     pods = wait_until("3 running packed workers",
@@ -159,7 +230,7 @@ def test_a_settled_pipeline_costs_no_api_writes(cluster, operator):
     apply(cluster, pipeline("quiet", replicas=2))
     wait_until("quiet's 2 workers ready in its status",
                lambda: status(cluster, "quiet").get("readyReplicas") == 2, 90)
-    ours = frozenset({"quiet", "quiet-workers", "quiet-token"})
+    ours = frozenset({"quiet"} | {n for _, n in owned_names("quiet")})
     audit = Audit(cluster)
     # Let the reconciles of the pods turning ready pass, then count from here.
     time.sleep(3)
@@ -364,9 +435,10 @@ def test_deleting_a_pipeline_collects_what_it_owned_and_its_autoscaler_state(clu
     wait_until("the pipeline's series", lambda: series in operator.metrics(), 60)
     wait_until("its Deployment", lambda: cluster.kubectl(
         "get", "deployment", "doomed-workers", "-n", NS, check=False).returncode == 0)
+    wait_until("its CA ConfigMap", lambda: cluster.kubectl(
+        "get", "configmap", "doomed-ca", "-n", NS, check=False).returncode == 0)
     cluster.kubectl("delete", "dp", "doomed", "-n", NS)
-    for kind in OWNED + ["secret"]:
-        name = "doomed-token" if kind == "secret" else "doomed-workers"
+    for kind, name in owned_names("doomed"):
         wait_until(f"{kind} {name} to be collected", lambda: cluster.kubectl(
             "get", kind, name, "-n", NS, check=False).returncode != 0, 90)
     wait_until("the operator to forget the pipeline", lambda: series not in operator.metrics(), 60)
@@ -375,7 +447,7 @@ def test_deleting_a_pipeline_collects_what_it_owned_and_its_autoscaler_state(clu
 
 def owned_counts(cluster, name: str) -> dict:
     counts = {}
-    for kind in OWNED + ["secret"]:
+    for kind in OWNED + ["secret", "configmap"]:
         items = cluster.get(kind, ns=NS)["items"]
         counts[kind] = sum(1 for i in items if any(
             o["name"] == name for o in i["metadata"].get("ownerReferences", [])))
@@ -385,8 +457,10 @@ def owned_counts(cluster, name: str) -> dict:
 def test_restarting_the_operator_and_the_api_server_loses_and_duplicates_nothing(
         cluster, operator, operator_kubeconfig, logs):
     token = cluster.get("secret", "qwen-sft-token", NS)["data"]["token"]
+    certificates = {n: cluster.get("secret", n, NS)["data"] for n in ("qwen-sft-tls-ca",
+                                                                      "qwen-sft-tls")}
     before = owned_counts(cluster, "qwen-sft")
-    assert before == {k: 1 for k in OWNED + ["secret"]}, before
+    assert before == dict({k: 1 for k in OWNED}, secret=3, configmap=1), before
     # The API server goes away and comes back while the operator runs.
     cluster.restart_apiserver()
     cluster.kubectl("scale", "dp/fixed", "-n", NS, "--replicas=2")
@@ -402,6 +476,9 @@ def test_restarting_the_operator_and_the_api_server_loses_and_duplicates_nothing
                    lambda: deployment_replicas(cluster, "fixed") == 1, 90)
         assert owned_counts(cluster, "qwen-sft") == before
         assert cluster.get("secret", "qwen-sft-token", NS)["data"]["token"] == token
+        # The same CA and certificate: nothing issued again, no worker rolled.
+        for n, data in certificates.items():
+            assert cluster.get("secret", n, NS)["data"] == data, n
         names = [d["metadata"]["name"] for d in cluster.get("deployments", ns=NS)["items"]]
         assert len(names) == len(set(names))
     finally:

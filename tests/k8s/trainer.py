@@ -17,9 +17,9 @@ import stoker
 
 def main() -> None:
     workers, log_path, step_s, pipeline, stop = sys.argv[1:6]
-    # The operator's workers serve plaintext until it issues certificates (docs/security.md).
-    loader = stoker.Loader(workers, rank=0, world_size=1, metrics_port=9400, pipeline=pipeline,
-                           insecure_plaintext=True)
+    # TLS: the pipeline's CA from its ConfigMap, mounted, named by $STOKER_TLS_CA; the name
+    # checked is the Service's (docs/security.md).
+    loader = stoker.Loader(workers, rank=0, world_size=1, metrics_port=9400, pipeline=pipeline)
     with open(log_path, "a", buffering=1) as log:
         epoch = 0
         while True:

@@ -3,9 +3,13 @@
 //! into numpy views vs a plain TCP copy vs pickling through a multiprocessing queue).
 //!
 //! A connection that starts with `RAW ` + u64 n instead of a Hello gets n payloads as plain
-//! bytes, no framing: the TCP copy bound, sent by the same process in the same way.
+//! bytes, no framing: the TCP copy bound, sent by the same process in the same way. With
+//! `--tls-dir` it serves TLS 1.3 only, with a certificate for 127.0.0.1 from a CA made for the
+//! run (its `ca.crt` printed for the client to trust).
 
 use std::sync::Arc;
+use stoker_tls::issue::{unique_name, Authority};
+use stoker_tls::ServerTls;
 use stoker_wire::io::{read_frame, write_frame};
 use stoker_wire::{
     encode_batch, BatchRequest, DType, FrameHeader, Kind, TensorRef, Welcome, MAX_CONTROL_PAYLOAD,
@@ -19,6 +23,9 @@ pub struct TransportServerArgs {
     batch_mib: u64,
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
+    /// Serve TLS: write a fresh CA and a certificate for 127.0.0.1 here, and print the CA's path.
+    #[arg(long)]
+    tls_dir: Option<std::path::PathBuf>,
 }
 
 const PLAN_ID: u64 = 0x7472_616e_7370_6f72;
@@ -64,19 +71,39 @@ pub async fn run(a: TransportServerArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(&a.listen).await?;
     println!("payload {}", payload.len());
     println!("listening {}", listener.local_addr()?);
+    let tls = match &a.tls_dir {
+        Some(dir) => {
+            let ca = Authority::new(&unique_name("stoker transport bench CA"), DAY)?;
+            let worker = ca.issue(&["127.0.0.1".into()], DAY)?;
+            let (cert, key) = ca.write_files(dir, &worker)?;
+            println!("ca {}", dir.join("ca.crt").display());
+            Some(ServerTls::from_files(cert, key)?)
+        }
+        None => None,
+    };
     loop {
         let (sock, _) = listener.accept().await?;
-        let payload = payload.clone();
+        let (payload, tls) = (payload.clone(), tls.clone());
         tokio::spawn(async move {
-            if let Err(e) = serve(sock, &payload).await {
+            if let Err(e) = serve(sock, &payload, tls).await {
                 tracing::debug!("transport connection: {e:#}");
             }
         });
     }
 }
 
-async fn serve(mut sock: tokio::net::TcpStream, payload: &[u8]) -> anyhow::Result<()> {
+const DAY: std::time::Duration = std::time::Duration::from_secs(86_400);
+
+async fn serve(
+    mut sock: tokio::net::TcpStream,
+    payload: &[u8],
+    tls: Option<ServerTls>,
+) -> anyhow::Result<()> {
     sock.set_nodelay(true)?;
+    if let Some(tls) = tls {
+        let (rd, wr) = tokio::io::split(tls.accept(sock).await?);
+        return answer(rd, wr, payload).await;
+    }
     let mut first = [0u8; 4];
     sock.peek(&mut first).await?;
     if &first == b"RAW " {
@@ -88,7 +115,16 @@ async fn serve(mut sock: tokio::net::TcpStream, payload: &[u8]) -> anyhow::Resul
         }
         return Ok(());
     }
-    let (mut rd, mut wr) = sock.into_split();
+    let (rd, wr) = sock.into_split();
+    answer(rd, wr, payload).await
+}
+
+/// The protocol: Hello, Welcome, then the payload for every request.
+async fn answer(
+    mut rd: impl tokio::io::AsyncRead + Unpin,
+    mut wr: impl tokio::io::AsyncWrite + Unpin,
+    payload: &[u8],
+) -> anyhow::Result<()> {
     anyhow::ensure!(
         matches!(
             read_frame(&mut rd, MAX_CONTROL_PAYLOAD).await?,

@@ -1,0 +1,256 @@
+//! The pipeline's credentials, kept: the token Secret (created once, never read) and the TLS
+//! material (a CA per pipeline, the workers' certificate renewed before it expires, the CA
+//! certificate for trainers). Each is checked once per pipeline and then every [`RESYNC`]
+//! (someone may have deleted it), not on every reconcile. The objects are `credentials`.
+
+use crate::apply::RESYNC;
+use crate::crd::{DataPipeline, TlsMode};
+use crate::credentials::{self as cred, CA_VALIDITY, WORKER_VALIDITY};
+use crate::error::{at, Error};
+use crate::labels::{names, FIELD_MANAGER};
+use crate::metrics::Step;
+use crate::validate::Valid;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::{Resource, ResourceExt};
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use stoker_tls::issue::{unique_name, Authority};
+
+/// What was last made sure of, per pipeline ("namespace/name").
+pub struct Credentials {
+    /// The cluster's DNS domain: the last of the workers' certificate names.
+    cluster_domain: String,
+    tokens: Mutex<HashMap<String, Instant>>,
+    /// When the TLS material was checked, and when the workers' certificate expires.
+    certs: Mutex<HashMap<String, (Instant, u64)>>,
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// "Kind namespace/name", as errors name objects.
+fn object<K: Resource<DynamicType = ()>>(ns: &str, name: &str) -> String {
+    format!("{} {ns}/{name}", K::kind(&()))
+}
+
+fn not_owned<K: Resource<DynamicType = ()>>(dp: &DataPipeline, ns: &str, name: &str) -> Error {
+    Error::Credentials {
+        object: object::<K>(ns, name),
+        why: format!(
+            "exists and is not owned by DataPipeline {}: the operator writes only into what \
+             it created (rename or delete it)",
+            dp.name_any()
+        ),
+    }
+}
+
+impl Credentials {
+    pub fn new(cluster_domain: &str) -> Self {
+        Credentials {
+            cluster_domain: cluster_domain.into(),
+            tokens: Mutex::default(),
+            certs: Mutex::default(),
+        }
+    }
+
+    /// Forgets pipelines that are gone (`live`: the keys of those that are not).
+    pub fn retain(&self, live: &HashSet<String>) {
+        (self.tokens.lock().expect("tokens")).retain(|k, _| live.contains(k));
+        (self.certs.lock().expect("certs")).retain(|k, _| live.contains(k));
+    }
+
+    /// Creates the token Secret unless it exists. Create only: the operator never reads it
+    /// (409: it exists, made by an earlier reconcile or another replica), and a token is never
+    /// rotated under running trainers.
+    pub async fn ensure_token(
+        &self,
+        valid: &Valid<'_>,
+        client: &kube::Client,
+        key: &str,
+    ) -> Result<(), Error> {
+        let dp = valid.dp;
+        let fresh = |t: &Instant| t.elapsed() < RESYNC;
+        if dp.spec.token_secret.is_some()
+            || (self.tokens.lock().expect("tokens").get(key)).is_some_and(fresh)
+        {
+            return Ok(());
+        }
+        let secret = cred::token_secret(valid, &random_token());
+        let ns = dp.namespace().unwrap_or_default();
+        match Api::<Secret>::namespaced(client.clone(), &ns)
+            .create(&PostParams::default(), &secret)
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => return Err(at(Step::Token, &secret)(e)),
+        }
+        (self.tokens.lock().expect("tokens")).insert(key.into(), Instant::now());
+        Ok(())
+    }
+
+    /// Makes sure of the pipeline's CA, the workers' certificate (issued again when absent,
+    /// of another CA or other names, or within a month of expiry) and the trainers' ConfigMap;
+    /// when the workers' certificate expires (`None`: the pipeline asked for plaintext).
+    pub async fn ensure_tls(
+        &self,
+        dp: &DataPipeline,
+        client: &kube::Client,
+        key: &str,
+    ) -> Result<Option<u64>, Error> {
+        if dp.spec.tls.mode == TlsMode::InsecurePlaintext {
+            return Ok(None);
+        }
+        let now = unix_now();
+        let checked = self.certs.lock().expect("certs").get(key).copied();
+        if let Some((at, not_after)) = checked {
+            let due = not_after.saturating_sub(cred::RENEW_BEFORE.as_secs()) <= now;
+            if at.elapsed() < RESYNC && !due {
+                return Ok(Some(not_after));
+            }
+        }
+        let ns = dp.namespace().unwrap_or_default();
+        let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+        let ca = ensure_ca(dp, &secrets, &ns).await?;
+        let n = names(dp);
+        let existing = (secrets.get_opt(&n.tls_secret).await)
+            .map_err(|e| kube_error::<Secret>(&ns, &n.tls_secret, e))?;
+        if existing
+            .as_ref()
+            .is_some_and(|s| !cred::owned_by(&s.metadata, dp))
+        {
+            return Err(not_owned::<Secret>(dp, &ns, &n.tls_secret));
+        }
+        let worker_names = cred::worker_names(dp, &self.cluster_domain);
+        let not_after =
+            match cred::keep_worker_cert(existing.as_ref(), ca.cert_pem(), &worker_names, now) {
+                Ok(not_after) => not_after,
+                Err(why) => {
+                    let not_after = now + WORKER_VALIDITY.as_secs();
+                    let issued = (ca.issue(&worker_names, WORKER_VALIDITY))
+                        .map_err(|e| credentials_error::<Secret>(&ns, &n.tls_secret, e))?;
+                    let secret = cred::worker_secret(
+                        dp,
+                        ca.cert_pem(),
+                        &issued.cert_pem,
+                        &issued.key_pem,
+                        &worker_names,
+                        not_after,
+                    );
+                    apply(&secrets, &secret).await?;
+                    tracing::info!(
+                        "{key}: issued the workers' certificate ({why}); valid 90 days, the \
+                         workers roll onto it"
+                    );
+                    not_after
+                }
+            };
+        ensure_ca_config_map(dp, client, &ns, ca.cert_pem()).await?;
+        (self.certs.lock().expect("certs")).insert(key.into(), (Instant::now(), not_after));
+        Ok(Some(not_after))
+    }
+}
+
+fn kube_error<K: Resource<DynamicType = ()>>(ns: &str, name: &str, source: kube::Error) -> Error {
+    Error::Kube {
+        step: Step::Tls,
+        object: object::<K>(ns, name),
+        source,
+    }
+}
+
+fn credentials_error<K: Resource<DynamicType = ()>>(
+    ns: &str,
+    name: &str,
+    why: impl std::fmt::Display,
+) -> Error {
+    Error::Credentials {
+        object: object::<K>(ns, name),
+        why: why.to_string(),
+    }
+}
+
+/// Server-side apply of an object the pipeline owns (checked by the caller).
+async fn apply<K>(api: &Api<K>, obj: &K) -> Result<(), Error>
+where
+    K: Resource<DynamicType = ()> + Clone + serde::Serialize + serde::de::DeserializeOwned,
+    K: std::fmt::Debug,
+{
+    let pp = PatchParams::apply(FIELD_MANAGER).force();
+    (api.patch(&obj.name_any(), &pp, &Patch::Apply(obj)).await)
+        .map_err(|e| kube_error::<K>(&obj.namespace().unwrap_or_default(), &obj.name_any(), e))?;
+    Ok(())
+}
+
+/// The pipeline's CA from its Secret, made and stored on first use.
+async fn ensure_ca(dp: &DataPipeline, secrets: &Api<Secret>, ns: &str) -> Result<Authority, Error> {
+    let name = names(dp).ca_secret;
+    let get =
+        || async { (secrets.get_opt(&name).await).map_err(|e| kube_error::<Secret>(ns, &name, e)) };
+    let stored = match get().await? {
+        Some(s) => s,
+        None => {
+            let subject = unique_name(&format!("stoker {ns}/{} CA", dp.name_any()));
+            let ca = Authority::new(&subject, CA_VALIDITY)
+                .map_err(|e| credentials_error::<Secret>(ns, &name, e))?;
+            let secret = cred::ca_secret(dp, &subject, ca.cert_pem(), &ca.key_pem());
+            match secrets.create(&PostParams::default(), &secret).await {
+                Ok(_) => {
+                    tracing::info!("{ns}/{}: made the pipeline's CA", dp.name_any());
+                    return Ok(ca);
+                }
+                // Another replica made it first: use theirs.
+                Err(kube::Error::Api(e)) if e.code == 409 => get()
+                    .await?
+                    .ok_or_else(|| credentials_error::<Secret>(ns, &name, "gone"))?,
+                Err(e) => return Err(kube_error::<Secret>(ns, &name, e)),
+            }
+        }
+    };
+    if !cred::owned_by(&stored.metadata, dp) {
+        return Err(not_owned::<Secret>(dp, ns, &name));
+    }
+    let (subject, cert, key) =
+        cred::read_ca(&stored).map_err(|e| credentials_error::<Secret>(ns, &name, e))?;
+    Authority::from_pem(&subject, &cert, &key)
+        .map_err(|e| credentials_error::<Secret>(ns, &name, e))
+}
+
+/// The trainers' copy of the CA certificate, applied unless a ConfigMap of its name is not
+/// the pipeline's.
+async fn ensure_ca_config_map(
+    dp: &DataPipeline,
+    client: &kube::Client,
+    ns: &str,
+    ca_pem: &str,
+) -> Result<(), Error> {
+    let name = names(dp).ca_config_map;
+    let api = Api::<ConfigMap>::namespaced(client.clone(), ns);
+    let existing = (api.get_opt(&name).await).map_err(|e| kube_error::<ConfigMap>(ns, &name, e))?;
+    match existing {
+        Some(cm) if !cred::owned_by(&cm.metadata, dp) => Err(not_owned::<ConfigMap>(dp, ns, &name)),
+        Some(cm)
+            if cm
+                .data
+                .as_ref()
+                .and_then(|d| d.get("ca.crt"))
+                .map(String::as_str)
+                == Some(ca_pem) =>
+        {
+            Ok(())
+        }
+        _ => apply(&api, &cred::ca_config_map(dp, ca_pem)).await,
+    }
+}
+
+/// 256 random bits, hex.
+fn random_token() -> String {
+    // ThreadRng is a CSPRNG seeded from the OS.
+    let b: [u8; 32] = rand::random();
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
