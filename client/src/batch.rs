@@ -1,9 +1,12 @@
 //! A batch as the trainer receives it: metadata plus tensors that are views of one buffer.
 
 use crate::buffer::AlignedBuf;
+use crate::metrics::RejectReason;
 use std::ops::Range;
 use std::sync::Arc;
-use stoker_wire::{tensor, BatchHead, DType, Skipped, TensorMeta};
+use stoker_wire::{
+    tensor, BatchHead, BatchMedia, DType, Ids, MediaGrids, MediaTokens, Skipped, TensorMeta,
+};
 
 pub struct Batch {
     pub epoch: u64,
@@ -59,12 +62,14 @@ pub struct TensorView<'a> {
 
 impl Batch {
     /// The batch a worker answered, or why its tensors do not fit together (then it is
-    /// never delivered: a packed layout that points past its tensors or skips samples).
+    /// never delivered): a packed layout that points past its tensors or skips samples, media
+    /// that disagree with their pad tokens (`media`: the plan's, from the Welcome).
     pub(crate) fn new(
         head: BatchHead,
         payload: AlignedBuf,
         worker: String,
-    ) -> std::result::Result<Self, String> {
+        media: &MediaTokens,
+    ) -> std::result::Result<Self, (RejectReason, String)> {
         let mut batch = Batch {
             epoch: head.request.epoch,
             global_batch: head.request.global_batch,
@@ -78,8 +83,16 @@ impl Batch {
             packs: None,
         };
         if batch.tensor(tensor::CU_SEQLENS).is_some() {
-            batch.packs = Some(packs(&batch).map_err(|e| format!("packed layout: {e}"))?);
+            let packs = packs(&batch)
+                .map_err(|e| (RejectReason::MalformedLayout, format!("packed layout: {e}")))?;
+            batch.packs = Some(packs);
         }
+        check_media(&batch, media).map_err(|e| {
+            (
+                RejectReason::MediaMismatch,
+                format!("media and tokens disagree: {e}"),
+            )
+        })?;
         Ok(batch)
     }
 
@@ -109,6 +122,76 @@ impl Batch {
     pub fn payload_bytes(&self) -> u64 {
         self.payload.len() as u64
     }
+}
+
+/// The tensors that hold media: a batch with any of them has its tokens checked against them.
+const MEDIA_TENSORS: [&str; 5] = [
+    tensor::PIXEL_VALUES,
+    tensor::IMAGE_GRID_THW,
+    tensor::PIXEL_VALUES_VIDEOS,
+    tensor::VIDEO_GRID_THW,
+    tensor::SECOND_PER_GRID_TS,
+];
+
+/// `stoker_wire`'s media check on the batch's tensors (the packs, when packed, already
+/// checked against them).
+fn check_media(batch: &Batch, media: &MediaTokens) -> std::result::Result<(), String> {
+    let Some(ids) = batch.tensor(tensor::INPUT_IDS) else {
+        return match MEDIA_TENSORS.iter().find(|n| batch.tensor(n).is_some()) {
+            Some(name) => Err(format!("{name} without input_ids")),
+            None => Ok(()),
+        };
+    };
+    let rows = match (ids.dtype, ids.shape) {
+        (DType::I64, &[rows, _]) => rows as usize,
+        (dtype, shape) => {
+            return Err(format!(
+                "input_ids is {} {shape:?}, not [rows, L] int64",
+                dtype.name()
+            ))
+        }
+    };
+    if batch.packs.is_none() && rows != batch.sample_ids.len() {
+        return Err(format!(
+            "input_ids has {rows} rows for {} samples",
+            batch.sample_ids.len()
+        ));
+    }
+    let grid = |name| match batch.tensor(name) {
+        None => Ok(Vec::new()),
+        Some(_) => match ints(batch, name, 2)? {
+            (v, shape) if shape[1] == 3 => Ok(v),
+            (_, shape) => Err(format!("{name} has shape {shape:?}, not [n, 3]")),
+        },
+    };
+    let pixel_rows =
+        |name| (batch.tensor(name)).map_or(0, |t| t.shape.first().copied().unwrap_or(0));
+    let per_pack = |count: fn(&Pack) -> usize| -> Option<Vec<i64>> {
+        (batch.packs.as_ref()).map(|packs| packs.iter().map(|p| count(p) as i64).collect())
+    };
+    let (image_grid, video_grid) = (grid(tensor::IMAGE_GRID_THW)?, grid(tensor::VIDEO_GRID_THW)?);
+    let (images_per_pack, videos_per_pack) =
+        (per_pack(|p| p.images.len()), per_pack(|p| p.videos.len()));
+    let seconds = match batch.tensor(tensor::SECOND_PER_GRID_TS).map(|t| t.shape) {
+        None => None,
+        Some(&[n]) => Some(n),
+        Some(shape) => return Err(format!("second_per_grid_ts has shape {shape:?}")),
+    };
+    media.check(&BatchMedia {
+        input_ids: Ids::Bytes(ids.bytes),
+        rows,
+        images: MediaGrids {
+            grid: &image_grid,
+            pixel_rows: pixel_rows(tensor::PIXEL_VALUES),
+            per_row: images_per_pack.as_deref(),
+        },
+        videos: MediaGrids {
+            grid: &video_grid,
+            pixel_rows: pixel_rows(tensor::PIXEL_VALUES_VIDEOS),
+            per_row: videos_per_pack.as_deref(),
+        },
+        second_per_grid_ts: seconds,
+    })
 }
 
 /// A tensor's values as i64, with its shape, if it has `dims` dimensions and an integer dtype.
@@ -303,17 +386,29 @@ mod tests {
         values.iter().flat_map(|&v| bytes(v)).collect()
     }
 
+    /// Image pad 9, video pad 10, merged 1x1 (a pad token per patch).
+    const MEDIA: MediaTokens = MediaTokens {
+        image_token: 9,
+        video_token: 10,
+        merge_size: 1,
+    };
+
     /// A batch of two packs over a row width of 6: samples of 3 and 2 tokens with images of
-    /// 4 and 2 pixel rows, then one sample of 4 tokens without images.
+    /// 2 and 1 pixel rows (and pad tokens), then one sample of 4 tokens without images.
     fn tensors() -> Vec<(&'static str, DType, Vec<u64>, Vec<u8>)> {
         vec![
-            ("input_ids", DType::I64, vec![2, 6], vec![0; 96]),
-            ("pixel_values", DType::U8, vec![6, 4], vec![0; 24]),
+            (
+                "input_ids",
+                DType::I64,
+                vec![2, 6],
+                le(&[9i64, 9, 1, 9, 1, 0, 1, 1, 1, 1, 0, 0], i64::to_le_bytes),
+            ),
+            ("pixel_values", DType::U8, vec![3, 4], vec![0; 12]),
             (
                 "image_grid_thw",
                 DType::I64,
                 vec![2, 3],
-                le(&[1i64, 2, 2, 1, 1, 2], i64::to_le_bytes),
+                le(&[1i64, 1, 2, 1, 1, 1], i64::to_le_bytes),
             ),
             (
                 "cu_seqlens",
@@ -332,6 +427,13 @@ mod tests {
     }
 
     fn batch(samples: u64, tensors: &[(&str, DType, Vec<u64>, Vec<u8>)]) -> Result<Batch, String> {
+        checked(samples, tensors).map_err(|(_, why)| why)
+    }
+
+    fn checked(
+        samples: u64,
+        tensors: &[(&str, DType, Vec<u64>, Vec<u8>)],
+    ) -> Result<Batch, (RejectReason, String)> {
         let mut payload = Vec::new();
         let mut metas = Vec::new();
         for (name, dtype, shape, bytes) in tensors {
@@ -361,7 +463,7 @@ mod tests {
             tensors: metas,
             payload_len: payload.len() as u64,
         };
-        Batch::new(head, buf, "w".into())
+        Batch::new(head, buf, "w".into(), &MEDIA)
     }
 
     #[test]
@@ -377,7 +479,7 @@ mod tests {
                     max_seqlen: 3,
                     samples: 0..2,
                     images: 0..2,
-                    pixel_rows: 0..6,
+                    pixel_rows: 0..3,
                     videos: 0..0,
                     video_rows: 0..0,
                 },
@@ -388,7 +490,7 @@ mod tests {
                     max_seqlen: 4,
                     samples: 2..3,
                     images: 2..2,
-                    pixel_rows: 6..6,
+                    pixel_rows: 3..3,
                     videos: 0..0,
                     video_rows: 0..0,
                 },
@@ -399,7 +501,46 @@ mod tests {
     #[test]
     fn a_plain_batch_has_no_packs() {
         let plain: Vec<_> = tensors().into_iter().take(3).collect();
-        assert_eq!(batch(3, &plain).unwrap().packs, None);
+        assert_eq!(batch(2, &plain).unwrap().packs, None);
+    }
+
+    /// A forged or buggy batch whose media disagree with its pad tokens never reaches the
+    /// model: packed or plain, the client names the row and the counts.
+    #[test]
+    fn media_that_disagree_with_their_pad_tokens_are_refused_by_name() {
+        let i64s = |v: &[i64]| le(v, i64::to_le_bytes);
+        let refused = |samples, tensors: &[(&str, DType, Vec<u64>, Vec<u8>)]| {
+            let (reason, why) = checked(samples, tensors).err().expect("refused");
+            assert_eq!(reason, RejectReason::MediaMismatch, "{why}");
+            why
+        };
+        // One pad token more in pack 0.
+        let mut one_more = tensors();
+        one_more[0].3 = i64s(&[9, 9, 9, 9, 1, 0, 1, 1, 1, 1, 0, 0]);
+        assert!(refused(3, &one_more)
+            .contains("media and tokens disagree: row 0 holds 4 image pad tokens, its images 3"));
+        // A plain batch missing its second grid row (and its pixel row).
+        let mut missing = tensors()[..3].to_vec();
+        missing[1].2 = vec![2, 4];
+        missing[1].3 = vec![0; 8];
+        missing[2].2 = vec![1, 3];
+        missing[2].3 = i64s(&[1, 1, 2]);
+        assert!(refused(2, &missing).contains("row 0 holds 3 image pad tokens, its images 2"));
+        // Pixel rows that are not the grids' patches; a grid that is not [n, 3].
+        let mut pixels = tensors()[..3].to_vec();
+        pixels[1].2 = vec![4, 3];
+        assert!(refused(2, &pixels).contains("pixel_values has 4 rows, image_grid_thw 3"));
+        let mut flat = tensors()[..3].to_vec();
+        flat[2].2 = vec![3, 2];
+        assert!(refused(2, &flat).contains("image_grid_thw has shape [3, 2], not [n, 3]"));
+        // Media without any input_ids; rows that are not the samples.
+        assert!(refused(2, &tensors()[1..3]).contains("pixel_values without input_ids"));
+        assert!(refused(3, &tensors()[..3]).contains("input_ids has 2 rows for 3 samples"));
+        // A packed layout that does not fit is named as such.
+        let mut cut = tensors();
+        cut[3].2 = vec![1, 3];
+        let (reason, _) = checked(3, &cut).err().unwrap();
+        assert_eq!(reason, RejectReason::MalformedLayout);
     }
 
     #[test]

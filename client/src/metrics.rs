@@ -26,6 +26,16 @@ stoker_wire::label_set! {
 }
 
 stoker_wire::label_set! {
+    /// Why a batch a worker answered was never delivered:
+    /// `stoker_trainer_batches_rejected_total`'s `reason`.
+    RejectReason {
+        WrongBatch => "wrong_batch",
+        MalformedLayout => "malformed_layout",
+        MediaMismatch => "media_mismatch",
+    }
+}
+
+stoker_wire::label_set! {
     /// Why a request is sent again: `stoker_trainer_retries_total`'s `reason`.
     RetryReason {
         WorkerLost => "worker_lost",
@@ -59,6 +69,7 @@ pub struct ClientMetrics {
     pub retries: IntCounterVec,
     pub hedges: IntCounterVec,
     pub errors: IntCounterVec,
+    pub rejected: IntCounterVec,
     /// Request to whole answer, whichever worker answered: no per-worker label, so a rank's
     /// page does not grow with the workers (a worker's own series name a slow one).
     pub request_latency: Histogram,
@@ -181,6 +192,11 @@ impl ClientMetrics {
                 "Problems with workers, by kind (connect, refused, plan_mismatch, lost, answer, poison, wrong_batch, malformed_batch).",
                 "kind",
             ),
+            rejected: counter_vec(
+                "stoker_trainer_batches_rejected_total",
+                "Batches a worker answered that were never delivered, by reason (wrong_batch, malformed_layout, media_mismatch); each is asked for elsewhere.",
+                "reason",
+            ),
             request_latency,
             wait_ratio,
             next_wait,
@@ -196,11 +212,18 @@ impl ClientMetrics {
         for kind in WorkerErrorKind::ALL {
             m.errors.with_label_values(&[kind.as_str()]);
         }
+        for reason in RejectReason::ALL {
+            m.rejected.with_label_values(&[reason.as_str()]);
+        }
         Arc::new(m)
     }
 
     pub fn error(&self, kind: WorkerErrorKind) {
         self.errors.with_label_values(&[kind.as_str()]).inc();
+    }
+
+    pub fn reject(&self, reason: RejectReason) {
+        self.rejected.with_label_values(&[reason.as_str()]).inc();
     }
 
     pub fn retry(&self, reason: RetryReason) {
@@ -325,6 +348,12 @@ mod label_set_tests {
             "stoker_trainer_worker_errors_total",
             "kind",
             WorkerErrorKind::ALL.iter().map(|v| v.as_str()),
+        );
+        assert_documented(
+            DOCS,
+            "stoker_trainer_batches_rejected_total",
+            "reason",
+            RejectReason::ALL.iter().map(|v| v.as_str()),
         );
         assert_documented(
             DOCS,

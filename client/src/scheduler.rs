@@ -19,7 +19,7 @@ use crate::config::LoaderConfig;
 pub use crate::config::Policy;
 use crate::discovery::WorkerSet;
 use crate::error::Error;
-use crate::metrics::{ClientMetrics, HedgeOutcome, RetryReason, WorkerErrorKind};
+use crate::metrics::{ClientMetrics, HedgeOutcome, RejectReason, RetryReason, WorkerErrorKind};
 use crate::policy::{auto_depth, legacy_auto_depth, Depth, HedgeBudget, LatencyWindow};
 use crate::topology::{self, Members};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -1167,17 +1167,23 @@ impl Scheduler {
                         l.window += 1;
                     }
                 }
-                let checked = match self.wrong_answer(&head.request, f.position) {
-                    Some(why) => Err((WorkerErrorKind::WrongBatch, why)),
-                    None => Batch::new(head, buf, addr.clone())
-                        .map_err(|why| (WorkerErrorKind::MalformedBatch, why)),
+                let checked = match (self.wrong_answer(&head.request, f.position), &self.identity) {
+                    (Some(why), _) => Err((RejectReason::WrongBatch, why)),
+                    (None, Some(plan)) => Batch::new(head, buf, addr.clone(), &plan.media),
+                    (None, None) => {
+                        Err((RejectReason::WrongBatch, "an answer before a plan".into()))
+                    }
                 };
                 let batch = match checked {
                     Ok(batch) => batch,
-                    Err((kind, why)) => {
+                    Err((reason, why)) => {
                         // Never deliver it: this worker is not trusted again, the batch is
                         // asked for elsewhere.
-                        self.metrics.error(kind);
+                        self.metrics.reject(reason);
+                        self.metrics.error(match reason {
+                            RejectReason::WrongBatch => WorkerErrorKind::WrongBatch,
+                            _ => WorkerErrorKind::MalformedBatch,
+                        });
                         self.stop_using(link);
                         self.count_failure(f.position, request_id, &addr, &why);
                         return;

@@ -20,8 +20,16 @@ fn plan(plan_id: u64) -> Welcome {
         description: format!("plan {plan_id}"),
         max_connections: 0,
         links_per_rank: 0,
+        media: MEDIA,
     }
 }
+
+/// Image pad 9, video pad 10, merged 1x1.
+const MEDIA: stoker_wire::MediaTokens = stoker_wire::MediaTokens {
+    image_token: 9,
+    video_token: 10,
+    merge_size: 1,
+};
 
 fn config(depth: usize) -> LoaderConfig {
     let mut c = LoaderConfig::new(crate::Discovery::Static(Vec::new()), 1, 2);
@@ -584,16 +592,19 @@ async fn an_error_is_never_dropped_for_a_full_channel_and_takes_no_batch_s_place
 
 #[tokio::test]
 async fn an_answer_for_another_batch_is_never_delivered_and_is_asked_for_elsewhere() {
-    a_bad_answer_is_never_delivered_and_is_asked_for_elsewhere("wrong_batch", |m, a, request| {
-        // Batch 2 for batch 0.
-        m.answer_with(
-            a,
-            BatchRequest {
-                global_batch: 2,
-                ..request
-            },
-        );
-    });
+    a_bad_answer_is_never_delivered_and_is_asked_for_elsewhere(
+        ("wrong_batch", "wrong_batch"),
+        |m, a, request| {
+            // Batch 2 for batch 0.
+            m.answer_with(
+                a,
+                BatchRequest {
+                    global_batch: 2,
+                    ..request
+                },
+            );
+        },
+    );
 }
 
 /// A packed batch whose layout does not fit its tensors (here: pack boundaries without the
@@ -601,7 +612,7 @@ async fn an_answer_for_another_batch_is_never_delivered_and_is_asked_for_elsewhe
 #[tokio::test]
 async fn a_packed_answer_whose_layout_does_not_fit_is_never_delivered() {
     a_bad_answer_is_never_delivered_and_is_asked_for_elsewhere(
-        "malformed_batch",
+        ("malformed_batch", "malformed_layout"),
         |m, a, request| {
             let bounds = TensorMeta {
                 name: "cu_seqlens".into(),
@@ -615,10 +626,88 @@ async fn a_packed_answer_whose_layout_does_not_fit_is_never_delivered() {
     );
 }
 
-/// Worker a answers batch 0 badly: nothing is delivered, the error is counted as `kind`, b
-/// is asked for batch 0 and its answer delivered, a is not asked again.
+/// An answer to `request` whose image pad tokens are one short of its grid's: one sample of 4
+/// ids holding 2 pad tokens, a grid of 1x1x3 (3 patches, 3 tokens at merge 1).
+fn answer_with_a_pad_token_missing(m: &mut Machine, link: LinkId, request: BatchRequest) {
+    let meta = |name: &str, dtype, shape: Vec<u64>, offset, nbytes| TensorMeta {
+        name: name.into(),
+        dtype,
+        shape,
+        offset,
+        nbytes,
+    };
+    let ids: Vec<u8> = [9i64, 9, 1, 0]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let grid: Vec<u8> = [1i64, 1, 3].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut buf = AlignedBuf::zeroed(128);
+    buf.as_mut_slice()[..32].copy_from_slice(&ids);
+    buf.as_mut_slice()[64..88].copy_from_slice(&grid);
+    let tensors = vec![
+        meta("input_ids", DType::I64, vec![1, 4], 0, 32),
+        meta("pixel_values", DType::U8, vec![3, 1], 32, 3),
+        meta("image_grid_thw", DType::I64, vec![1, 3], 64, 24),
+    ];
+    m.answer_frame(link, request, tensors, buf);
+}
+
+/// A batch whose media disagree with its tokens (a forged batch, or a worker of another
+/// build) would misalign pixels and text in the model: never delivered, asked elsewhere.
+#[tokio::test]
+async fn an_answer_whose_media_disagree_with_its_tokens_is_never_delivered() {
+    a_bad_answer_is_never_delivered_and_is_asked_for_elsewhere(
+        ("malformed_batch", "media_mismatch"),
+        answer_with_a_pad_token_missing,
+    );
+}
+
+/// When every worker asked answers the batch with media that disagree, the trainer gets the
+/// error, naming the batch and the disagreement.
+#[tokio::test]
+async fn a_batch_every_worker_answers_inconsistently_fails_by_name() {
+    let mut cfg = config(1);
+    cfg.max_attempts = 2;
+    let mut m = Machine::new(cfg);
+    let a = m.worker_up("a", plan(7));
+    m.step();
+    let asked = m.asked(a)[0].0;
+    let first = m.request(asked);
+    let b = m.worker_up("b", plan(7));
+    answer_with_a_pad_token_missing(&mut m, a, first);
+    m.step();
+    let asked = m.asked(b)[0].0;
+    let second = m.request(asked);
+    answer_with_a_pad_token_missing(&mut m, b, second);
+    m.step();
+    let got = m.delivered();
+    let Some(Err(Error::BatchFailed {
+        epoch,
+        batch,
+        reason,
+        ..
+    })) = got.first()
+    else {
+        panic!("expected BatchFailed, got {got:?}");
+    };
+    assert_eq!((*epoch, *batch), (0, 0));
+    assert!(
+        reason.contains("media and tokens disagree: row 0 holds 2 image pad tokens, its images 3"),
+        "{reason}"
+    );
+    let rejected =
+        m.s.metrics
+            .rejected
+            .with_label_values(&["media_mismatch"])
+            .get();
+    assert_eq!(rejected, 2);
+}
+
+/// Worker a answers batch 0 badly: nothing is delivered, the error is counted as `kind` (and
+/// the rejection by its reason), b is asked for batch 0 and its answer delivered, a is not
+/// asked again.
 fn a_bad_answer_is_never_delivered_and_is_asked_for_elsewhere(
-    kind: &str,
+    (kind, reason): (&str, &str),
     answer_badly: impl FnOnce(&mut Machine, LinkId, BatchRequest),
 ) {
     let mut m = Machine::new(config(1));
@@ -632,6 +721,10 @@ fn a_bad_answer_is_never_delivered_and_is_asked_for_elsewhere(
     m.step();
     assert!(m.delivered().is_empty(), "the bad answer was delivered");
     assert_eq!(m.s.metrics.errors.with_label_values(&[kind]).get(), 1);
+    let rejected = |r: &str| m.s.metrics.rejected.with_label_values(&[r]).get();
+    assert_eq!(rejected(reason), 1);
+    let all: u64 = RejectReason::ALL.iter().map(|r| rejected(r.as_str())).sum();
+    assert_eq!(all, 1);
     let retried = m.asked(b);
     assert_eq!((retried[0].1, retried[0].2), (0, 0), "batch 0, from b");
     m.answer(b, retried[0].0);

@@ -19,7 +19,7 @@ use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, BufReader, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::rustls::{self, ClientConfig, RootCertStore, ServerConfig};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
@@ -135,7 +135,8 @@ impl ClientTls {
             }
         };
         let shown = name.to_str().into_owned();
-        let stream = self.connector.connect(name, tcp).await.map_err(|e| {
+        let wire = BufReader::with_capacity(RANK_READ_BUFFER, tcp);
+        let stream = self.connector.connect(name, wire).await.map_err(|e| {
             io::Error::new(e.kind(), format!("TLS with the worker as {shown}: {e}"))
         })?;
         Ok(Stream::Tls(Box::new(stream.into())))
@@ -182,7 +183,8 @@ impl ServerTls {
 
     /// The server side of the handshake (the caller bounds it in time).
     pub async fn accept(&self, tcp: TcpStream) -> io::Result<Stream> {
-        let stream = self.acceptor.accept(tcp).await?;
+        let wire = BufReader::with_capacity(WORKER_READ_BUFFER, tcp);
+        let stream = self.acceptor.accept(wire).await?;
         Ok(Stream::Tls(Box::new(stream.into())))
     }
 }
@@ -230,8 +232,16 @@ impl Serve {
 /// A connection between a rank and a worker, in TLS or (asked for) plaintext.
 pub enum Stream {
     Plain(TcpStream),
-    Tls(Box<tokio_rustls::TlsStream<TcpStream>>),
+    Tls(Box<tokio_rustls::TlsStream<Wire>>),
 }
+
+/// What TLS runs over: rustls reads the socket 4 KiB at a time, so a rank receiving batches of
+/// megabytes would make a system call per 4 KiB; a read buffer under it makes one per
+/// [`RANK_READ_BUFFER`]. A worker reads only small requests: one record's worth suffices, and it
+/// holds one per connection.
+type Wire = BufReader<TcpStream>;
+const RANK_READ_BUFFER: usize = 256 << 10;
+const WORKER_READ_BUFFER: usize = 17 << 10;
 
 impl Stream {
     pub fn is_tls(&self) -> bool {

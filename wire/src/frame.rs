@@ -1,11 +1,13 @@
 //! Frame kinds and their payload encodings (specified in docs/protocol.md).
 
 use crate::codec::{Reader, Writer};
+use crate::media::MediaTokens;
 
 pub const MAGIC: [u8; 4] = *b"STKR";
 /// Bumped on any incompatible change; a peer refuses other versions with a clear error.
-/// 2: the Cancel frame, and the Welcome's connection hints.
-pub const VERSION: u8 = 2;
+/// 2: the Cancel frame, and the Welcome's connection hints. 3: the Welcome's media tokens
+/// (what a batch's media are checked against).
+pub const VERSION: u8 = 3;
 pub const HEADER_LEN: usize = 16;
 /// Tensor data (and each tensor) starts at this alignment inside a batch payload.
 pub const ALIGN: usize = 64;
@@ -21,7 +23,7 @@ pub const MAX_TENSORS: usize = 64;
 pub enum WireError {
     #[error("bad magic {0:02x?}: not a Stoker peer")]
     BadMagic([u8; 4]),
-    #[error("protocol version {0} is not supported (this build speaks {VERSION})")]
+    #[error("protocol v{peer} peer: {} (this build speaks v{VERSION})", upgrade(*.0), peer = .0)]
     Version(u8),
     #[error("unknown frame kind {0}")]
     Kind(u8),
@@ -31,6 +33,15 @@ pub enum WireError {
     Truncated { at: usize, need: usize },
     #[error("invalid frame: {0}")]
     Invalid(String),
+}
+
+/// What a version mismatch asks for: the older side upgraded.
+fn upgrade(peer: u8) -> String {
+    if peer < VERSION {
+        format!("upgrade it to v{VERSION}")
+    } else {
+        format!("upgrade this build to v{peer}")
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -141,6 +152,8 @@ pub struct Welcome {
     /// Hint: the most workers one trainer rank should connect to (`--links-per-rank`);
     /// 0 = the client decides.
     pub links_per_rank: u32,
+    /// How the plan's media become tokens: every batch is checked against it.
+    pub media: MediaTokens,
 }
 
 impl Welcome {
@@ -154,6 +167,9 @@ impl Welcome {
         w.str16(&self.description);
         w.u32(self.max_connections);
         w.u32(self.links_per_rank);
+        w.u32(self.media.image_token);
+        w.u32(self.media.video_token);
+        w.u32(self.media.merge_size);
         w.buf
     }
     pub fn decode(p: &[u8]) -> Result<Self, WireError> {
@@ -167,7 +183,18 @@ impl Welcome {
             description: r.str16()?,
             max_connections: r.u32()?,
             links_per_rank: r.u32()?,
+            media: MediaTokens {
+                image_token: r.u32()?,
+                video_token: r.u32()?,
+                merge_size: r.u32()?,
+            },
         };
+        if welcome.media.merge_size == 0 {
+            return Err(WireError::Invalid(format!(
+                "the worker's plan {:016x} has a merge size of 0",
+                welcome.plan_id
+            )));
+        }
         // Positions are epoch × batches_per_epoch + batch: a plan without batches has none.
         if welcome.batches_per_epoch == 0 {
             return Err(WireError::Invalid(format!(
@@ -200,6 +227,7 @@ impl Welcome {
             description,
             max_connections: _,
             links_per_rank: _,
+            media,
         } = self;
         *plan_id == other.plan_id
             && *dataset_version == other.dataset_version
@@ -207,6 +235,7 @@ impl Welcome {
             && *global_batch_size == other.global_batch_size
             && *batches_per_epoch == other.batches_per_epoch
             && *description == other.description
+            && *media == other.media
     }
 }
 
@@ -715,6 +744,11 @@ mod tests {
             description: "qwen2-vl U8 seed=0".into(),
             max_connections: 1024,
             links_per_rank: 4,
+            media: MediaTokens {
+                image_token: 151655,
+                video_token: 151656,
+                merge_size: 2,
+            },
         }
     }
 
@@ -723,11 +757,25 @@ mod tests {
         let w = welcome();
         let bytes = w.encode();
         assert_eq!(Welcome::decode(&bytes), Ok(w.clone()));
-        // A Welcome without its hints (a v1 layout) is truncated, not misread.
-        assert!(matches!(
-            Welcome::decode(&bytes[..bytes.len() - 8]),
-            Err(WireError::Truncated { .. })
-        ));
+        // A Welcome without its media tokens (a v2 layout) or hints (v1) is truncated, not
+        // misread.
+        for cut in [12, 20] {
+            assert!(matches!(
+                Welcome::decode(&bytes[..bytes.len() - cut]),
+                Err(WireError::Truncated { .. })
+            ));
+        }
+        let no_merge = Welcome {
+            media: MediaTokens {
+                merge_size: 0,
+                ..w.media
+            },
+            ..w.clone()
+        };
+        assert!(Welcome::decode(&no_merge.encode())
+            .unwrap_err()
+            .to_string()
+            .contains("merge size of 0"));
         let rollout = Welcome {
             max_connections: 64,
             links_per_rank: 0,
@@ -744,6 +792,14 @@ mod tests {
             ..w.clone()
         };
         assert!(!w.same_plan(&other_plan) && !w.same_plan(&other_data));
+        let other_tokens = Welcome {
+            media: MediaTokens {
+                image_token: 1,
+                ..w.media
+            },
+            ..w.clone()
+        };
+        assert!(!w.same_plan(&other_tokens));
     }
 
     #[test]
@@ -765,12 +821,18 @@ mod tests {
             len: 10,
         }
         .encode();
-        assert_eq!(h[4], 2);
-        h[4] = 1;
+        assert_eq!(h[4], 3);
+        h[4] = 2;
         let e = FrameHeader::decode(&h).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "protocol version 1 is not supported (this build speaks 2)"
+            "protocol v2 peer: upgrade it to v3 (this build speaks v3)"
+        );
+        h[4] = 4;
+        let e = FrameHeader::decode(&h).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "protocol v4 peer: upgrade this build to v4 (this build speaks v3)"
         );
     }
 

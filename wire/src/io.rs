@@ -229,6 +229,11 @@ mod tests {
             description: "d".into(),
             max_connections: 8,
             links_per_rank: 2,
+            media: crate::MediaTokens {
+                image_token: 5,
+                video_token: 6,
+                merge_size: 2,
+            },
         };
         let got = worker_answers(Some((Kind::Welcome, welcome.encode()))).await;
         assert_eq!(got.unwrap(), welcome);

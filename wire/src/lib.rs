@@ -20,9 +20,11 @@ mod codec;
 mod frame;
 #[cfg(feature = "tokio")]
 pub mod io;
+mod media;
 
 pub use codec::{Reader, Writer};
 pub use frame::*;
+pub use media::{BatchMedia, Ids, MediaGrids, MediaTokens};
 
 /// The names of a batch's tensors (docs/protocol.md), spelled once for workers and clients.
 pub mod tensor {

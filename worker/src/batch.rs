@@ -5,7 +5,7 @@
 use crate::preprocess::text::IGNORE_INDEX;
 use crate::preprocess::video::VideoOut;
 use crate::preprocess::vision::{ImageOut, PixelBuf};
-use stoker_wire::Skipped;
+use stoker_wire::{BatchMedia, Ids, MediaGrids, Skipped};
 
 /// A preprocessed sample, ready to collate.
 pub struct PreparedSample {
@@ -44,6 +44,32 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// What the media check reads, as the batch goes on the wire (video tensors only with a
+    /// video, `second_per_grid_ts` only with a non-zero entry).
+    pub fn media(&self) -> BatchMedia<'_> {
+        let packing = self.packing.as_ref();
+        let with_videos = !self.video_chunks.is_empty();
+        BatchMedia {
+            input_ids: Ids::Values(&self.input_ids),
+            rows: self.rows,
+            images: MediaGrids {
+                grid: &self.image_grid_thw,
+                pixel_rows: self.pixel_rows as u64,
+                per_row: packing.map(|p| p.pack_images.as_slice()),
+            },
+            videos: match with_videos {
+                true => MediaGrids {
+                    grid: &self.video_grid_thw,
+                    pixel_rows: self.video_rows as u64,
+                    per_row: packing.map(|p| p.pack_videos.as_slice()),
+                },
+                false => MediaGrids::default(),
+            },
+            second_per_grid_ts: (with_videos && self.second_per_grid_ts.iter().any(|&s| s > 0.0))
+                .then_some(self.second_per_grid_ts.len() as u64),
+        }
+    }
+
     /// Bytes of its tensors on the wire (a frame adds the head and alignment padding).
     pub fn tensor_bytes(&self) -> u64 {
         let i64s = self.input_ids.len()
@@ -135,5 +161,69 @@ pub fn collate(samples: Vec<PreparedSample>, skipped: Vec<Skipped>, pad_id: i64)
         video_grid_thw,
         second_per_grid_ts,
         packing: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stoker_wire::MediaTokens;
+
+    const TOKENS: MediaTokens = MediaTokens {
+        image_token: 7,
+        video_token: 8,
+        merge_size: 2,
+    };
+
+    /// One row of ids, an image of grid 1x2x4 (8 patches, 2 tokens), a video of 2x2x2 (8
+    /// patches, 2 tokens) with its seconds.
+    fn batch(ids: Vec<i64>) -> Batch {
+        Batch {
+            sample_ids: vec![0],
+            skipped: Vec::new(),
+            rows: 1,
+            seq_len: ids.len(),
+            labels: vec![IGNORE_INDEX; ids.len()],
+            attention_mask: vec![1; ids.len()],
+            input_ids: ids,
+            pixel_chunks: Vec::new(),
+            pixel_rows: 8,
+            image_grid_thw: vec![1, 2, 4],
+            video_chunks: vec![PixelBuf::U8(vec![0; 8 * 12])],
+            video_rows: 8,
+            video_grid_thw: vec![2, 2, 2],
+            second_per_grid_ts: vec![1.0],
+            packing: None,
+        }
+    }
+
+    #[test]
+    fn the_media_checked_are_the_media_sent() {
+        assert_eq!(TOKENS.check(&batch(vec![7, 7, 8, 8, 1]).media()), Ok(()));
+        let why = TOKENS
+            .check(&batch(vec![7, 1, 8, 8, 1]).media())
+            .unwrap_err();
+        assert!(
+            why.contains("row 0 holds 1 image pad tokens, its images 2"),
+            "{why}"
+        );
+        let why = TOKENS
+            .check(&batch(vec![7, 7, 8, 1, 1]).media())
+            .unwrap_err();
+        assert!(
+            why.contains("row 0 holds 1 video pad tokens, its videos 2"),
+            "{why}"
+        );
+        // Seconds go on the wire only when one is non-zero, and are checked only then.
+        let mut no_seconds = batch(vec![7, 7, 8, 8, 1]);
+        no_seconds.second_per_grid_ts = vec![0.0, 0.0];
+        assert_eq!(no_seconds.media().second_per_grid_ts, None);
+        let mut two_seconds = batch(vec![7, 7, 8, 8, 1]);
+        two_seconds.second_per_grid_ts = vec![1.0, 1.0];
+        let why = TOKENS.check(&two_seconds.media()).unwrap_err();
+        assert!(
+            why.contains("second_per_grid_ts has 2 entries for 1 videos"),
+            "{why}"
+        );
     }
 }

@@ -117,6 +117,7 @@ stoker_wire::label_set! {
         Idle => "idle",
         Stalled => "stalled",
         Tls => "tls",
+        InconsistentBatch => "inconsistent_batch",
     }
 }
 

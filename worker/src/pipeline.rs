@@ -210,6 +210,17 @@ impl Pipeline {
         (self.config.limits).peak_sample_bytes(preset.max_pixels, value_bytes)
     }
 
+    /// How this plan's media become tokens: what every batch is checked against, here before
+    /// it is sent and by the client (the Welcome carries it).
+    pub fn media_tokens(&self) -> stoker_wire::MediaTokens {
+        let id = |t: i64| u32::try_from(t).expect("token ids fit in u32");
+        stoker_wire::MediaTokens {
+            image_token: id(self.text.image_token()),
+            video_token: id(self.text.video_token()),
+            merge_size: self.config.preset.merge_size,
+        }
+    }
+
     pub fn pixel_lut(&self) -> Option<&[u8]> {
         self.pixel_lut.as_deref()
     }

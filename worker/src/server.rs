@@ -244,6 +244,7 @@ impl Server {
             ),
             max_connections: u32::try_from(config.max_connections).unwrap_or(u32::MAX),
             links_per_rank: config.links_per_rank,
+            media: pipeline.media_tokens(),
         };
         Arc::new(Server {
             memory: MemoryPool::new(
@@ -585,6 +586,18 @@ impl Server {
         conn.tasks.insert(req.request_id, task);
     }
 
+    /// Whether a built batch may be sent: it fits in a frame, and its media agree with its
+    /// pad tokens (a batch that does not is a bug of this build: refused and counted, never
+    /// sent; every worker of the plan builds the same batch, so it is not retried).
+    fn check_batch(&self, batch: &Batch) -> Result<(), String> {
+        check_frame_size(batch, stoker_wire::MAX_PAYLOAD)?;
+        (self.welcome.media.check(&batch.media())).map_err(|e| {
+            self.refuse(RefusalReason::InconsistentBatch);
+            tracing::error!("refused to send a batch whose media and tokens disagree: {e}");
+            format!("media and tokens disagree: {e} (refused by the worker: a bug, report it)")
+        })
+    }
+
     async fn answer(&self, req: BatchRequest, memory: &Arc<ConnMemory>) -> Outgoing {
         let started = Instant::now();
         let err = |code, message: String| {
@@ -629,7 +642,7 @@ impl Server {
         drop(queued);
         let built = memory::with_account(bytes.clone(), self.pipeline.build_batch(&slice)).await;
         match built {
-            Ok(batch) => match check_frame_size(&batch, stoker_wire::MAX_PAYLOAD) {
+            Ok(batch) => match self.check_batch(&batch) {
                 Ok(()) => {
                     bytes.settle(slice.samples.len(), batch.tensor_bytes());
                     Outgoing::Batch(Box::new(Ready {
@@ -639,7 +652,10 @@ impl Server {
                         _bytes: bytes,
                     }))
                 }
-                Err(too_large) => err(ErrorCode::Failed, too_large),
+                Err(why) => err(
+                    ErrorCode::Failed,
+                    format!("batch {}/{}: {why}", req.epoch, req.global_batch),
+                ),
             },
             Err(f) if f.transient => err(ErrorCode::Transient, f.to_string()),
             Err(f) => err(ErrorCode::Failed, f.to_string()),

@@ -343,7 +343,7 @@ async fn a_peer_of_another_protocol_version_is_refused_by_name() {
     }
     .encode()
     .to_vec();
-    frame[4] = 1; // what a build speaking version 1 sends
+    frame[4] = 2; // what a build speaking version 2 sends
     frame.extend_from_slice(&hello);
     let mut s = tokio::net::TcpStream::connect(w.addr).await.unwrap();
     s.write_all(&frame).await.unwrap();
@@ -355,7 +355,7 @@ async fn a_peer_of_another_protocol_version_is_refused_by_name() {
     assert_eq!(e.code, ErrorCode::BadRequest);
     assert_eq!(
         e.message,
-        "protocol version 1 is not supported (this build speaks 2)"
+        "protocol v2 peer: upgrade it to v3 (this build speaks v3)"
     );
     let m = w.metrics.render();
     let refused = |reason| {

@@ -439,6 +439,12 @@ impl Sim {
             description: "simulated".into(),
             max_connections: a.max_connections,
             links_per_rank: 0,
+            // Simulated answers carry no tensors: nothing for the media check to read.
+            media: stoker_wire::MediaTokens {
+                image_token: 151655,
+                video_token: 151656,
+                merge_size: 2,
+            },
         };
         let demand = global as f64 / a.step_s;
         let per_worker = demand / workers as f64;

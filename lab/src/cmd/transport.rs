@@ -12,7 +12,8 @@ use stoker_tls::issue::{unique_name, Authority};
 use stoker_tls::ServerTls;
 use stoker_wire::io::{read_frame, write_frame};
 use stoker_wire::{
-    encode_batch, BatchRequest, DType, FrameHeader, Kind, TensorRef, Welcome, MAX_CONTROL_PAYLOAD,
+    encode_batch, BatchRequest, DType, FrameHeader, Kind, MediaTokens, TensorRef, Welcome,
+    MAX_CONTROL_PAYLOAD,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -30,16 +31,34 @@ pub struct TransportServerArgs {
 
 const PLAN_ID: u64 = 0x7472_616e_7370_6f72;
 
-/// One Qwen2-VL-shaped batch of about `mib` MiB (8 samples of 1024 tokens, the rest pixels).
+/// The media tokens of the batch below (Qwen2-VL's pad ids, merged 2x2).
+const MEDIA: MediaTokens = MediaTokens {
+    image_token: 151655,
+    video_token: 151656,
+    merge_size: 2,
+};
+
+/// One Qwen2-VL-shaped batch of about `mib` MiB (8 samples of 1024 tokens, the rest pixels):
+/// an image per sample, of grid 1 x 2 x w, whose t·h·w / 4 pad tokens open its row, so that
+/// the client's media check passes as on a real batch.
 fn batch_payload(mib: u64) -> Vec<u8> {
     let (b, l, dim) = (8u64, 1024u64, 3 * 2 * 14 * 14u64);
-    let rows = ((mib << 20) / (dim * 4)).max(1);
-    let ids: Vec<u8> = (0..b * l).flat_map(|i| (i as i64).to_le_bytes()).collect();
+    // Pixel rows per image: a multiple of 4 (whole 2x2 merges of a 2-high grid).
+    let per_image = (((mib << 20) / (dim * 4) / b) / 4 * 4).clamp(4, 4 * l);
+    let rows = per_image * b;
+    let pads = per_image / 4;
+    let ids: Vec<u8> = (0..b * l)
+        .map(|i| match i % l < pads {
+            true => i64::from(MEDIA.image_token),
+            false => (i % l) as i64,
+        })
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
     let pixels: Vec<u8> = (0..rows * dim)
         .flat_map(|i| ((i % 251) as f32 / 251.0).to_le_bytes())
         .collect();
-    let grid: Vec<u8> = [1i64, 2, (rows / 2) as i64]
-        .iter()
+    let grid: Vec<u8> = (0..b)
+        .flat_map(|_| [1i64, 2, (per_image / 2) as i64])
         .flat_map(|v| v.to_le_bytes())
         .collect();
     let t = |name, dtype, shape: Vec<u64>, bytes| TensorRef {
@@ -53,7 +72,7 @@ fn batch_payload(mib: u64) -> Vec<u8> {
         t("labels", DType::I64, vec![b, l], &ids),
         t("attention_mask", DType::I64, vec![b, l], &ids),
         t("pixel_values", DType::F32, vec![rows, dim], &pixels),
-        t("image_grid_thw", DType::I64, vec![1, 3], &grid),
+        t("image_grid_thw", DType::I64, vec![b, 3], &grid),
     ];
     let request = BatchRequest {
         request_id: 0,
@@ -142,6 +161,7 @@ async fn answer(
         // No connection limit here.
         max_connections: u32::MAX,
         links_per_rank: 0,
+        media: MEDIA,
     };
     write_frame(&mut wr, Kind::Welcome, &welcome.encode()).await?;
     while let Some((kind, p)) = read_frame(&mut rd, MAX_CONTROL_PAYLOAD).await? {
