@@ -29,7 +29,7 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{watcher, Controller};
 use kube::{Api, CustomResourceExt};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The DataPipeline CustomResourceDefinition as YAML (what `crds/` holds).
 pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
@@ -53,6 +53,10 @@ pub struct Config {
 const LEASE_NAME: &str = "stoker-operator";
 const LEASE_DURATION: Duration = Duration::from_secs(15);
 const RENEW_EVERY: Duration = Duration::from_secs(5);
+/// A leader that has not renewed within this long after sending its last successful renewal
+/// steps down (exits), a margin before any candidate can take the Lease: a candidate sees the
+/// renewal no earlier than it was sent, and waits LEASE_DURATION on its own clock after that.
+const RENEW_DEADLINE: Duration = Duration::from_secs(10);
 /// How often deleted pipelines' autoscaler state and series are dropped.
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
 
@@ -66,48 +70,60 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         listener.local_addr()?
     );
     tokio::spawn(metrics::serve(listener, metrics.clone()));
-    let election = leader::LeaderElection {
-        api: Api::namespaced(client.clone(), &cfg.lease_namespace),
-        name: LEASE_NAME.into(),
-        identity: cfg.identity.clone(),
-        duration: LEASE_DURATION,
-    };
-    lead(election, &cfg.lease_namespace).await;
-    metrics.leader.set(1);
+    let election = leader::LeaderElection::new(
+        Api::namespaced(client.clone(), &cfg.lease_namespace),
+        LEASE_NAME,
+        &cfg.identity,
+        LEASE_DURATION,
+    );
+    lead(election, &cfg.lease_namespace, metrics.clone()).await;
     control(client, cfg, metrics).await;
     Ok(())
 }
 
 /// Waits until this replica holds the Lease, then keeps renewing it in the background.
-async fn lead(election: leader::LeaderElection, namespace: &str) {
+async fn lead(
+    election: leader::LeaderElection,
+    namespace: &str,
+    metrics: Arc<metrics::OperatorMetrics>,
+) {
     let identity = election.identity.clone();
     tracing::info!("{identity}: waiting for the {LEASE_NAME} Lease in {namespace}");
-    loop {
+    let mut last_ok = loop {
+        let sent = tokio::time::Instant::now();
         match election.try_acquire().await {
-            Ok(true) => break,
+            Ok(true) => break sent,
             Ok(false) => {}
             Err(e) => tracing::warn!("leader election: {e}"),
         }
         tokio::time::sleep(RENEW_EVERY).await;
-    }
+    };
     tracing::info!("{identity}: leading");
+    metrics.leader.set(1);
     tokio::spawn(async move {
-        // Losing the Lease (or failing to renew it for its whole duration) ends the process:
-        // the Deployment restarts it as a candidate, and nothing reconciles twice.
-        let mut last_ok = Instant::now();
+        // Losing the Lease, or not renewing it by the renew deadline (a slow API server, a
+        // paused process), ends the process before a candidate may take over: the Deployment
+        // restarts it as a candidate, and nothing reconciles twice.
+        let step_down = |why: String| -> ! {
+            metrics.leader.set(0);
+            tracing::error!("{identity}: stepping down: {why}; exiting");
+            std::process::exit(1);
+        };
         loop {
-            tokio::time::sleep(RENEW_EVERY).await;
-            match election.try_acquire().await {
-                Ok(true) => last_ok = Instant::now(),
-                Ok(false) => {
-                    tracing::error!("another replica holds the leader Lease; exiting");
-                    std::process::exit(1);
-                }
-                Err(e) if last_ok.elapsed() > LEASE_DURATION => {
-                    tracing::error!("could not renew the leader Lease ({e}); exiting");
-                    std::process::exit(1);
-                }
-                Err(e) => tracing::warn!("renewing the leader Lease: {e}"),
+            let deadline = last_ok + RENEW_DEADLINE;
+            let renewal = async {
+                tokio::time::sleep(RENEW_EVERY).await;
+                let sent = tokio::time::Instant::now();
+                (sent, election.try_acquire().await)
+            };
+            match tokio::time::timeout_at(deadline, renewal).await {
+                Ok((sent, Ok(true))) => last_ok = sent,
+                Ok((_, Ok(false))) => step_down("another replica holds the leader Lease".into()),
+                Ok((_, Err(e))) => tracing::warn!("renewing the leader Lease: {e}"),
+                Err(_) => step_down(format!(
+                    "the Lease was not renewed within {RENEW_DEADLINE:?} of the last renewal \
+                     (candidates may take it {LEASE_DURATION:?} after it)"
+                )),
             }
         }
     });

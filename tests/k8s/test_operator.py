@@ -461,11 +461,20 @@ def test_restarting_the_operator_and_the_api_server_loses_and_duplicates_nothing
                                                                       "qwen-sft-tls")}
     before = owned_counts(cluster, "qwen-sft")
     assert before == dict({k: 1 for k in OWNED}, secret=3, configmap=1), before
-    # The API server goes away and comes back while the operator runs.
+    # The API server goes away and comes back while the operator runs. Gone past the renew
+    # deadline (10 s), the leader steps down (exits) rather than risk acting beside a new
+    # leader, and its Deployment starts it again: here the test does.
     cluster.restart_apiserver()
     cluster.kubectl("scale", "dp/fixed", "-n", NS, "--replicas=2")
-    wait_until("the operator to reconcile after the API server restart",
-               lambda: deployment_replicas(cluster, "fixed") == 2, 120)
+    scaled = lambda: deployment_replicas(cluster, "fixed") == 2
+    stepped_down = lambda: operator.proc.poll() is not None
+    wait_until("the operator to reconcile or step down after the API server restart",
+               lambda: stepped_down() or scaled(), 120)
+    if stepped_down():
+        assert "stepping down: the Lease was not renewed within 10s" in operator.log.read_text()
+        again = Operator(operator_kubeconfig, "op-main", logs)
+        operator.proc, operator.port, operator.log = again.proc, again.port, again.log
+    wait_until("the operator to reconcile after the API server restart", scaled, 120)
     # The operator itself restarts (a new process, the same identity takes its Lease back).
     operator.kill()
     second = Operator(operator_kubeconfig, "op-main", logs)
