@@ -52,15 +52,29 @@ impl Error {
 
 /// What failed, at which step, on which object.
 pub fn at<K: Resource<DynamicType = ()>>(step: Step, obj: &K) -> impl FnOnce(kube::Error) -> Error {
-    let object = format!(
-        "{} {}/{}",
-        K::kind(&()),
-        obj.meta().namespace.as_deref().unwrap_or_default(),
-        obj.meta().name.as_deref().unwrap_or_default()
-    );
+    let meta = obj.meta();
+    at_name::<K>(
+        step,
+        meta.namespace.as_deref().unwrap_or_default(),
+        meta.name.as_deref().unwrap_or_default(),
+    )
+}
+
+/// [`at`] for an object known by its name only (a read that found nothing yet).
+pub fn at_name<K: Resource<DynamicType = ()>>(
+    step: Step,
+    ns: &str,
+    name: &str,
+) -> impl FnOnce(kube::Error) -> Error {
+    let object = object_name::<K>(ns, name);
     move |source| Error::Kube {
         step,
         object,
         source,
     }
+}
+
+/// "Kind namespace/name", as errors name objects.
+pub fn object_name<K: Resource<DynamicType = ()>>(ns: &str, name: &str) -> String {
+    format!("{} {ns}/{name}", K::kind(&()))
 }

@@ -6,7 +6,7 @@
 use crate::apply::RESYNC;
 use crate::crd::{DataPipeline, TlsMode};
 use crate::credentials::{self as cred, CA_VALIDITY, WORKER_VALIDITY};
-use crate::error::{at, Error};
+use crate::error::{at, at_name, object_name, Error};
 use crate::labels::{names, FIELD_MANAGER};
 use crate::metrics::Step;
 use crate::validate::Valid;
@@ -33,14 +33,9 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// "Kind namespace/name", as errors name objects.
-fn object<K: Resource<DynamicType = ()>>(ns: &str, name: &str) -> String {
-    format!("{} {ns}/{name}", K::kind(&()))
-}
-
 fn not_owned<K: Resource<DynamicType = ()>>(dp: &DataPipeline, ns: &str, name: &str) -> Error {
     Error::Credentials {
-        object: object::<K>(ns, name),
+        object: object_name::<K>(ns, name),
         why: format!(
             "exists and is not owned by DataPipeline {}: the operator writes only into what \
              it created (rename or delete it)",
@@ -118,8 +113,11 @@ impl Credentials {
         let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
         let ca = ensure_ca(dp, &secrets, &ns).await?;
         let n = names(dp);
-        let existing = (secrets.get_opt(&n.tls_secret).await)
-            .map_err(|e| kube_error::<Secret>(&ns, &n.tls_secret, e))?;
+        let existing = (secrets.get_opt(&n.tls_secret).await).map_err(at_name::<Secret>(
+            Step::Tls,
+            &ns,
+            &n.tls_secret,
+        ))?;
         if existing
             .as_ref()
             .is_some_and(|s| !cred::owned_by(&s.metadata, dp))
@@ -156,21 +154,13 @@ impl Credentials {
     }
 }
 
-fn kube_error<K: Resource<DynamicType = ()>>(ns: &str, name: &str, source: kube::Error) -> Error {
-    Error::Kube {
-        step: Step::Tls,
-        object: object::<K>(ns, name),
-        source,
-    }
-}
-
 fn credentials_error<K: Resource<DynamicType = ()>>(
     ns: &str,
     name: &str,
     why: impl std::fmt::Display,
 ) -> Error {
     Error::Credentials {
-        object: object::<K>(ns, name),
+        object: object_name::<K>(ns, name),
         why: why.to_string(),
     }
 }
@@ -182,16 +172,16 @@ where
     K: std::fmt::Debug,
 {
     let pp = PatchParams::apply(FIELD_MANAGER).force();
-    (api.patch(&obj.name_any(), &pp, &Patch::Apply(obj)).await)
-        .map_err(|e| kube_error::<K>(&obj.namespace().unwrap_or_default(), &obj.name_any(), e))?;
+    (api.patch(&obj.name_any(), &pp, &Patch::Apply(obj)).await).map_err(at(Step::Tls, obj))?;
     Ok(())
 }
 
 /// The pipeline's CA from its Secret, made and stored on first use.
 async fn ensure_ca(dp: &DataPipeline, secrets: &Api<Secret>, ns: &str) -> Result<Authority, Error> {
     let name = names(dp).ca_secret;
-    let get =
-        || async { (secrets.get_opt(&name).await).map_err(|e| kube_error::<Secret>(ns, &name, e)) };
+    let get = || async {
+        (secrets.get_opt(&name).await).map_err(at_name::<Secret>(Step::Tls, ns, &name))
+    };
     let stored = match get().await? {
         Some(s) => s,
         None => {
@@ -208,7 +198,7 @@ async fn ensure_ca(dp: &DataPipeline, secrets: &Api<Secret>, ns: &str) -> Result
                 Err(kube::Error::Api(e)) if e.code == 409 => get()
                     .await?
                     .ok_or_else(|| credentials_error::<Secret>(ns, &name, "gone"))?,
-                Err(e) => return Err(kube_error::<Secret>(ns, &name, e)),
+                Err(e) => return Err(at_name::<Secret>(Step::Tls, ns, &name)(e)),
             }
         }
     };
@@ -231,20 +221,13 @@ async fn ensure_ca_config_map(
 ) -> Result<(), Error> {
     let name = names(dp).ca_config_map;
     let api = Api::<ConfigMap>::namespaced(client.clone(), ns);
-    let existing = (api.get_opt(&name).await).map_err(|e| kube_error::<ConfigMap>(ns, &name, e))?;
+    let wanted = cred::ca_config_map(dp, ca_pem);
+    let existing =
+        (api.get_opt(&name).await).map_err(at_name::<ConfigMap>(Step::Tls, ns, &name))?;
     match existing {
         Some(cm) if !cred::owned_by(&cm.metadata, dp) => Err(not_owned::<ConfigMap>(dp, ns, &name)),
-        Some(cm)
-            if cm
-                .data
-                .as_ref()
-                .and_then(|d| d.get("ca.crt"))
-                .map(String::as_str)
-                == Some(ca_pem) =>
-        {
-            Ok(())
-        }
-        _ => apply(&api, &cred::ca_config_map(dp, ca_pem)).await,
+        Some(cm) if cm.data == wanted.data => Ok(()),
+        _ => apply(&api, &wanted).await,
     }
 }
 
