@@ -12,6 +12,7 @@ pub mod cache;
 pub mod crd;
 pub mod credentials;
 pub mod error;
+pub mod fence;
 pub mod labels;
 pub mod leader;
 pub mod metrics;
@@ -51,18 +52,15 @@ pub struct Config {
 }
 
 const LEASE_NAME: &str = "stoker-operator";
-const LEASE_DURATION: Duration = Duration::from_secs(15);
-const RENEW_EVERY: Duration = Duration::from_secs(5);
-/// A leader that has not renewed within this long after sending its last successful renewal
-/// steps down (exits), a margin before any candidate can take the Lease: a candidate sees the
-/// renewal no earlier than it was sent, and waits LEASE_DURATION on its own clock after that.
-const RENEW_DEADLINE: Duration = Duration::from_secs(10);
 /// How often deleted pipelines' autoscaler state and series are dropped.
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
 
-/// Runs until SIGTERM/SIGINT: metrics endpoint, leader election, then the controller.
+/// Runs until SIGTERM/SIGINT: metrics endpoint, leader election, then the controller, whose
+/// writes are fenced on the Lease. A replica that steps down exits: the Deployment restarts it
+/// as a candidate, and nothing reconciles twice.
 pub async fn run(cfg: Config) -> anyhow::Result<()> {
-    let client = kube::Client::try_default().await?;
+    use leader::{LEASE_DURATION, RENEW_DEADLINE};
+    let config = kube::Config::infer().await?;
     let metrics = metrics::OperatorMetrics::new();
     let listener = tokio::net::TcpListener::bind(&cfg.metrics_listen).await?;
     tracing::info!(
@@ -70,63 +68,40 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         listener.local_addr()?
     );
     tokio::spawn(metrics::serve(listener, metrics.clone()));
+    // The Lease's own requests go around the fence; everything the controller sends through it.
     let election = leader::LeaderElection::new(
-        Api::namespaced(client.clone(), &cfg.lease_namespace),
+        Api::namespaced(
+            kube::Client::try_from(config.clone())?,
+            &cfg.lease_namespace,
+        ),
         LEASE_NAME,
         &cfg.identity,
         LEASE_DURATION,
     );
-    lead(election, &cfg.lease_namespace, metrics.clone()).await;
-    control(client, cfg, metrics).await;
-    Ok(())
-}
-
-/// Waits until this replica holds the Lease, then keeps renewing it in the background.
-async fn lead(
-    election: leader::LeaderElection,
-    namespace: &str,
-    metrics: Arc<metrics::OperatorMetrics>,
-) {
-    let identity = election.identity.clone();
-    tracing::info!("{identity}: waiting for the {LEASE_NAME} Lease in {namespace}");
-    let mut last_ok = loop {
-        let sent = tokio::time::Instant::now();
-        match election.try_acquire().await {
-            Ok(true) => break sent,
-            Ok(false) => {}
-            Err(e) => tracing::warn!("leader election: {e}"),
-        }
-        tokio::time::sleep(RENEW_EVERY).await;
-    };
+    let fence = fence::Fence::new(
+        RENEW_DEADLINE,
+        LEASE_DURATION,
+        metrics.writes_fenced.clone(),
+    );
+    let client = kube::client::ClientBuilder::try_from(config)?
+        .with_layer(&fence::FenceLayer(fence.clone()))
+        .build();
+    let identity = cfg.identity.clone();
+    tracing::info!(
+        "{identity}: waiting for the {LEASE_NAME} Lease in {}",
+        cfg.lease_namespace
+    );
+    let won = election.acquire().await;
     tracing::info!("{identity}: leading");
     metrics.leader.set(1);
-    tokio::spawn(async move {
-        // Losing the Lease, or not renewing it by the renew deadline (a slow API server, a
-        // paused process), ends the process before a candidate may take over: the Deployment
-        // restarts it as a candidate, and nothing reconciles twice.
-        let step_down = |why: String| -> ! {
+    tokio::select! {
+        why = election.keep(won, &fence) => {
             metrics.leader.set(0);
             tracing::error!("{identity}: stepping down: {why}; exiting");
             std::process::exit(1);
-        };
-        loop {
-            let deadline = last_ok + RENEW_DEADLINE;
-            let renewal = async {
-                tokio::time::sleep(RENEW_EVERY).await;
-                let sent = tokio::time::Instant::now();
-                (sent, election.try_acquire().await)
-            };
-            match tokio::time::timeout_at(deadline, renewal).await {
-                Ok((sent, Ok(true))) => last_ok = sent,
-                Ok((_, Ok(false))) => step_down("another replica holds the leader Lease".into()),
-                Ok((_, Err(e))) => tracing::warn!("renewing the leader Lease: {e}"),
-                Err(_) => step_down(format!(
-                    "the Lease was not renewed within {RENEW_DEADLINE:?} of the last renewal \
-                     (candidates may take it {LEASE_DURATION:?} after it)"
-                )),
-            }
         }
-    });
+        () = control(client, cfg, metrics.clone()) => Ok(()),
+    }
 }
 
 /// The controller: DataPipelines (a reconcile on a change of their spec, not of the status it

@@ -1,8 +1,10 @@
 //! The operator's own /metrics (docs/metrics.md) and health endpoints: the autoscaler's
 //! per-pipeline series (shared with `stoker-lab demo`, from stoker-control) plus reconciles,
-//! reconcile errors by kind and leadership.
+//! reconcile errors by kind, leadership and fenced writes.
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
 use std::sync::Arc;
 use std::time::Duration;
 use stoker_control::metrics::ScalerMetrics;
@@ -44,6 +46,7 @@ pub struct OperatorMetrics {
     reconcile_seconds: HistogramVec,
     pub scaler: ScalerMetrics,
     pub leader: IntGauge,
+    pub writes_fenced: IntCounter,
 }
 
 impl OperatorMetrics {
@@ -79,6 +82,11 @@ impl OperatorMetrics {
             "stoker_operator_leader",
             "1 while this replica holds the leader Lease and reconciles.",
         )?;
+        let writes_fenced = IntCounter::new(
+            "stoker_operator_writes_fenced_total",
+            "Writes not sent, or cut off, because this replica no longer held the leader Lease \
+             with the margin left (paused or cut off past its renew deadline).",
+        )?;
         registry.register(Box::new(reconciles.clone()))?;
         for result in ReconcileResult::ALL {
             reconciles.with_label_values(&[result.as_str()]);
@@ -86,6 +94,7 @@ impl OperatorMetrics {
         registry.register(Box::new(reconcile_errors.clone()))?;
         registry.register(Box::new(reconcile_seconds.clone()))?;
         registry.register(Box::new(leader.clone()))?;
+        registry.register(Box::new(writes_fenced.clone()))?;
         let scaler = ScalerMetrics::register(&registry)?;
         Ok(OperatorMetrics {
             registry,
@@ -94,6 +103,7 @@ impl OperatorMetrics {
             reconcile_seconds,
             scaler,
             leader,
+            writes_fenced,
         })
     }
 
