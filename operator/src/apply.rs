@@ -3,10 +3,13 @@
 //! of it) and what the API server answered; an object is applied again when the wanted one
 //! differs, when someone else changed or deleted it (its generation, or for kinds whose spec
 //! changes do not move one its resourceVersion, moved past the answer), and every [`RESYNC`]
-//! regardless (drift in metadata need not move the generation).
+//! regardless (drift in metadata need not move the generation). An object of an owned name that
+//! the pipeline does not own is never written: no adoption.
 
 use crate::cache::Cached;
-use crate::labels::FIELD_MANAGER;
+use crate::error::{at, not_owned, Error};
+use crate::labels::{owned_by, pipeline_of, FIELD_MANAGER};
+use crate::metrics::Step;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
@@ -97,15 +100,31 @@ where
     }
 
     /// Applies `obj` for `pipeline` unless it is already as wanted; the object as it now is.
+    /// An object of its name that the pipeline does not own (someone else's, another
+    /// pipeline's) is never written: the caches hold only objects labelled as ours, so one
+    /// missing from them is read first (a GET, normally only before the object is created).
     pub async fn apply(
         &self,
         client: &kube::Client,
         pipeline: &str,
         obj: &K,
-    ) -> Result<Arc<K>, kube::Error> {
+    ) -> Result<Arc<K>, Error> {
         let (ns, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
+        let api = Api::<K>::namespaced(client.clone(), &ns);
+        let live = match self.cache.get(&ns, &name) {
+            Some(live) => Some(live),
+            None => (api.get_opt(&name).await)
+                .map_err(at(Step::Apply, obj))?
+                .map(Arc::new),
+        };
+        let (owner_uid, owner) = pipeline_of(obj.meta()).expect("built objects name their owner");
+        if live
+            .as_ref()
+            .is_some_and(|live| !owned_by(live.meta(), Some(owner_uid)))
+        {
+            return Err(not_owned::<K>(Step::Apply, &ns, &name, owner));
+        }
         let wanted = hash_of(obj);
-        let live = self.cache.get(&ns, &name);
         let unchanged = live.as_ref().is_some_and(|live| {
             let applied = self.applied.lock().expect("applied objects");
             applied.get(pipeline).is_some_and(|a| {
@@ -127,9 +146,8 @@ where
             }
         );
         let pp = PatchParams::apply(FIELD_MANAGER).force();
-        let answer = Api::<K>::namespaced(client.clone(), &ns)
-            .patch(&name, &pp, &Patch::Apply(obj))
-            .await?;
+        let answer =
+            (api.patch(&name, &pp, &Patch::Apply(obj)).await).map_err(at(Step::Apply, obj))?;
         let answer = Arc::new(answer);
         self.applied.lock().expect("applied objects").insert(
             pipeline.to_string(),

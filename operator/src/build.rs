@@ -20,10 +20,12 @@ use k8s_openapi::api::networking::v1::{
     NetworkPolicySpec,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{
+    LabelSelector, LabelSelectorRequirement, ObjectMeta,
+};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use stoker_config::{Concurrency, S3Connection, Serving, WorkerConfig};
 
 pub const BATCH_PORT: i32 = 7700;
@@ -403,8 +405,15 @@ pub fn pod_disruption_budget(p: &Valid) -> PodDisruptionBudget {
 }
 
 /// Batches only to the trainer pods; metrics to anyone in the cluster (Prometheus).
-pub fn network_policy(p: &Valid) -> NetworkPolicy {
+/// Ingress to the workers: the batch port from the trainer pods, the metrics port from pods of
+/// the pipeline's namespace and of `metrics_from` (where Prometheus runs), nothing else.
+pub fn network_policy(p: &Valid, metrics_from: &[String]) -> NetworkPolicy {
     let dp = p.dp;
+    let namespaces: BTreeSet<String> = dp
+        .namespace()
+        .into_iter()
+        .chain(metrics_from.iter().cloned())
+        .collect();
     let port = |p: i32| NetworkPolicyPort {
         port: Some(IntOrString::Int(p)),
         protocol: Some("TCP".into()),
@@ -431,7 +440,14 @@ pub fn network_policy(p: &Valid) -> NetworkPolicy {
                 },
                 NetworkPolicyIngressRule {
                     from: Some(vec![NetworkPolicyPeer {
-                        namespace_selector: Some(LabelSelector::default()),
+                        namespace_selector: Some(LabelSelector {
+                            match_expressions: Some(vec![LabelSelectorRequirement {
+                                key: "kubernetes.io/metadata.name".into(),
+                                operator: "In".into(),
+                                values: Some(namespaces.into_iter().collect()),
+                            }]),
+                            ..LabelSelector::default()
+                        }),
                         ..NetworkPolicyPeer::default()
                     }]),
                     ports: Some(vec![port(METRICS_PORT)]),

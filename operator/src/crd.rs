@@ -23,6 +23,7 @@ pub use stoker_config::{
     namespaced,
     doc = "A pool of Stoker workers feeding one training job: see spec for the dataset, preprocessing, plan, placement and autoscaling.",
     status = "DataPipelineStatus",
+    validation = Rule::new("self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$') && size(self.metadata.name) <= 55").message("metadata.name must be a DNS-1035 label of at most 55 characters (lowercase letters, digits and '-', starting with a letter): the workers' Service is named <name>-workers"),
     scale(
         spec_replicas_path = ".spec.replicas",
         status_replicas_path = ".status.replicas",
@@ -534,6 +535,23 @@ mod tests {
                 .expect("the real-node example parses");
         admit(&real).unwrap();
         assert!(crate::validate::validate(&real).is_ok());
+    }
+
+    #[test]
+    fn a_name_that_cannot_name_the_workers_service_is_not_admitted() {
+        let named = |name: &str| {
+            let mut dp = example();
+            dp.metadata.name = Some(name.into());
+            admit(&dp)
+        };
+        named(&"a".repeat(55)).unwrap();
+        for bad in ["qwen.sft", &"a".repeat(56)] {
+            let err = named(bad).expect_err(bad);
+            assert!(
+                err.contains("must be a DNS-1035 label of at most 55"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

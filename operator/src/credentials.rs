@@ -6,7 +6,6 @@ use crate::crd::DataPipeline;
 use crate::labels::{meta, names};
 use crate::validate::Valid;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::ByteString;
 use kube::ResourceExt;
 use std::collections::BTreeMap;
@@ -124,15 +123,6 @@ pub fn ca_config_map(dp: &DataPipeline, ca_pem: &str) -> ConfigMap {
     }
 }
 
-/// Whether `dp` owns the object: the operator writes only into what it created.
-pub fn owned_by(meta: &ObjectMeta, dp: &DataPipeline) -> bool {
-    let uid = dp.uid();
-    meta.owner_references
-        .iter()
-        .flatten()
-        .any(|o| Some(&o.uid) == uid.as_ref())
-}
-
 /// Whether the workers' certificate Secret `existing` can stay: `Ok(not_after)` when it holds
 /// a certificate of this CA for exactly these names with more than [`RENEW_BEFORE`] left at
 /// `now` (Unix seconds), else `Err(why it is issued again)`.
@@ -165,6 +155,7 @@ pub fn keep_worker_cert(
 mod tests {
     use super::*;
     use crate::crd::example;
+    use crate::labels::owned_by;
 
     #[test]
     fn workers_are_named_as_ranks_dial_them() {
@@ -187,7 +178,7 @@ mod tests {
         let expires = now + WORKER_VALIDITY.as_secs();
         let secret = worker_secret(&dp, "CA", "CERT", "KEY", &names, expires);
         assert_eq!(secret.metadata.name.as_deref(), Some("qwen-sft-tls"));
-        assert!(owned_by(&secret.metadata, &dp));
+        assert!(owned_by(&secret.metadata, dp.uid().as_deref()));
         let keep = |s: &Secret, ca: &str, names: &[String], now: u64| {
             keep_worker_cert(Some(s), ca, names, now)
         };
@@ -223,7 +214,7 @@ mod tests {
         );
         let mut foreign = secret.clone();
         foreign.metadata.owner_references = None;
-        assert!(!owned_by(&foreign.metadata, &dp));
+        assert!(!owned_by(&foreign.metadata, dp.uid().as_deref()));
         foreign.data.as_mut().unwrap().remove("ca.key");
         assert_eq!(read_ca(&foreign), Err("no key ca.key".into()));
         let cm = ca_config_map(&dp, "CERT");

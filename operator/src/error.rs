@@ -19,10 +19,21 @@ pub enum Error {
     InvalidSpec(Vec<String>),
     #[error("DataPipeline without a namespace")]
     NoNamespace,
-    /// The pipeline's certificates cannot be kept or made: a Secret or ConfigMap of their name
-    /// that the pipeline does not own, a CA Secret that does not parse.
+    /// The pipeline's certificates cannot be kept or made: a CA Secret that does not parse.
     #[error("tls {object}: {why}")]
     Credentials { object: String, why: String },
+    /// An object of a name the pipeline's objects take exists and is not the pipeline's: it
+    /// is never written (the status and an Event name it).
+    #[error(
+        "{} {object}: exists and is not owned by DataPipeline {pipeline}: the operator writes \
+         only into what it created (rename or delete it)",
+        .step.as_str()
+    )]
+    NotOwned {
+        step: Step,
+        object: String,
+        pipeline: String,
+    },
 }
 
 impl Error {
@@ -37,6 +48,7 @@ impl Error {
             Error::InvalidSpec(_) => ReconcileErrorKind::InvalidSpec,
             Error::NoNamespace => ReconcileErrorKind::NoNamespace,
             Error::Credentials { .. } => ReconcileErrorKind::Credentials,
+            Error::NotOwned { .. } => ReconcileErrorKind::NotOwned,
         }
     }
 
@@ -46,6 +58,7 @@ impl Error {
             Error::Kube { step, .. } => *step,
             Error::InvalidSpec(_) | Error::NoNamespace => Step::Validate,
             Error::Credentials { .. } => Step::Tls,
+            Error::NotOwned { step, .. } => *step,
         }
     }
 }
@@ -71,6 +84,20 @@ pub fn at_name<K: Resource<DynamicType = ()>>(
         step,
         object,
         source,
+    }
+}
+
+/// The object `ns/name` of kind `K` exists and is not `pipeline`'s.
+pub fn not_owned<K: Resource<DynamicType = ()>>(
+    step: Step,
+    ns: &str,
+    name: &str,
+    pipeline: &str,
+) -> Error {
+    Error::NotOwned {
+        step,
+        object: object_name::<K>(ns, name),
+        pipeline: pipeline.into(),
     }
 }
 

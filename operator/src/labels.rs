@@ -9,6 +9,10 @@ use std::collections::BTreeMap;
 /// The field manager of every apply, and the `managed-by` label's value.
 pub const FIELD_MANAGER: &str = "stoker-operator";
 
+/// The longest DataPipeline name: every name derived from it is a DNS-1035 label of at most 63
+/// characters, the longest `<name>-workers` (the CRD's CEL rule says the same).
+pub const MAX_NAME_LEN: usize = 63 - "-workers".len();
+
 /// Names of everything a pipeline owns.
 pub struct Names {
     pub workers: String,
@@ -88,6 +92,19 @@ pub fn meta(dp: &DataPipeline, name: &str) -> ObjectMeta {
         owner_references: Some(vec![owner(dp)]),
         ..ObjectMeta::default()
     }
+}
+
+/// Whether the pipeline of uid `pipeline_uid` owns the object of `meta`: the operator writes
+/// only into what it created.
+pub fn owned_by(meta: &ObjectMeta, pipeline_uid: Option<&str>) -> bool {
+    let owners = meta.owner_references.iter().flatten();
+    pipeline_uid.is_some_and(|uid| owners.clone().any(|o| o.uid == uid))
+}
+
+/// The pipeline an object built with [`meta`] belongs to: its owner's uid and name.
+pub fn pipeline_of(meta: &ObjectMeta) -> Option<(&str, &str)> {
+    let o = meta.owner_references.as_ref()?.first()?;
+    Some((o.uid.as_str(), o.name.as_str()))
 }
 
 fn owner(dp: &DataPipeline) -> OwnerReference {

@@ -49,6 +49,8 @@ pub struct Config {
     pub namespace: Option<String>,
     /// The cluster's DNS domain (the last name in the workers' certificates).
     pub cluster_domain: String,
+    /// Namespaces whose pods may read the workers' /metrics, besides the pipeline's own.
+    pub worker_metrics_from: Vec<String>,
 }
 
 const LEASE_NAME: &str = "stoker-operator";
@@ -164,6 +166,7 @@ async fn control(client: kube::Client, cfg: Config, metrics: Arc<metrics::Operat
         metrics,
         cluster,
         credentials,
+        cfg.worker_metrics_from,
     ));
     // Nodes and pods trigger nothing (a pipeline's cap is re-read at its next reconcile):
     // the controller only drives their reflectors.

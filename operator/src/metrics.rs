@@ -25,6 +25,7 @@ stoker_wire::label_set! {
         InvalidSpec => "invalid_spec",
         NoNamespace => "no_namespace",
         Credentials => "credentials",
+        NotOwned => "not_owned",
     }
 }
 

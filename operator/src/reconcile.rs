@@ -75,6 +75,8 @@ pub struct Context {
     pub cluster: Cluster,
     scalers: Mutex<HashMap<String, ScalerState>>,
     pub credentials: Credentials,
+    /// Namespaces whose pods may read the workers' /metrics, besides the pipeline's own.
+    pub worker_metrics_from: Vec<String>,
 }
 
 impl Context {
@@ -84,6 +86,7 @@ impl Context {
         metrics: Arc<crate::metrics::OperatorMetrics>,
         cluster: Cluster,
         credentials: Credentials,
+        worker_metrics_from: Vec<String>,
     ) -> Self {
         Context {
             client,
@@ -92,6 +95,7 @@ impl Context {
             cluster,
             scalers: Mutex::new(HashMap::new()),
             credentials,
+            worker_metrics_from,
         }
     }
 
@@ -232,7 +236,15 @@ fn room(dp: &DataPipeline, c: &Cluster) -> Option<placement::Room> {
 
 pub async fn reconcile(dp: Arc<DataPipeline>, ctx: Arc<Context>) -> Result<Action, Error> {
     let t0 = Instant::now();
-    let r = reconcile_inner(&dp, &ctx).await;
+    let r = match reconcile_inner(&dp, &ctx).await {
+        // Someone else's object in the way: said where the user looks, then retried.
+        Err(e @ Error::NotOwned { .. }) => match report(&dp, &ctx, "NotOwned", e.to_string()).await
+        {
+            Ok(()) => Err(e),
+            Err(status) => Err(status),
+        },
+        r => r,
+    };
     let result = r
         .as_ref()
         .map(|_| ())
@@ -252,7 +264,7 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
     let valid = match crate::validate::validate(dp) {
         Ok(valid) => valid,
         Err(problems) => {
-            report_invalid(dp, ctx, &ns, &problems).await?;
+            report(dp, ctx, "InvalidSpec", problems.join("; ")).await?;
             return Err(Error::InvalidSpec(problems));
         }
     };
@@ -279,11 +291,9 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
     }
 
     let deployment = build::deployment(&valid, scale.replicas, cert_not_after);
-    let deployment = (c
-        .deployments
+    let deployment = (c.deployments)
         .apply(&ctx.client, &pipeline, &deployment)
-        .await)
-        .map_err(at(Step::Apply, &deployment))?;
+        .await?;
     apply_owned(&valid, ctx, &pipeline).await?;
     if let Some(from) = current.filter(|c| *c != scale.replicas) {
         publish_scale(dp, ctx, &ns, from, &scale).await;
@@ -308,13 +318,13 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
 /// The Service, PDB and NetworkPolicy (the Deployment is applied first, with the count).
 async fn apply_owned(dp: &Valid<'_>, ctx: &Context, pipeline: &str) -> Result<(), Error> {
     let (c, client) = (&ctx.cluster, &ctx.client);
-    let service = build::service(dp);
-    (c.services.apply(client, pipeline, &service).await).map_err(at(Step::Apply, &service))?;
+    (c.services
+        .apply(client, pipeline, &build::service(dp))
+        .await)?;
     let pdb = build::pod_disruption_budget(dp);
-    (c.disruption_budgets.apply(client, pipeline, &pdb).await).map_err(at(Step::Apply, &pdb))?;
-    let policy = build::network_policy(dp);
-    (c.network_policies.apply(client, pipeline, &policy).await)
-        .map_err(at(Step::Apply, &policy))?;
+    (c.disruption_budgets.apply(client, pipeline, &pdb).await)?;
+    let policy = build::network_policy(dp, &ctx.worker_metrics_from);
+    (c.network_policies.apply(client, pipeline, &policy).await)?;
     Ok(())
 }
 
@@ -388,27 +398,33 @@ async fn patch_status(
     Ok(())
 }
 
-/// A spec the operator cannot honour: a Warning Event and a Ready=False condition naming
-/// every problem; nothing else changes.
-async fn report_invalid(
+/// What keeps the pipeline from running (`reason`: InvalidSpec, a spec the operator cannot
+/// honour; NotOwned, an object in the way): a Warning Event and a Ready=False condition
+/// saying so; nothing else changes.
+async fn report(
     dp: &DataPipeline,
     ctx: &Context,
-    ns: &str,
-    problems: &[String],
+    reason: &'static str,
+    message: String,
 ) -> Result<(), Error> {
-    let message = problems.join("; ");
     let event = Event {
         type_: EventType::Warning,
-        reason: "InvalidSpec".into(),
+        reason: reason.into(),
         note: Some(message.clone()),
-        action: "Validate".into(),
+        action: "Reconcile".into(),
         secondary: None,
     };
     if let Err(e) = ctx.recorder.publish(&event, &dp.object_ref(&())).await {
-        tracing::warn!("publishing an InvalidSpec event: {e}");
+        tracing::warn!("publishing a {reason} event: {e}");
     }
-    let status = status::invalid(dp, message);
-    patch_status(dp, &ctx.client, ns, &status).await
+    let ns = dp.namespace().unwrap_or_default();
+    patch_status(
+        dp,
+        &ctx.client,
+        &ns,
+        &status::not_ready(dp, reason, message),
+    )
+    .await
 }
 
 pub fn error_policy(dp: Arc<DataPipeline>, e: &Error, _ctx: Arc<Context>) -> Action {
@@ -416,6 +432,8 @@ pub fn error_policy(dp: Arc<DataPipeline>, e: &Error, _ctx: Arc<Context>) -> Act
     match e {
         // Nothing changes until the spec does (a new generation triggers a reconcile).
         Error::InvalidSpec(_) => Action::requeue(Duration::from_secs(300)),
+        // A person removes the object in the way; nothing of ours tells us when.
+        Error::NotOwned { .. } => Action::requeue(Duration::from_secs(60)),
         _ => Action::requeue(Duration::from_secs(5)),
     }
 }

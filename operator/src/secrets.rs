@@ -6,8 +6,8 @@
 use crate::apply::RESYNC;
 use crate::crd::{DataPipeline, TlsMode};
 use crate::credentials::{self as cred, CA_VALIDITY, WORKER_VALIDITY};
-use crate::error::{at, at_name, object_name, Error};
-use crate::labels::{names, FIELD_MANAGER};
+use crate::error::{at, at_name, not_owned, object_name, Error};
+use crate::labels::{names, owned_by, FIELD_MANAGER};
 use crate::metrics::Step;
 use crate::validate::Valid;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
@@ -31,17 +31,6 @@ fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
-}
-
-fn not_owned<K: Resource<DynamicType = ()>>(dp: &DataPipeline, ns: &str, name: &str) -> Error {
-    Error::Credentials {
-        object: object_name::<K>(ns, name),
-        why: format!(
-            "exists and is not owned by DataPipeline {}: the operator writes only into what \
-             it created (rename or delete it)",
-            dp.name_any()
-        ),
-    }
 }
 
 impl Credentials {
@@ -120,9 +109,14 @@ impl Credentials {
         ))?;
         if existing
             .as_ref()
-            .is_some_and(|s| !cred::owned_by(&s.metadata, dp))
+            .is_some_and(|s| !owned_by(&s.metadata, dp.uid().as_deref()))
         {
-            return Err(not_owned::<Secret>(dp, &ns, &n.tls_secret));
+            return Err(not_owned::<Secret>(
+                Step::Tls,
+                &ns,
+                &n.tls_secret,
+                &dp.name_any(),
+            ));
         }
         let worker_names = cred::worker_names(dp, &self.cluster_domain);
         let not_after =
@@ -202,8 +196,8 @@ async fn ensure_ca(dp: &DataPipeline, secrets: &Api<Secret>, ns: &str) -> Result
             }
         }
     };
-    if !cred::owned_by(&stored.metadata, dp) {
-        return Err(not_owned::<Secret>(dp, ns, &name));
+    if !owned_by(&stored.metadata, dp.uid().as_deref()) {
+        return Err(not_owned::<Secret>(Step::Tls, ns, &name, &dp.name_any()));
     }
     let (subject, cert, key) =
         cred::read_ca(&stored).map_err(|e| credentials_error::<Secret>(ns, &name, e))?;
@@ -225,7 +219,9 @@ async fn ensure_ca_config_map(
     let existing =
         (api.get_opt(&name).await).map_err(at_name::<ConfigMap>(Step::Tls, ns, &name))?;
     match existing {
-        Some(cm) if !cred::owned_by(&cm.metadata, dp) => Err(not_owned::<ConfigMap>(dp, ns, &name)),
+        Some(cm) if !owned_by(&cm.metadata, dp.uid().as_deref()) => {
+            Err(not_owned::<ConfigMap>(Step::Tls, ns, &name, &dp.name_any()))
+        }
         Some(cm) if cm.data == wanted.data => Ok(()),
         _ => apply(&api, &wanted).await,
     }

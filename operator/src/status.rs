@@ -77,8 +77,8 @@ pub fn compute(dp: &DataPipeline, scale: &Scale, seen: &Observed) -> DataPipelin
     }
 }
 
-/// The previous status with Ready=False/InvalidSpec: nothing was applied for this spec.
-pub fn invalid(dp: &DataPipeline, message: String) -> DataPipelineStatus {
+/// The previous status with Ready=False for `reason`: nothing more was applied for this spec.
+pub fn not_ready(dp: &DataPipeline, reason: &'static str, message: String) -> DataPipelineStatus {
     let prev = dp.status.clone().unwrap_or_default();
     let generation = dp.metadata.generation;
     let mut conditions: Vec<Condition> = prev
@@ -91,7 +91,7 @@ pub fn invalid(dp: &DataPipeline, message: String) -> DataPipelineStatus {
         Cond {
             type_: "Ready",
             ok: false,
-            reason: "InvalidSpec",
+            reason,
             message,
         }
         .stamp(generation, &prev.conditions),
@@ -286,7 +286,7 @@ mod tests {
             ready_replicas: 3,
             ..Default::default()
         });
-        let s = invalid(&d, "worker.image is empty".into());
+        let s = not_ready(&d, "InvalidSpec", "worker.image is empty".into());
         assert_eq!(s.ready_replicas, 3);
         let ready = cond(&s, "Ready");
         assert_eq!(

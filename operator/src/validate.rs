@@ -4,6 +4,8 @@
 //! problem; nothing is applied for it until it changes.
 
 use crate::crd::{DataPipeline, DataPipelineSpec, MetricSource, S3Source, VolumeSource};
+use crate::labels::MAX_NAME_LEN;
+use kube::ResourceExt;
 
 /// A pipeline the operator can honour, with what validation parsed kept: what the builders
 /// take (they never re-read what this decided, nor default what it rejected).
@@ -23,7 +25,8 @@ pub enum DataSource<'a> {
 
 /// `dp` as a [`Valid`] pipeline, or every problem it has (see [`problems`]).
 pub fn validate(dp: &DataPipeline) -> Result<Valid<'_>, Vec<String>> {
-    let problems = problems(&dp.spec);
+    let mut problems = problems(&dp.spec);
+    problems.extend(name_problem(&dp.name_any()));
     let source = match (&dp.spec.source.s3, &dp.spec.source.volume) {
         (Some(s3), None) => DataSource::S3(s3),
         (None, Some(v)) => DataSource::Volume(v),
@@ -160,6 +163,23 @@ fn metric_source(m: &MetricSource, out: &mut Vec<String>) {
     }
 }
 
+/// Why `name` cannot name a pipeline (a CRD installed before its CEL rule admits it): a name
+/// with a dot or over [`MAX_NAME_LEN`] would run workers whose Service cannot be applied.
+fn name_problem(name: &str) -> Option<String> {
+    let dns_1035 = name.starts_with(|c: char| c.is_ascii_lowercase())
+        && !name.ends_with('-')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+    (!dns_1035 || name.len() > MAX_NAME_LEN).then(|| {
+        format!(
+            "metadata.name {name:?} must be a DNS-1035 label of at most {MAX_NAME_LEN} characters \
+             (lowercase letters, digits and '-', starting with a letter): the workers' Service \
+             is named <name>-workers"
+        )
+    })
+}
+
 fn tokenizer(t: &str, has_s3: bool, out: &mut Vec<String>) {
     match t.split_once("://") {
         Some(("s3", _)) if !has_s3 => out.push(format!(
@@ -180,6 +200,48 @@ mod tests {
 
     fn spec() -> DataPipelineSpec {
         crate::crd::example().spec
+    }
+
+    #[test]
+    fn a_name_is_a_dns_1035_label_short_enough_for_every_derived_name() {
+        let longest = "a".repeat(MAX_NAME_LEN);
+        for ok in ["qwen-sft", "a", "x1-2", longest.as_str()] {
+            assert_eq!(name_problem(ok), None, "{ok}");
+            let names = crate::labels::names(&named(ok));
+            for derived in [
+                names.workers,
+                names.ca_secret,
+                names.tls_secret,
+                names.token_secret,
+            ] {
+                assert!(derived.len() <= 63, "{derived}");
+            }
+        }
+        let too_long = "a".repeat(MAX_NAME_LEN + 1);
+        for bad in [
+            "qwen.sft",
+            "Qwen",
+            "1qwen",
+            "qwen-",
+            "qwen_sft",
+            too_long.as_str(),
+        ] {
+            let problem = name_problem(bad).unwrap_or_else(|| panic!("{bad} admitted"));
+            assert!(
+                problem.contains("DNS-1035 label of at most 55"),
+                "{problem}"
+            );
+            assert!(validate(&named(bad)).is_err(), "{bad}");
+        }
+        // Admission says the same, with the same bound.
+        let crd = crate::crd_yaml().unwrap();
+        assert!(crd.contains(&format!("size(self.metadata.name) <= {MAX_NAME_LEN}")));
+    }
+
+    fn named(name: &str) -> DataPipeline {
+        let mut dp = crate::crd::example();
+        dp.metadata.name = Some(name.into());
+        dp
     }
 
     #[test]

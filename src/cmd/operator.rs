@@ -20,6 +20,10 @@ pub struct OperatorArgs {
     /// `<service>.<namespace>.svc.<domain>`.
     #[arg(long, default_value = "cluster.local")]
     cluster_domain: String,
+    /// Namespaces whose pods may read the workers' /metrics (Prometheus's), comma-separated;
+    /// the pipeline's own namespace always may, every other may not.
+    #[arg(long, value_delimiter = ',')]
+    worker_metrics_from: Vec<String>,
 }
 
 pub async fn run(a: OperatorArgs) -> anyhow::Result<()> {
@@ -34,6 +38,7 @@ pub async fn run(a: OperatorArgs) -> anyhow::Result<()> {
         identity,
         namespace: a.namespace,
         cluster_domain: a.cluster_domain,
+        worker_metrics_from: a.worker_metrics_from,
     })
     .await
 }

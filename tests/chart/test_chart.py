@@ -59,6 +59,8 @@ def test_defaults_render_the_operator_with_least_privilege():
     pod = dep["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["args"][0] == "operator"
+    # The workers' metrics port: open to Prometheus's namespace by default, no other.
+    assert "--worker-metrics-from=monitoring" in c["args"]
     assert pod["serviceAccountName"] == "sp-stoker"
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
@@ -72,6 +74,13 @@ def test_one_namespace_uses_a_role():
     assert roles, "watching one namespace grants a Role there, not a ClusterRole"
     dep = next(d for d in docs if d["kind"] == "Deployment")
     assert "--namespace=ml" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_the_workers_metrics_port_opens_to_the_namespaces_named():
+    dep = next(d for d in render("workerMetricsFrom={monitoring,observability}")
+               if d["kind"] == "Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--worker-metrics-from=monitoring,observability" in args
 
 
 def test_monitoring_objects_ship_the_dashboard_and_alerts_verbatim():

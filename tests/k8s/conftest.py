@@ -210,7 +210,8 @@ class Operator:
         env = dict(os.environ, KUBECONFIG=kubeconfig, RUST_LOG="info,stoker_operator=debug")
         self.proc = subprocess.Popen(
             [stoker_bin(), "operator", "--metrics-listen", f"127.0.0.1:{self.port}",
-             "--lease-namespace", RELEASE_NS, "--identity", identity],
+             "--lease-namespace", RELEASE_NS, "--identity", identity,
+             "--worker-metrics-from", "monitoring"],
             env=env, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"))
         wait_until(f"operator {identity}'s /metrics", lambda: self.metrics() is not None, 30)
 

@@ -144,6 +144,12 @@ def test_the_example_pipeline_creates_owned_objects_and_spread_admitted_pods(clu
         owners = obj["metadata"].get("ownerReferences", [])
         assert [(o["kind"], o["uid"], o.get("controller")) for o in owners] == \
             [("DataPipeline", uid, True)], f"{kind}: {owners}"
+    # The workers' metrics port is open to the pipeline's namespace and the operator's
+    # --worker-metrics-from (Prometheus's), not to every namespace.
+    rules = cluster.get("networkpolicy", "qwen-sft-workers", NS)["spec"]["ingress"]
+    metrics = next(r for r in rules if r["ports"][0]["port"] == 9090)
+    assert metrics["from"] == [{"namespaceSelector": {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": [NS, "monitoring"]}]}}]
     # TLS on by default: the workers serve a certificate of the pipeline's CA for the Service's
     # names, and trainers find that CA in the ConfigMap.
     ca = cluster.get("configmap", "qwen-sft-ca", NS)["data"]["ca.crt"]
@@ -197,21 +203,54 @@ def test_the_example_pipeline_creates_owned_objects_and_spread_admitted_pods(clu
 def test_a_secret_of_the_pipelines_name_that_it_does_not_own_is_left_alone(cluster, operator):
     """The operator writes only into what it created: a CA Secret that was there before the
     pipeline is neither read as its CA nor overwritten; the reconcile fails by name and counts
-    it, and no worker starts without its certificate."""
+    it, the pipeline says what is in the way, and no worker starts without its certificate."""
     cluster.kubectl("create", "secret", "generic", "squatted-tls-ca", "-n", NS,
                     "--from-literal=ca.crt=not-ours")
-    errors = 'stoker_operator_reconcile_errors_total{kind="credentials",step="tls"}'
+    errors = 'stoker_operator_reconcile_errors_total{kind="not_owned",step="tls"}'
     count = lambda: sample(operator.metrics(), errors) if errors in operator.metrics() else 0
     before = count()
     apply(cluster, pipeline("squatted"))
-    wait_until("a counted credentials error", lambda: count() > before, 60)
+    wait_until("a counted not_owned error", lambda: count() > before, 60)
     secret = cluster.get("secret", "squatted-tls-ca", NS)
     assert secret["data"] == {"ca.crt": base64.b64encode(b"not-ours").decode()}
     assert "ownerReferences" not in secret["metadata"]
     for kind, name in [("deployment", "squatted-workers"), ("secret", "squatted-tls")]:
         assert cluster.kubectl("get", kind, name, "-n", NS, check=False).returncode != 0, name
+    ready = wait_until("Ready=False NotOwned", lambda: (
+        c := condition(cluster, "squatted", "Ready")).get("reason") == "NotOwned" and c, 30)
+    assert f"Secret {NS}/squatted-tls-ca: exists and is not owned by DataPipeline squatted" \
+        in ready["message"], ready
     cluster.kubectl("delete", "dp", "squatted", "-n", NS)
     cluster.kubectl("delete", "secret", "squatted-tls-ca", "-n", NS)
+
+
+def test_an_object_of_an_owned_name_made_by_someone_else_is_never_taken_over(cluster, operator):
+    """No adoption: a Service of the workers' name that was there before the pipeline (not
+    labelled as ours, so not in the operator's caches) keeps its selector and gains no owner
+    (it would be garbage-collected with the pipeline); the pipeline says what is in the way
+    and the error is counted."""
+    theirs = {"apiVersion": "v1", "kind": "Service",
+              "metadata": {"name": "squatter-workers", "namespace": NS},
+              "spec": {"selector": {"app": "their-database"}, "ports": [{"port": 5432}]}}
+    apply(cluster, theirs)
+    errors = 'stoker_operator_reconcile_errors_total{kind="not_owned",step="apply"}'
+    count = lambda: sample(operator.metrics(), errors) if errors in operator.metrics() else 0
+    before = count()
+    apply(cluster, pipeline("squatter"))
+    wait_until("a counted not_owned error", lambda: count() > before, 60)
+    ready = wait_until("Ready=False NotOwned", lambda: (
+        c := condition(cluster, "squatter", "Ready")).get("reason") == "NotOwned" and c, 30)
+    assert f"Service {NS}/squatter-workers: exists and is not owned by DataPipeline squatter" \
+        in ready["message"], ready
+    service = cluster.get("service", "squatter-workers", NS)
+    assert service["spec"]["selector"] == {"app": "their-database"}
+    assert "ownerReferences" not in service["metadata"]
+    cluster.kubectl("delete", "dp", "squatter", "-n", NS)
+    # Theirs outlives the pipeline: nothing of it was the pipeline's to collect.
+    time.sleep(3)
+    assert cluster.get("service", "squatter-workers", NS)["spec"]["selector"] == {
+        "app": "their-database"}
+    cluster.kubectl("delete", "service", "squatter-workers", "-n", NS)
 
 
 def test_pack_puts_workers_together(cluster, operator):
@@ -406,6 +445,17 @@ def test_the_api_server_rejects_invalid_pipelines_with_their_messages(cluster, r
     r = apply(cluster, dp, check=False)
     assert r.returncode != 0, "admitted"
     assert message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("name", ["qwen.sft", "a" * 56])
+def test_the_api_server_rejects_a_name_that_cannot_name_the_workers_service(cluster, release, name):
+    """A dot, or more than 55 characters, would run workers whose `<name>-workers` Service
+    cannot be applied and whose NetworkPolicy never is."""
+    dp = copy.deepcopy(EXAMPLE)
+    dp["metadata"] = {"name": name}
+    r = apply(cluster, dp, check=False)
+    assert r.returncode != 0, "admitted"
+    assert "must be a DNS-1035 label of at most 55" in r.stderr, r.stderr
 
 
 def test_a_spec_the_operator_cannot_honour_gets_a_condition_and_an_event(cluster, operator):

@@ -379,8 +379,28 @@ fn service_pdb_policy_and_secret() {
         pdb.spec.as_ref().unwrap().max_unavailable,
         Some(IntOrString::String("10%".into()))
     );
-    let np = network_policy(&valid(&dp));
+    let np = network_policy(&valid(&dp), &["monitoring".into(), "ml".into()]);
     let rules = np.spec.as_ref().unwrap().ingress.as_ref().unwrap();
+    // The metrics port: the pipeline's namespace and the ones named, each once; no other.
+    let metrics = &rules[1];
+    assert_eq!(
+        metrics.ports.as_ref().unwrap()[0].port,
+        Some(IntOrString::Int(METRICS_PORT))
+    );
+    let namespaces = metrics.from.as_ref().unwrap()[0]
+        .namespace_selector
+        .as_ref()
+        .unwrap();
+    assert_eq!(namespaces.match_labels, None);
+    let only = &namespaces.match_expressions.as_ref().unwrap()[0];
+    assert_eq!(
+        (only.key.as_str(), only.operator.as_str()),
+        ("kubernetes.io/metadata.name", "In")
+    );
+    assert_eq!(
+        only.values.as_deref(),
+        Some(&["ml".into(), "monitoring".into()][..])
+    );
     let batches = &rules[0];
     assert_eq!(
         batches.from.as_ref().unwrap()[0]

@@ -59,6 +59,7 @@ fn context(deployments: Vec<Deployment>, nodes: &[&str]) -> (Arc<Context>, Handl
         metrics,
         cluster,
         Credentials::new("cluster.local"),
+        vec!["monitoring".into()],
     );
     let watches = Watches {
         deployments: deployments_w,
@@ -111,11 +112,12 @@ const OWNED_PATHS: [&str; 3] = [
     "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/qwen-sft-workers",
 ];
 
-/// The Service, PDB and NetworkPolicy applies, each owned by the pipeline, answered as
-/// stored; what the API server answered.
+/// The Service, PDB and NetworkPolicy, none in the caches: each read (none there), then
+/// applied, owned by the pipeline, answered as stored; what the API server answered.
 async fn serve_owned_patches(h: &mut Handle) -> Vec<Value> {
     let mut answers = vec![];
     for path in OWNED_PATHS {
+        serve_absent(h, path).await;
         let (obj, send) = expect(h, Method::PATCH, path).await;
         assert_eq!(
             obj["metadata"]["ownerReferences"][0]["kind"],
@@ -149,6 +151,12 @@ fn not_found() -> Response<Body> {
         .status(404)
         .body(Body::from(serde_json::to_vec(&status).unwrap()))
         .unwrap()
+}
+
+/// A read of an object missing from the caches, which does not exist either.
+async fn serve_absent(h: &mut Handle, path: &str) {
+    let (_, send) = expect(h, Method::GET, path).await;
+    send.send_response(not_found());
 }
 
 const SECRETS: &str = "/api/v1/namespaces/ml/secrets";
@@ -193,8 +201,9 @@ async fn serve_first_reconcile(h: &mut Handle, ready: i32) -> (Vec<Value>, Value
     assert_eq!(secret["stringData"]["token"].as_str().unwrap().len(), 64);
     send.send_response(ok(&secret));
     let tls = serve_first_tls(h).await;
-    // No Deployment in the cache: spec.replicas (2) holds; no read request for it or for
-    // the nodes (the bandwidth budget allows 5 per node; 1 node fits 2 workers).
+    // No Deployment in the cache: one read (none there either), spec.replicas (2) holds; no
+    // read for the nodes (the bandwidth budget allows 5 per node; 1 node fits 2 workers).
+    serve_absent(h, DEPLOYMENT_PATH).await;
     let (d, send) = expect(h, Method::PATCH, DEPLOYMENT_PATH).await;
     assert_eq!(d["spec"]["replicas"], 2);
     assert_eq!(d["metadata"]["ownerReferences"][0]["uid"], "uid-1");
@@ -302,6 +311,7 @@ async fn a_reconcile_that_finds_nothing_changed_sends_nothing() {
         .network_policies
         .apply_watcher_event(&kube::runtime::watcher::Event::Delete(policy));
     let again = tokio::spawn(async move {
+        serve_absent(&mut h, OWNED_PATHS[2]).await;
         let (np, send) = expect(&mut h, Method::PATCH, OWNED_PATHS[2]).await;
         send.send_response(ok(&stored(np)));
         h
@@ -313,7 +323,9 @@ async fn a_reconcile_that_finds_nothing_changed_sends_nothing() {
 #[tokio::test]
 async fn a_scale_change_is_applied_with_an_event_and_the_reason() {
     let existing: Deployment = serde_json::from_value(json!({"apiVersion": "apps/v1",
-        "kind": "Deployment", "metadata": {"name": "qwen-sft-workers", "namespace": "ml"},
+        "kind": "Deployment", "metadata": {"name": "qwen-sft-workers", "namespace": "ml",
+            "ownerReferences": [{"apiVersion": "stoker.dev/v1alpha1", "kind": "DataPipeline",
+                "name": "qwen-sft", "uid": "uid-1", "controller": true}]},
         "spec": {"replicas": 2, "selector": {}, "template": {}},
         "status": {"replicas": 2, "readyReplicas": 2}}))
     .unwrap();
@@ -387,25 +399,83 @@ async fn a_secret_of_the_cas_name_that_the_pipeline_does_not_own_is_refused() {
             "metadata": {"name": "qwen-sft-tls-ca", "namespace": "ml"},
             "data": {"ca.crt": "Q0VSVA==", "ca.key": "S0VZ", "name": "eA=="}});
         send.send_response(ok(&foreign));
-        h
+        serve_not_owned_report(h).await
     });
     let e = reconcile(dp, ctx.clone()).await.unwrap_err();
-    assert!(
-        e.to_string().contains(
-            "Secret ml/qwen-sft-tls-ca: exists and is not owned by DataPipeline qwen-sft"
-        ),
-        "{e}"
-    );
+    let why = "Secret ml/qwen-sft-tls-ca: exists and is not owned by DataPipeline qwen-sft";
+    assert!(e.to_string().contains(why), "{e}");
     assert_eq!(
         (e.metric_label().as_str(), e.step_label().as_str()),
-        ("credentials", "tls")
+        ("not_owned", "tls")
     );
-    // Nothing written, nothing applied: the reconcile stopped there.
-    let mut h = server.await.unwrap();
+    // Nothing written, nothing applied: the reconcile stopped there, and said why.
+    assert_not_owned_reported(server.await.unwrap(), why).await;
+}
+
+/// After a NotOwned error: the Warning Event and the status, answered; the Event and the
+/// Ready condition sent.
+async fn serve_not_owned_report(mut h: Handle) -> (Handle, Value, Value) {
+    let path = "/apis/events.k8s.io/v1/namespaces/ml/events";
+    let (event, send) = expect(&mut h, Method::POST, path).await;
+    send.send_response(ok(&event));
+    let status = serve_status_patch(&mut h).await;
+    let ready = status["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "Ready")
+        .cloned()
+        .unwrap();
+    (h, event, ready)
+}
+
+/// The Event and the Ready condition name the object in the way; nothing else is sent.
+async fn assert_not_owned_reported((mut h, event, ready): (Handle, Value, Value), why: &str) {
+    assert_eq!(event["reason"], "NotOwned");
+    assert!(event["note"].as_str().unwrap().contains(why), "{event}");
+    assert_eq!(
+        (&ready["status"], &ready["reason"]),
+        (&json!("False"), &json!("NotOwned"))
+    );
+    assert!(ready["message"].as_str().unwrap().contains(why), "{ready}");
     tokio::select! {
         r = h.next_request() => panic!("unexpected request: {:?}", r.map(|(r, _)| r.uri().clone())),
         _ = tokio::time::sleep(Duration::from_millis(50)) => {}
     }
+}
+
+/// No adoption: a Service of the workers' name that someone else made (unlabelled, so not in
+/// the caches) is read, found not the pipeline's and never patched; the Deployment before it
+/// is applied as usual, the pipeline says what is in the way.
+#[tokio::test]
+async fn an_object_of_an_owned_name_that_the_pipeline_did_not_create_is_never_written() {
+    let (ctx, mut h, _watches) = context(vec![], &["n1"]);
+    let mut dp = example();
+    dp.spec.token_secret = Some("given".into());
+    dp.spec.tls.mode = crate::crd::TlsMode::InsecurePlaintext;
+    let server = tokio::spawn(async move {
+        serve_absent(&mut h, DEPLOYMENT_PATH).await;
+        let (d, send) = expect(&mut h, Method::PATCH, DEPLOYMENT_PATH).await;
+        send.send_response(ok(&stored(d)));
+        let (_, send) = expect(&mut h, Method::GET, OWNED_PATHS[0]).await;
+        let theirs = json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "qwen-sft-workers", "namespace": "ml", "uid": "theirs"},
+            "spec": {"selector": {"app": "their-database"}}});
+        send.send_response(ok(&theirs));
+        serve_not_owned_report(h).await
+    });
+    let e = reconcile(Arc::new(dp), ctx.clone()).await.unwrap_err();
+    let why = "Service ml/qwen-sft-workers: exists and is not owned by DataPipeline qwen-sft";
+    assert!(e.to_string().contains(why), "{e}");
+    assert_eq!(
+        (e.metric_label().as_str(), e.step_label().as_str()),
+        ("not_owned", "apply")
+    );
+    assert_not_owned_reported(server.await.unwrap(), why).await;
+    assert!(ctx
+        .metrics
+        .render()
+        .contains("stoker_operator_reconcile_errors_total{kind=\"not_owned\",step=\"apply\"} 1"));
 }
 
 #[tokio::test]
@@ -454,6 +524,7 @@ async fn a_certificate_a_month_from_expiry_is_issued_again_and_rolls_the_workers
         ))
         .unwrap();
         send.send_response(ok(&cm));
+        serve_absent(&mut h, DEPLOYMENT_PATH).await;
         let (d, send) = expect(&mut h, Method::PATCH, DEPLOYMENT_PATH).await;
         send.send_response(ok(&stored(d.clone())));
         serve_owned_patches(&mut h).await;
