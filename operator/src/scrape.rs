@@ -5,6 +5,7 @@
 use crate::cache::TrainerPods;
 use crate::crd::{DataPipeline, MetricSource};
 use kube::ResourceExt;
+use std::net::IpAddr;
 use std::time::Duration;
 use stoker_control::autoscale::{Observation, RankCounters};
 use stoker_control::exposition::rank_counters;
@@ -21,18 +22,65 @@ const SCRAPE_CONCURRENCY: usize = 64;
 /// (the decision needs 95 % of them), so a few black holes cannot stall it.
 const ROUND_DEADLINE: Duration = Duration::from_secs(20);
 
+/// The longest metric URL the operator reads.
+pub const MAX_URL_LEN: usize = 2048;
+
+/// Why the operator will not read `url`, if it will not: it speaks plain `http://` (what the
+/// trainer client and Prometheus serve), and whitespace or a control character would end the
+/// request line and add headers of the URL's author to it.
+pub fn url_problem(url: &str) -> Option<&'static str> {
+    if !url.starts_with("http://") {
+        Some("is not an http:// URL")
+    } else if url.len() > MAX_URL_LEN {
+        Some("is longer than 2048 bytes")
+    } else if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        Some("contains whitespace or a control character")
+    } else {
+        None
+    }
+}
+
+/// Whether a metric source may be at `ip`: never a link-local address (the cloud's metadata
+/// service at 169.254.169.254 answers there with the node's credentials), the unspecified
+/// address or a multicast group, whatever name resolved to it.
+fn may_connect_to(ip: IpAddr) -> bool {
+    let link_local = match ip.to_canonical() {
+        IpAddr::V4(v4) => v4.is_link_local(),
+        IpAddr::V6(v6) => v6.is_unicast_link_local(),
+    };
+    !(link_local || ip.is_unspecified() || ip.is_multicast())
+}
+
 /// GET an `http://host:port/path?query` URL; the body on 200, an error naming the URL
-/// otherwise.
+/// otherwise. The host is resolved here and the connection made to an address that passed
+/// [`may_connect_to`], so a name cannot resolve to another address between check and use.
 pub async fn http_get(url: &str) -> anyhow::Result<String> {
-    let rest = url
-        .strip_prefix("http://")
-        .ok_or_else(|| anyhow::anyhow!("{url}: only http:// URLs are supported"))?;
+    if let Some(problem) = url_problem(url) {
+        anyhow::bail!("{url:?} {problem}");
+    }
+    let rest = &url["http://".len()..];
     let (authority, path) = match rest.find('/') {
         Some(i) => (&rest[..i], &rest[i..]),
         None => (rest, "/"),
     };
+    let has_port = authority.rsplit_once(':').is_some_and(|(host, port)| {
+        !port.is_empty()
+            && port.bytes().all(|b| b.is_ascii_digit())
+            && (!host.starts_with('[') || host.ends_with(']'))
+    });
+    let target = if has_port {
+        authority.to_string()
+    } else {
+        format!("{authority}:80")
+    };
     let fetch = async {
-        let mut s = tokio::net::TcpStream::connect(authority).await?;
+        let mut resolved = tokio::net::lookup_host(&target).await?;
+        let addr = resolved.find(|a| may_connect_to(a.ip())).ok_or_else(|| {
+            anyhow::anyhow!(
+                "{authority} is only at link-local, unspecified or multicast addresses: refused"
+            )
+        })?;
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
         s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {authority}\r\n\r\n").as_bytes())
             .await?;
         let mut out = Vec::new();
@@ -331,7 +379,33 @@ mod tests {
         let e = http_get(&format!("http://{addr}/nope")).await.unwrap_err();
         assert!(e.to_string().contains("HTTP 404"), "{e}");
         let e = http_get("https://x").await.unwrap_err();
-        assert!(e.to_string().contains("only http://"), "{e}");
+        assert!(e.to_string().contains("is not an http:// URL"), "{e}");
+    }
+
+    /// A URL's author cannot add headers to the request, nor point the operator at the
+    /// metadata service, by address or by a name that resolves to it.
+    #[tokio::test]
+    async fn no_headers_from_the_url_and_no_link_local_target() {
+        let injected = "http://127.0.0.1:9/metrics HTTP/1.0\r\nX-Injected: 1\r\n";
+        let e = http_get(injected).await.unwrap_err().to_string();
+        assert!(
+            e.contains("contains whitespace or a control character"),
+            "{e}"
+        );
+        let long = format!("http://127.0.0.1:9/{}", "a".repeat(MAX_URL_LEN));
+        let e = http_get(&long).await.unwrap_err().to_string();
+        assert!(e.contains("is longer than 2048 bytes"), "{e}");
+        for target in [
+            "http://169.254.169.254/latest/meta-data/",
+            "http://[fe80::1]:80/metrics",
+            "http://[::ffff:169.254.169.254]/",
+            "http://0.0.0.0:9090/metrics",
+        ] {
+            let e = http_get(target).await.unwrap_err().to_string();
+            assert!(e.contains("refused"), "{target}: {e}");
+        }
+        assert!(may_connect_to("10.1.2.3".parse().unwrap()));
+        assert!(may_connect_to("127.0.0.1".parse().unwrap()));
     }
 
     /// A stand-in for the Prometheus HTTP API: answers the five instant queries with one

@@ -5,6 +5,7 @@
 
 use crate::crd::{DataPipeline, DataPipelineSpec, MetricSource, S3Source, VolumeSource};
 use crate::labels::MAX_NAME_LEN;
+use crate::scrape::url_problem;
 use kube::ResourceExt;
 
 /// A pipeline the operator can honour, with what validation parsed kept: what the builders
@@ -145,18 +146,15 @@ fn is_volume_folder(path: &str) -> bool {
 }
 
 fn metric_source(m: &MetricSource, out: &mut Vec<String>) {
-    // The operator scrapes plain HTTP (the trainer client and Prometheus serve it).
     for url in m.urls.iter().flatten() {
-        if !url.starts_with("http://") {
-            out.push(format!(
-                "autoscaling.metrics.urls: {url:?} is not an http:// URL"
-            ));
+        if let Some(problem) = url_problem(url) {
+            out.push(format!("autoscaling.metrics.urls: {url:?} {problem}"));
         }
     }
     if let Some(p) = &m.prometheus {
-        if !p.url.starts_with("http://") {
+        if let Some(problem) = url_problem(&p.url) {
             out.push(format!(
-                "autoscaling.metrics.prometheus.url: {:?} is not an http:// URL",
+                "autoscaling.metrics.prometheus.url: {:?} {problem}",
                 p.url
             ));
         }
@@ -278,7 +276,10 @@ mod tests {
         s.preprocessing.tokenizer = Some("https://hub/tokenizer.json".into());
         let a = s.autoscaling.as_mut().unwrap();
         a.metrics.trainer_pods = None;
-        a.metrics.urls = Some(vec!["https://rank0:9400/metrics".into()]);
+        a.metrics.urls = Some(vec![
+            "https://rank0:9400/metrics".into(),
+            "http://rank1:9400/metrics\r\nX-Injected: 1".into(),
+        ]);
         let cpu = k8s_openapi::apimachinery::pkg::api::resource::Quantity("two".into());
         s.worker.resources = Some(k8s_openapi::api::core::v1::ResourceRequirements {
             limits: Some([("cpu".to_string(), cpu)].into()),
@@ -288,7 +289,8 @@ mod tests {
         for needle in [
             "worker.image is empty",
             "scheme https:// is not supported",
-            "autoscaling.metrics.urls: \"https://rank0:9400/metrics\"",
+            "autoscaling.metrics.urls: \"https://rank0:9400/metrics\" is not an http:// URL",
+            "contains whitespace or a control character",
             "worker.resources.limits.cpu \"two\"",
         ] {
             assert!(p.contains(needle), "{needle} missing from:\n{p}");
