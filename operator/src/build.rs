@@ -404,7 +404,6 @@ pub fn pod_disruption_budget(p: &Valid) -> PodDisruptionBudget {
     }
 }
 
-/// Batches only to the trainer pods; metrics to anyone in the cluster (Prometheus).
 /// Ingress to the workers: the batch port from the trainer pods, the metrics port from pods of
 /// the pipeline's namespace and of `metrics_from` (where Prometheus runs), nothing else.
 pub fn network_policy(p: &Valid, metrics_from: &[String]) -> NetworkPolicy {

@@ -97,8 +97,7 @@ pub fn meta(dp: &DataPipeline, name: &str) -> ObjectMeta {
 /// Whether the pipeline of uid `pipeline_uid` owns the object of `meta`: the operator writes
 /// only into what it created.
 pub fn owned_by(meta: &ObjectMeta, pipeline_uid: Option<&str>) -> bool {
-    let owners = meta.owner_references.iter().flatten();
-    pipeline_uid.is_some_and(|uid| owners.clone().any(|o| o.uid == uid))
+    pipeline_uid.is_some_and(|uid| meta.owner_references.iter().flatten().any(|o| o.uid == uid))
 }
 
 /// The pipeline an object built with [`meta`] belongs to: its owner's uid and name.

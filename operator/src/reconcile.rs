@@ -238,11 +238,9 @@ pub async fn reconcile(dp: Arc<DataPipeline>, ctx: Arc<Context>) -> Result<Actio
     let t0 = Instant::now();
     let r = match reconcile_inner(&dp, &ctx).await {
         // Someone else's object in the way: said where the user looks, then retried.
-        Err(e @ Error::NotOwned { .. }) => match report(&dp, &ctx, "NotOwned", e.to_string()).await
-        {
-            Ok(()) => Err(e),
-            Err(status) => Err(status),
-        },
+        Err(e @ Error::NotOwned { .. }) => report(&dp, &ctx, "NotOwned", e.to_string())
+            .await
+            .and(Err(e)),
         r => r,
     };
     let result = r
