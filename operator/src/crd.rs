@@ -3,6 +3,7 @@
 
 use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::core::{Message, Rule};
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -297,9 +298,13 @@ pub struct MetricSource {
     /// Scrape every trainer pod matching a label selector.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trainer_pods: Option<TrainerPods>,
-    /// Scrape these /metrics URLs (one per rank, or any subset).
+    /// Scrape these /metrics URLs (one per rank, or any subset; trainerPods or prometheus
+    /// for more than 256 ranks): http://host[:port]/path, at most 2 KiB, not at a
+    /// loopback, link-local, unspecified or multicast address.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1))]
+    #[schemars(length(min = 1, max = 256), inner(length(max = 2048)))]
+    #[x_kube(validation = metric_urls_rule("self", "autoscaling.metrics.urls", METRIC_URL_FORM))]
+    #[x_kube(validation = metric_urls_rule("self", "autoscaling.metrics.urls", METRIC_URL_ADDRESS))]
     pub urls: Option<Vec<String>>,
     /// Ask a Prometheus server.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -323,7 +328,34 @@ pub struct PrometheusSource {
     /// Base URL of the Prometheus HTTP API, e.g. http://prometheus.monitoring:9090. The
     /// operator asks it for each rank's stoker_trainer_wait_seconds_total,
     /// stoker_trainer_step_seconds_total and stoker_trainer_samples_total of this pipeline.
+    #[schemars(length(max = 2048))]
+    #[x_kube(validation = metric_urls_rule("[self]", "autoscaling.metrics.prometheus.url", METRIC_URL_FORM))]
+    #[x_kube(validation = metric_urls_rule("[self]", "autoscaling.metrics.prometheus.url", METRIC_URL_ADDRESS))]
     pub url: String,
+}
+
+/// The CEL checks of a metric URL `u`, those of the operator's `scrape::url_problem` (which
+/// also refuses every other spelling of these addresses, and names that resolve to them, when
+/// it connects). Regular expressions on the URL itself: the API server prices CEL by the
+/// longest string it may see, and a host taken apart by `url()` has no bound. Its form
+/// (http://, a host, no user info, at most 2 KiB, no whitespace or control character to add
+/// headers to the request)...
+const METRIC_URL_FORM: (&str, &str) = (
+    r"size(u) <= 2048 && u.matches(r'^http://([A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?([/?#]|$)') && !u.matches(r'[\p{Z}\p{Cc}]')",
+    "a metric URL must be http://host[:port]/path, without user info, at most 2048 bytes, without whitespace or control characters",
+);
+/// ... and the address an IP literal names: neither the operator's own pod or node
+/// (loopback), the metadata service at 169.254.169.254 (link-local), nor unspecified,
+/// multicast or broadcast.
+const METRIC_URL_ADDRESS: (&str, &str) = (
+    r"!u.matches(r'(?i)^http://(localhost|127\.[0-9.]+|0+(\.0+){0,3}|169\.254\.[0-9.]+|2(2[4-9]|3[0-9])\.[0-9.]+|255\.255\.255\.255|\[([0:]*1?|[0:]*:ffff:[^\]]*|fe[89ab][^\]]*|ff[^\]]*)\])(:[0-9]*)?([/?#]|$)')",
+    "a metric URL must not name a loopback, link-local, unspecified or multicast address, nor localhost",
+);
+
+/// A rule that every URL `u` of the list `urls` (at `field`) passes `check`.
+fn metric_urls_rule(urls: &str, field: &str, (check, message): (&str, &str)) -> Rule {
+    Rule::new(format!("{urls}.all(u, {check})"))
+        .message(Message::Message(format!("{field}: {message}")))
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, KubeSchema)]
@@ -551,6 +583,62 @@ mod tests {
                 err.contains("must be a DNS-1035 label of at most 55"),
                 "{err}"
             );
+        }
+    }
+
+    /// Admission refuses the metric URLs the operator would refuse to read by their text
+    /// (`scrape::url_problem`), in a `urls` list and as Prometheus's URL alike.
+    #[test]
+    fn metric_urls_are_admitted_as_the_operator_reads_them() {
+        let with = |url: &str| {
+            let mut listed = example();
+            let metrics = &mut listed.spec.autoscaling.as_mut().unwrap().metrics;
+            metrics.trainer_pods = None;
+            metrics.urls = Some(vec!["http://10.0.0.2:9400/metrics".into(), url.into()]);
+            let mut prometheus = example();
+            let metrics = &mut prometheus.spec.autoscaling.as_mut().unwrap().metrics;
+            metrics.trainer_pods = None;
+            metrics.prometheus = Some(PrometheusSource { url: url.into() });
+            (admit(&listed), admit(&prometheus))
+        };
+        for fine in [
+            "http://10.1.2.3:9400/metrics",
+            "http://rank-0.trainers.ml.svc:9400/metrics?x=1",
+            "http://[2001:db8::1]:9400/metrics",
+            "http://prometheus.monitoring:9090",
+        ] {
+            assert_eq!(with(fine), (Ok(()), Ok(())), "{fine}");
+            assert_eq!(crate::scrape::url_problem(fine), None, "{fine}");
+        }
+        let form = "a metric URL must be http://host[:port]/path";
+        let address = "a metric URL must not name a loopback, link-local";
+        for (bad, message) in [
+            ("https://rank-0:9400/metrics", form),
+            ("http://10.0.0.1:9/m HTTP/1.0\r\nX-Injected: 1", form),
+            ("http://10.0.0.1:9/m\u{a0}", form),
+            ("http:///metrics", form),
+            ("http://user@10.0.0.1:9400/metrics", form),
+            (&format!("http://10.0.0.1/{}", "a".repeat(2048)), form),
+            ("http://169.254.169.254/latest/meta-data/", address),
+            ("http://[fe80::1]:80/metrics", address),
+            ("http://[::ffff:169.254.169.254]/", address),
+            ("http://0.0.0.0:9090/metrics", address),
+            ("http://127.0.0.1:9400/metrics", address),
+            ("http://[::1]:9400/metrics", address),
+            ("http://LocalHost:9400/metrics", address),
+            ("http://224.0.0.1:9400/metrics", address),
+            ("http://127.9.9.9/", address),
+            ("http://[0:0:0:0:0:0:0:1]/", address),
+        ] {
+            let (listed, prometheus) = with(bad);
+            for (field, err) in [("urls", listed), ("prometheus.url", prometheus)] {
+                let err = err.expect_err(bad);
+                assert!(
+                    err.contains(&format!("autoscaling.metrics.{field}: {message}")),
+                    "{bad}: {err}"
+                );
+            }
+            assert!(crate::scrape::url_problem(bad).is_some(), "{bad}");
         }
     }
 

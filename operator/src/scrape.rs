@@ -1,20 +1,27 @@
 //! Where the autoscaler's numbers come from: the trainer clients' /metrics (pods by label, or
-//! fixed URLs), or a Prometheus server. Plain HTTP/1.0 over tokio: the endpoints are ours
-//! (or Prometheus), all speak it, and the operator needs no HTTP client stack for it.
+//! fixed URLs), or a Prometheus server, read over HTTP/1.1 with hyper's client.
 
 use crate::cache::TrainerPods;
 use crate::crd::{DataPipeline, MetricSource};
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Bytes;
 use kube::ResourceExt;
 use std::net::IpAddr;
 use std::time::Duration;
 use stoker_control::autoscale::{Observation, RankCounters};
 use stoker_control::exposition::rank_counters;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{Semaphore, SemaphorePermit};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 /// Bound on a response body: a rank's /metrics page is ~5 KiB whatever the workers; a
 /// Prometheus answer of one number per rank at 4,096 ranks is ~0.5 MiB.
 const MAX_BODY: usize = 4 << 20;
+/// Bound on the bodies held at once by every scrape of every pipeline: a round of 64 rank pages
+/// is ~0.4 MiB, so 16 MiB is spent only by pages far larger than ours (or by a hostile
+/// endpoint), and then the scrapes that find it spent fail instead of waiting.
+const MEMORY_BUDGET: usize = 16 << 20;
+/// Bound on the bytes of a response's head (status line and headers), per connection.
+const MAX_HEAD: usize = 16 << 10;
 /// Ranks read at once by the direct scrape: 4,096 ranks' pages (~20 MiB) are read 64 at a
 /// time, not all at once.
 const SCRAPE_CONCURRENCY: usize = 64;
@@ -25,78 +32,171 @@ const ROUND_DEADLINE: Duration = Duration::from_secs(20);
 /// The longest metric URL the operator reads.
 pub const MAX_URL_LEN: usize = 2048;
 
-/// Why the operator will not read `url`, if it will not: it speaks plain `http://` (what the
-/// trainer client and Prometheus serve), and whitespace or a control character would end the
-/// request line and add headers of the URL's author to it.
+/// Why the operator will not read `url`, if it will not: [`form_problem`], or an IP literal
+/// (or `localhost`) that [`may_connect_to`] refuses; names are checked when the scrape
+/// resolves them.
 pub fn url_problem(url: &str) -> Option<&'static str> {
+    form_problem(url).or_else(|| {
+        let uri = url.parse::<http::Uri>().ok()?;
+        let host = uri.host()?.trim_start_matches('[').trim_end_matches(']');
+        let refused = host.eq_ignore_ascii_case("localhost")
+            || host.parse().is_ok_and(|ip| !may_connect_to(ip));
+        refused.then_some("names a loopback, link-local, unspecified or multicast address")
+    })
+}
+
+/// Why `url` is not one the scrape can send: it speaks plain `http://` (what the trainer
+/// client and Prometheus serve) to a host; whitespace or a control character would end the
+/// request line and add headers of the URL's author to it.
+fn form_problem(url: &str) -> Option<&'static str> {
     if !url.starts_with("http://") {
         Some("is not an http:// URL")
     } else if url.len() > MAX_URL_LEN {
         Some("is longer than 2048 bytes")
     } else if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
         Some("contains whitespace or a control character")
+    } else if url.parse::<http::Uri>().ok().and_then(|u| {
+        let authority = u.authority()?.as_str();
+        Some(!authority.contains('@') && !u.host()?.is_empty())
+    }) != Some(true)
+    {
+        Some("is not an http://host[:port]/path URL without user info")
     } else {
         None
     }
 }
 
-/// Whether a metric source may be at `ip`: never a link-local address (the cloud's metadata
+/// Whether a metric source may be at `ip`: never loopback (the operator's own pod, or the
+/// node when it runs in the host's network), a link-local address (the cloud's metadata
 /// service at 169.254.169.254 answers there with the node's credentials), the unspecified
 /// address or a multicast group, whatever name resolved to it.
 fn may_connect_to(ip: IpAddr) -> bool {
-    let link_local = match ip.to_canonical() {
+    let ip = ip.to_canonical();
+    let link_local = match ip {
         IpAddr::V4(v4) => v4.is_link_local(),
         IpAddr::V6(v6) => v6.is_unicast_link_local(),
     };
-    !(link_local || ip.is_unspecified() || ip.is_multicast())
+    !(link_local || ip.is_loopback() || ip.is_unspecified() || ip.is_multicast())
 }
 
-/// GET an `http://host:port/path?query` URL; the body on 200, an error naming the URL
-/// otherwise. The host is resolved here and the connection made to an address that passed
-/// [`may_connect_to`], so a name cannot resolve to another address between check and use.
-pub async fn http_get(url: &str) -> anyhow::Result<String> {
-    if let Some(problem) = url_problem(url) {
-        anyhow::bail!("{url:?} {problem}");
+/// How the operator reads metric URLs: where it may connect, and the memory every response
+/// body held at once may take, whichever pipeline's scrape holds it.
+pub struct Scraper {
+    may_connect: fn(IpAddr) -> bool,
+    memory: Semaphore,
+    memory_budget: usize,
+}
+
+/// The operator's one scraper.
+static SCRAPER: Scraper = Scraper {
+    may_connect: may_connect_to,
+    memory: Semaphore::const_new(MEMORY_BUDGET),
+    memory_budget: MEMORY_BUDGET,
+};
+
+/// A response body, holding its share of the scrapes' memory budget while it lives.
+#[derive(Debug)]
+pub struct Page<'a> {
+    text: String,
+    _held: SemaphorePermit<'a>,
+}
+
+impl std::ops::Deref for Page<'_> {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.text
     }
-    let rest = &url["http://".len()..];
-    let (authority, path) = match rest.find('/') {
-        Some(i) => (&rest[..i], &rest[i..]),
-        None => (rest, "/"),
-    };
-    let has_port = authority.rsplit_once(':').is_some_and(|(host, port)| {
-        !port.is_empty()
-            && port.bytes().all(|b| b.is_ascii_digit())
-            && (!host.starts_with('[') || host.ends_with(']'))
-    });
-    let target = if has_port {
-        authority.to_string()
-    } else {
-        format!("{authority}:80")
-    };
-    let fetch = async {
-        let mut resolved = tokio::net::lookup_host(&target).await?;
-        let addr = resolved.find(|a| may_connect_to(a.ip())).ok_or_else(|| {
+}
+
+impl Scraper {
+    /// GET an `http://host[:port]/path?query` URL; the body on 200, an error naming the URL
+    /// otherwise. The host is resolved here and the connection made to an address that
+    /// passed `may_connect`, so a name cannot resolve to another address between check and
+    /// use; the body is taken from the memory budget as it arrives.
+    pub async fn get(&self, url: &str) -> anyhow::Result<Page<'_>> {
+        if let Some(problem) = form_problem(url) {
+            anyhow::bail!("{url:?} {problem}");
+        }
+        tokio::time::timeout(TIMEOUT, self.exchange(url))
+            .await
+            .map_err(|_| anyhow::anyhow!("{url}: no answer within {TIMEOUT:?}"))?
+            .map_err(|e| anyhow::anyhow!("{url}: {e:#}"))
+    }
+
+    async fn exchange(&self, url: &str) -> anyhow::Result<Page<'_>> {
+        let uri: http::Uri = url.parse()?;
+        let host = uri.host().unwrap_or_default();
+        let port = uri.port_u16().unwrap_or(80);
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        let mut resolved = tokio::net::lookup_host((bare, port)).await?;
+        let addr = resolved.find(|a| (self.may_connect)(a.ip())).ok_or_else(|| {
             anyhow::anyhow!(
-                "{authority} is only at link-local, unspecified or multicast addresses: refused"
+                "{host} is only at loopback, link-local, unspecified or multicast addresses: refused"
             )
         })?;
-        let mut s = tokio::net::TcpStream::connect(addr).await?;
-        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {authority}\r\n\r\n").as_bytes())
+        let stream = tokio::net::TcpStream::connect(addr).await?;
+        let (mut sender, connection) = hyper::client::conn::http1::Builder::new()
+            .max_buf_size(MAX_HEAD)
+            .handshake(hyper_util::rt::TokioIo::new(stream))
             .await?;
-        let mut out = Vec::new();
-        s.take(MAX_BODY as u64).read_to_end(&mut out).await?;
-        anyhow::Ok(out)
-    };
-    let raw = tokio::time::timeout(TIMEOUT, fetch)
-        .await
-        .map_err(|_| anyhow::anyhow!("{url}: no answer within {TIMEOUT:?}"))??;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| anyhow::anyhow!("{url}: not an HTTP response"))?;
-    let status = head.split_whitespace().nth(1).unwrap_or("");
-    anyhow::ensure!(status == "200", "{url}: HTTP {status}");
-    Ok(body.to_string())
+        let authority = uri.authority().map(|a| a.as_str()).unwrap_or(host);
+        let request = http::Request::get(uri.path_and_query().map_or("/", |p| p.as_str()))
+            .header(http::header::HOST, authority)
+            .header(http::header::CONNECTION, "close")
+            .body(Empty::<Bytes>::new())?;
+        let read = async move {
+            let response = sender.send_request(request).await?;
+            let status = response.status();
+            anyhow::ensure!(status == http::StatusCode::OK, "HTTP {}", status.as_u16());
+            self.body(response.into_body()).await
+        };
+        // The connection is driven beside the exchange and dropped (closed) once the page
+        // is read; if it ends first, what it delivered is still read.
+        tokio::pin!(read);
+        tokio::select! {
+            biased;
+            page = &mut read => page,
+            ended = connection => {
+                ended?;
+                read.await
+            }
+        }
+    }
+
+    /// The body, within [`MAX_BODY`] and the memory budget, each frame paid for before it
+    /// is kept.
+    async fn body(&self, mut body: hyper::body::Incoming) -> anyhow::Result<Page<'_>> {
+        let announced = hyper::body::Body::size_hint(&body).lower();
+        anyhow::ensure!(
+            announced <= MAX_BODY as u64,
+            "the body is longer than {MAX_BODY} bytes"
+        );
+        let mut held = self.memory.try_acquire_many(0)?;
+        let mut bytes = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let Ok(data) = frame?.into_data() else {
+                continue; // trailers
+            };
+            anyhow::ensure!(
+                bytes.len() + data.len() <= MAX_BODY,
+                "the body is longer than {MAX_BODY} bytes"
+            );
+            let more = self
+                .memory
+                .try_acquire_many(data.len() as u32)
+                .map_err(|_| {
+                    anyhow::anyhow!(
+                        "the scrapes' memory budget ({} bytes at once) is spent: not read",
+                        self.memory_budget
+                    )
+                })?;
+            held.merge(more);
+            bytes.extend_from_slice(&data);
+        }
+        let text =
+            String::from_utf8(bytes).map_err(|_| anyhow::anyhow!("the body is not UTF-8"))?;
+        Ok(Page { text, _held: held })
+    }
 }
 
 /// One reading of every rank: keyed by where it came from, so consecutive readings pair up
@@ -170,12 +270,14 @@ pub async fn read(
             .autoscaling
             .as_ref()
             .map_or(60, |a| a.interval_seconds.max(30));
-        let agg = read_prometheus(&prom.url, &ns, &dp.name_any(), window).await?;
+        let agg = read_prometheus(&SCRAPER, &prom.url, &ns, &dp.name_any(), window).await?;
         return Ok(Reading::Aggregated(agg));
     } else {
         anyhow::bail!("no metric source (rejected at admission)")
     };
-    Ok(Reading::Ranks(scrape_all(urls, ROUND_DEADLINE).await))
+    Ok(Reading::Ranks(
+        scrape_all(&SCRAPER, urls, ROUND_DEADLINE).await,
+    ))
 }
 
 /// The (namespace, label selector) of the trainer pods `dp` scrapes, if it scrapes pods.
@@ -193,16 +295,16 @@ pub fn trainer_pods_of(dp: &DataPipeline) -> Option<(String, String)> {
 
 /// Every URL's counters, [`SCRAPE_CONCURRENCY`] at a time, within `round` (unread by then:
 /// unreadable); in the order of `urls`.
-async fn scrape_all(urls: Vec<String>, round: Duration) -> RankReading {
+async fn scrape_all(scraper: &Scraper, urls: Vec<String>, round: Duration) -> RankReading {
     use futures::StreamExt;
     let deadline = tokio::time::Instant::now() + round;
     // Unordered: a rank that never answers holds one of the slots, not the ones behind it.
     let mut reading: Vec<(usize, (String, Option<RankCounters>))> = futures::stream::iter(urls)
         .enumerate()
         .map(|(i, u)| async move {
-            let read = tokio::time::timeout_at(deadline, http_get(&u));
+            let read = tokio::time::timeout_at(deadline, scraper.get(&u));
             let counters = match read.await {
-                Ok(Ok(text)) => rank_counters(&text),
+                Ok(Ok(page)) => rank_counters(&page),
                 Ok(Err(e)) => {
                     tracing::debug!("scrape {u}: {e:#}");
                     None
@@ -226,6 +328,7 @@ async fn scrape_all(urls: Vec<String>, round: Duration) -> RankReading {
 /// other labels, ranks that neither stepped nor waited left out). The pipeline label is
 /// unique only within a namespace, so both select.
 async fn read_prometheus(
+    scraper: &Scraper,
     base: &str,
     namespace: &str,
     pipeline: &str,
@@ -252,7 +355,7 @@ async fn read_prometheus(
             base.trim_end_matches('/'),
             percent_encode(query)
         );
-        let body: serde_json::Value = serde_json::from_str(&http_get(&url).await?)?;
+        let body: serde_json::Value = serde_json::from_str(&scraper.get(&url).await?)?;
         let result = body["data"]["result"].as_array();
         // An empty vector: no such series (no trainer has reported yet).
         let Some(first) = result.and_then(|r| r.first()) else {
@@ -303,6 +406,17 @@ fn paired(
 mod tests {
     use super::*;
     use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A scraper like the operator's, that reads the tests' stand-ins on loopback only, with
+    /// `budget` bytes of memory for bodies.
+    fn loopback_scraper(budget: usize) -> Scraper {
+        Scraper {
+            may_connect: |ip| ip.is_loopback(),
+            memory: Semaphore::new(budget),
+            memory_budget: budget,
+        }
+    }
 
     /// 4,096 ranks are read a bounded number at a time, and a rank that accepts but never
     /// answers costs the round its deadline, not the decision: it is unreadable.
@@ -337,7 +451,8 @@ mod tests {
             .map(|i| format!("http://{addr}/metrics?r={i}"))
             .collect();
         urls[7] = format!("http://{addr}/hole");
-        let reading = scrape_all(urls.clone(), Duration::from_secs(2)).await;
+        let scraper = loopback_scraper(MEMORY_BUDGET);
+        let reading = scrape_all(&scraper, urls.clone(), Duration::from_secs(2)).await;
         assert_eq!(
             reading.iter().map(|(u, _)| u.clone()).collect::<Vec<_>>(),
             urls
@@ -367,45 +482,136 @@ mod tests {
                 s.write_all(resp.as_bytes()).await.unwrap();
             }
         });
-        let text = http_get(&format!("http://{addr}/metrics")).await.unwrap();
+        let scraper = loopback_scraper(MEMORY_BUDGET);
+        let page = scraper
+            .get(&format!("http://{addr}/metrics"))
+            .await
+            .unwrap();
         assert_eq!(
-            rank_counters(&text),
+            rank_counters(&page),
             Some(RankCounters {
                 wait_s: 1.5,
                 step_s: 8.5,
                 samples: 640.0
             })
         );
-        let e = http_get(&format!("http://{addr}/nope")).await.unwrap_err();
+        let e = scraper
+            .get(&format!("http://{addr}/nope"))
+            .await
+            .unwrap_err();
         assert!(e.to_string().contains("HTTP 404"), "{e}");
-        let e = http_get("https://x").await.unwrap_err();
+        let e = scraper.get("https://x").await.unwrap_err();
         assert!(e.to_string().contains("is not an http:// URL"), "{e}");
     }
 
-    /// A URL's author cannot add headers to the request, nor point the operator at the
-    /// metadata service, by address or by a name that resolves to it.
+    /// A URL's author cannot add headers to the request, nor point the operator at itself
+    /// or the metadata service, by address (refused at admission and by the scrape) or by a
+    /// name that resolves to one (refused by the scrape).
     #[tokio::test]
-    async fn no_headers_from_the_url_and_no_link_local_target() {
-        let injected = "http://127.0.0.1:9/metrics HTTP/1.0\r\nX-Injected: 1\r\n";
-        let e = http_get(injected).await.unwrap_err().to_string();
+    async fn no_headers_from_the_url_and_no_loopback_or_link_local_target() {
+        let injected = "http://10.0.0.1:9/metrics HTTP/1.0\r\nX-Injected: 1\r\n";
+        assert_eq!(
+            url_problem(injected),
+            Some("contains whitespace or a control character")
+        );
+        let e = SCRAPER.get(injected).await.unwrap_err().to_string();
         assert!(
             e.contains("contains whitespace or a control character"),
             "{e}"
         );
-        let long = format!("http://127.0.0.1:9/{}", "a".repeat(MAX_URL_LEN));
-        let e = http_get(&long).await.unwrap_err().to_string();
+        let long = format!("http://10.0.0.1:9/{}", "a".repeat(MAX_URL_LEN));
+        let e = SCRAPER.get(&long).await.unwrap_err().to_string();
         assert!(e.contains("is longer than 2048 bytes"), "{e}");
         for target in [
             "http://169.254.169.254/latest/meta-data/",
             "http://[fe80::1]:80/metrics",
             "http://[::ffff:169.254.169.254]/",
             "http://0.0.0.0:9090/metrics",
+            "http://127.0.0.1:9400/metrics",
+            "http://127.3.2.1:9400/metrics",
+            "http://[::1]:9400/metrics",
+            "http://LocalHost:9400/metrics",
         ] {
-            let e = http_get(target).await.unwrap_err().to_string();
+            assert_eq!(
+                url_problem(target),
+                Some("names a loopback, link-local, unspecified or multicast address"),
+                "{target}"
+            );
+            let e = SCRAPER.get(target).await.unwrap_err().to_string();
             assert!(e.contains("refused"), "{target}: {e}");
         }
+        // A spelling of 127.0.0.1 that is no IP literal to the URL's parser, but is to the
+        // resolver: refused when the scrape connects.
+        assert_eq!(url_problem("http://2130706433:9/metrics"), None);
+        let e = SCRAPER
+            .get("http://2130706433:9/metrics")
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("refused"), "{e}");
+        for fine in [
+            "http://10.1.2.3:9400/metrics",
+            "http://rank-0.trainers.ml.svc:9400/metrics?x=1",
+            "http://[2001:db8::1]:9400/metrics",
+            "http://prometheus.monitoring:9090",
+        ] {
+            assert_eq!(url_problem(fine), None, "{fine}");
+        }
+        assert_eq!(
+            url_problem("http:///metrics"),
+            Some("is not an http://host[:port]/path URL without user info")
+        );
+        assert!(url_problem("http://user@10.0.0.1:9400/metrics").is_some());
         assert!(may_connect_to("10.1.2.3".parse().unwrap()));
-        assert!(may_connect_to("127.0.0.1".parse().unwrap()));
+        assert!(!may_connect_to("::ffff:127.0.0.1".parse().unwrap()));
+    }
+
+    /// A page longer than [`MAX_BODY`] is refused, and the pages held at once never take
+    /// more than the budget: a scrape that finds it spent fails at once, and succeeds once a
+    /// page is let go.
+    #[tokio::test]
+    async fn bodies_are_bounded_each_and_together() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = listener.accept().await.unwrap();
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 1024];
+                    let n = s.read(&mut buf).await.unwrap_or(0);
+                    let req = String::from_utf8_lossy(&buf[..n]).to_string();
+                    let size = if req.starts_with("GET /huge ") {
+                        MAX_BODY + 1
+                    } else {
+                        600 << 10
+                    };
+                    let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {size}\r\n\r\n");
+                    let _ = s.write_all(head.as_bytes()).await;
+                    let _ = s.write_all(&vec![b'#'; size]).await;
+                });
+            }
+        });
+        let scraper = loopback_scraper(1 << 20);
+        let e = scraper
+            .get(&format!("http://{addr}/huge"))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("longer than 4194304 bytes"), "{e}");
+        let first = scraper.get(&format!("http://{addr}/page")).await.unwrap();
+        assert_eq!(first.len(), 600 << 10);
+        let e = scraper
+            .get(&format!("http://{addr}/page"))
+            .await
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("memory budget (1048576 bytes at once) is spent"),
+            "{e}"
+        );
+        drop(first);
+        assert_eq!(scraper.memory.available_permits(), 1 << 20);
+        let second = scraper.get(&format!("http://{addr}/page")).await.unwrap();
+        assert_eq!(second.len(), 600 << 10);
     }
 
     /// A stand-in for the Prometheus HTTP API: answers the five instant queries with one
@@ -447,7 +653,8 @@ mod tests {
                     .unwrap();
             }
         });
-        let got = read_prometheus(&format!("http://{addr}/"), "ml", "sft", 60)
+        let scraper = loopback_scraper(MEMORY_BUDGET);
+        let got = read_prometheus(&scraper, &format!("http://{addr}/"), "ml", "sft", 60)
             .await
             .unwrap();
         let reading = Reading::Aggregated(got);

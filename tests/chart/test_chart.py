@@ -49,12 +49,17 @@ def test_lint_strict():
 def test_defaults_render_the_operator_with_least_privilege():
     docs = render()
     kinds = sorted(d["kind"] for d in docs)
+    # The operator's own: ServiceAccount, roles and bindings, Deployment, Service. Its users':
+    # two ClusterRoles for DataPipelines and the admission policy with its binding.
     assert kinds == sorted(["ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding",
-                            "ClusterRoleBinding", "Role", "RoleBinding", "Deployment", "Service"])
+                            "ClusterRoleBinding", "Role", "RoleBinding", "Deployment", "Service",
+                            "ClusterRole", "ClusterRole", "ValidatingAdmissionPolicy",
+                            "ValidatingAdmissionPolicyBinding"])
     for d in docs:
         for rule in d.get("rules", []):
             assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
-            assert "delete" not in rule["verbs"], f"the operator never deletes: {rule}"
+            if "datapipelines-" not in d["metadata"]["name"]:
+                assert "delete" not in rule["verbs"], f"the operator never deletes: {rule}"
     dep = next(d for d in docs if d["kind"] == "Deployment")
     pod = dep["spec"]["template"]["spec"]
     c = pod["containers"][0]
@@ -83,6 +88,42 @@ def test_the_workers_metrics_port_opens_to_the_namespaces_named():
     assert "--worker-metrics-from=monitoring,observability" in args
 
 
+def test_roles_for_datapipelines_aggregate_and_grant_nothing_else():
+    roles = {d["metadata"]["name"]: d for d in render() if "datapipelines-" in d["metadata"]["name"]
+             and d["kind"] == "ClusterRole"}
+    view, edit = roles["sp-stoker-datapipelines-view"], roles["sp-stoker-datapipelines-edit"]
+    agg = "rbac.authorization.k8s.io/aggregate-to-"
+    assert {k for k in view["metadata"]["labels"] if k.startswith(agg)} == {agg + r for r in ["view", "edit", "admin"]}
+    assert {k for k in edit["metadata"]["labels"] if k.startswith(agg)} == {agg + r for r in ["edit", "admin"]}
+    for role in (view, edit):
+        for rule in role["rules"]:
+            assert rule["apiGroups"] == ["stoker.dev"], rule
+            assert all(r.startswith("datapipelines") for r in rule["resources"]), rule
+    assert not any(v in rule["verbs"] for rule in view["rules"] for v in ["create", "patch", "update", "delete"])
+    # Status is the operator's to write.
+    assert not any("datapipelines/status" in r["resources"] and set(r["verbs"]) - {"get", "list", "watch"}
+                   for r in edit["rules"])
+
+
+def test_the_admission_policy_names_the_allowed_images_and_can_be_left_out():
+    def policy(*sets):
+        docs = render(*sets)
+        return ({d["kind"]: d for d in docs if d["kind"].startswith("ValidatingAdmissionPolicy")})
+    vap = policy()
+    images = next(v for v in vap["ValidatingAdmissionPolicy"]["spec"]["variables"] if v["name"] == "images")
+    assert json.loads(images["expression"]) == ["ghcr.io/stoker-dev/stoker"]
+    assert vap["ValidatingAdmissionPolicy"]["spec"]["failurePolicy"] == "Fail"
+    assert vap["ValidatingAdmissionPolicyBinding"]["spec"]["validationActions"] == ["Deny"]
+    assert "matchResources" not in vap["ValidatingAdmissionPolicyBinding"]["spec"]
+    vap = policy("admission.workerImages={registry.example/ml/,ghcr.io/stoker-dev/stoker}",
+                 "watchNamespace=ml")
+    images = next(v for v in vap["ValidatingAdmissionPolicy"]["spec"]["variables"] if v["name"] == "images")
+    assert json.loads(images["expression"]) == ["registry.example/ml/", "ghcr.io/stoker-dev/stoker"]
+    selector = vap["ValidatingAdmissionPolicyBinding"]["spec"]["matchResources"]["namespaceSelector"]
+    assert selector == {"matchLabels": {"kubernetes.io/metadata.name": "ml"}}
+    assert policy("admission.enabled=false") == {}
+
+
 def test_monitoring_objects_ship_the_dashboard_and_alerts_verbatim():
     docs = render("serviceMonitor.enabled=true", "prometheusRule.enabled=true",
                   "grafanaDashboard.enabled=true")
@@ -96,7 +137,8 @@ def test_monitoring_objects_ship_the_dashboard_and_alerts_verbatim():
 
 
 def test_the_values_schema_rejects_nonsense():
-    for bad in ["replicaCount=0", "image.pullPolicy=Sometimes", "metrics.port=70000", "unknownKey=1"]:
+    for bad in ["replicaCount=0", "image.pullPolicy=Sometimes", "metrics.port=70000", "unknownKey=1",
+                "admission.workerImages={a b}", "admission.enabled=maybe"]:
         r = render(bad, ok=False)
         assert r.returncode != 0, f"{bad} was accepted"
         assert "schema" in r.stderr.lower() or "values don't meet" in r.stderr.lower(), r.stderr

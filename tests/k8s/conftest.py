@@ -5,6 +5,7 @@ with the credentials of the chart's ServiceAccount (a TokenRequest token), so it
 what the cluster enforces."""
 
 import collections
+import ctypes
 import json
 import os
 import pathlib
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -252,6 +254,58 @@ def operator(cluster, operator_kubeconfig, logs):
     wait_until("the operator to lead", op.is_leader, 60)
     yield op
     op.kill(signal.SIGTERM)
+
+
+class TrainerNet:
+    """A network namespace of the test's own, joined to this one by a veth pair (no other
+    route), for stand-ins of trainer ranks: the operator refuses to scrape loopback, so they
+    listen at an address in it, as trainer pods do on their pod network."""
+
+    NAME, LINK, HOST_IP, ADDRESS = "stoker-trainers", "stk-trainers", "10.79.0.1", "10.79.0.2"
+
+    def __init__(self) -> None:
+        self.close()
+        for cmd in [["netns", "add", self.NAME],
+                    ["link", "add", self.LINK, "type", "veth", "peer", "name", "eth0",
+                     "netns", self.NAME],
+                    ["addr", "add", f"{self.HOST_IP}/30", "dev", self.LINK],
+                    ["link", "set", self.LINK, "up"],
+                    ["-n", self.NAME, "addr", "add", f"{self.ADDRESS}/30", "dev", "eth0"],
+                    ["-n", self.NAME, "link", "set", "eth0", "up"],
+                    ["-n", self.NAME, "link", "set", "lo", "up"]]:
+            subprocess.run(["ip", *cmd], check=True, capture_output=True)
+
+    def listening_socket(self) -> socket.socket:
+        """A TCP socket listening at ADDRESS on a free port. Made by a thread that joined
+        the namespace (setns moves only the calling thread; the socket stays in it)."""
+        made = []
+
+        def make() -> None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            with open(f"/run/netns/{self.NAME}") as ns:
+                if libc.setns(ns.fileno(), 0x40000000) != 0:  # CLONE_NEWNET
+                    raise OSError(ctypes.get_errno(), "setns")
+            s = socket.socket()
+            s.bind((self.ADDRESS, 0))
+            s.listen(64)
+            made.append(s)
+
+        t = threading.Thread(target=make)
+        t.start()
+        t.join()
+        assert made, "no socket in the trainers' namespace"
+        return made[0]
+
+    def close(self) -> None:
+        # Deleting the namespace deletes its end of the veth pair, and so the pair.
+        subprocess.run(["ip", "netns", "del", self.NAME], capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def trainer_net():
+    net = TrainerNet()
+    yield net
+    net.close()
 
 
 def restricted_namespace(cluster: Cluster, ns: str) -> None:

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import (REPO, RELEASE_NS, SA, Audit, Operator, helm, restricted_namespace,
+from conftest import (REPO, RELEASE_NS, SA, Audit, Operator, TrainerNet, helm, restricted_namespace,
                       wait_until)
 
 NS = "ml"
@@ -339,10 +339,11 @@ def test_a_nodes_bandwidth_budget_counts_every_pipelines_workers(cluster, operat
 # --- scaling ----------------------------------------------------------------------------------
 
 class Trainer(http.server.ThreadingHTTPServer):
-    """A simulated trainer rank's /metrics on loopback: counters that integrate a wait ratio
-    the test sets, as stoker's client exports them."""
+    """A simulated trainer rank's /metrics in the test's own network namespace (the operator
+    scrapes no loopback address): counters that integrate a wait ratio the test sets, as
+    stoker's client exports them."""
 
-    def __init__(self) -> None:
+    def __init__(self, net: TrainerNet) -> None:
         self.wait_ratio, self.rate = 0.8, 20.0
         self.counters = [0.0, 0.0, 0.0]
         self.t = time.monotonic()
@@ -360,7 +361,10 @@ class Trainer(http.server.ThreadingHTTPServer):
             def log_message(self, *a):
                 pass
 
-        super().__init__(("127.0.0.1", 0), Handler)
+        super().__init__((net.ADDRESS, 0), Handler, bind_and_activate=False)
+        self.socket.close()
+        self.socket = net.listening_socket()
+        self.server_address = self.socket.getsockname()
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     def render(self) -> str:
@@ -378,11 +382,11 @@ class Trainer(http.server.ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/metrics"
+        return f"http://{self.server_address[0]}:{self.server_address[1]}/metrics"
 
 
-def test_autoscaling_follows_the_trainers_wait_ratio(cluster, operator):
-    trainer = Trainer()
+def test_autoscaling_follows_the_trainers_wait_ratio(cluster, operator, trainer_net):
+    trainer = Trainer(trainer_net)
     rules = {"stabilizationWindowSeconds": 4, "periodSeconds": 2, "maxPods": 4, "maxPercent": 100}
     apply(cluster, pipeline("scaler", replicas=1, autoscaling={
         "minReplicas": 1, "maxReplicas": 4, "targetWaitRatio": 0.1, "intervalSeconds": 2,
@@ -437,6 +441,13 @@ def test_kubectl_scale_works_through_the_scale_subresource(cluster, operator):
     (lambda s: s["source"]["s3"].update(uri="https://x"), "must look like s3://bucket/prefix"),
     (lambda s: s["placement"].update(mode="Pack", maxWorkersPerNode=2),
      "maxWorkersPerNode needs mode Spread"),
+    (lambda s: s["autoscaling"].update(metrics={"urls": ["http://10.0.0.1:9400/metrics",
+                                                         "http://127.0.0.1:9400/metrics"]}),
+     "autoscaling.metrics.urls: a metric URL must not name a loopback, link-local"),
+    (lambda s: s["autoscaling"].update(metrics={"prometheus": {"url": "http://169.254.169.254/"}}),
+     "autoscaling.metrics.prometheus.url: a metric URL must not name a loopback, link-local"),
+    (lambda s: s["autoscaling"].update(metrics={"urls": ["http://10.0.0.1/m HTTP/1.0\r\nX-A: 1"]}),
+     "without whitespace or control characters"),
 ])
 def test_the_api_server_rejects_invalid_pipelines_with_their_messages(cluster, release, mutate, message):
     dp = copy.deepcopy(EXAMPLE)
@@ -459,15 +470,16 @@ def test_the_api_server_rejects_a_name_that_cannot_name_the_workers_service(clus
 
 
 def test_a_spec_the_operator_cannot_honour_gets_a_condition_and_an_event(cluster, operator):
-    dp = pipeline("unhonourable", autoscaling={
-        "minReplicas": 1, "maxReplicas": 2, "metrics": {"urls": ["https://rank-0:9400/metrics"]}})
+    # A tokenizer over https: admitted by the schema, refused by the operator's validate step.
+    dp = pipeline("unhonourable")
+    dp["spec"]["preprocessing"]["tokenizer"] = "https://huggingface.co/Qwen/tokenizer.json"
     apply(cluster, dp)
     ready = wait_until("Ready=False/InvalidSpec",
                        lambda: condition(cluster, "unhonourable", "Ready").get("reason") == "InvalidSpec"
                        and condition(cluster, "unhonourable", "Ready"))
-    assert ready["status"] == "False" and "is not an http:// URL" in ready["message"], ready
+    assert ready["status"] == "False" and "scheme https:// is not supported" in ready["message"], ready
     ev = wait_until("an InvalidSpec event", lambda: events(cluster, "unhonourable", "InvalidSpec"))
-    assert ev[0]["type"] == "Warning" and "autoscaling.metrics.urls" in ev[0]["note"]
+    assert ev[0]["type"] == "Warning" and "preprocessing.tokenizer" in ev[0]["note"]
     assert cluster.kubectl("get", "deployment", "unhonourable-workers", "-n", NS,
                            check=False).returncode != 0, "nothing is applied for an invalid spec"
     assert sample(operator.metrics(), 'stoker_operator_reconcile_errors_total{kind="invalid_spec",step="validate"}') >= 1
@@ -476,8 +488,9 @@ def test_a_spec_the_operator_cannot_honour_gets_a_condition_and_an_event(cluster
 
 # --- lifecycle ----------------------------------------------------------------------------
 
-def test_deleting_a_pipeline_collects_what_it_owned_and_its_autoscaler_state(cluster, operator):
-    trainer = Trainer()
+def test_deleting_a_pipeline_collects_what_it_owned_and_its_autoscaler_state(cluster, operator,
+                                                                             trainer_net):
+    trainer = Trainer(trainer_net)
     apply(cluster, pipeline("doomed", autoscaling={
         "minReplicas": 1, "maxReplicas": 2, "intervalSeconds": 2,
         "metrics": {"urls": [trainer.url]}}))
