@@ -163,34 +163,42 @@ impl Scraper {
         }
     }
 
-    /// The body, within [`MAX_BODY`] and the memory budget, each frame paid for before it
-    /// is kept.
+    /// The body, within [`MAX_BODY`] and the memory budget: what the buffer will hold is
+    /// paid for before it grows (to the announced length, else doubling as frames come).
     async fn body(&self, mut body: hyper::body::Incoming) -> anyhow::Result<Page<'_>> {
+        let too_long = || anyhow::anyhow!("the body is longer than {MAX_BODY} bytes");
         let announced = hyper::body::Body::size_hint(&body).lower();
-        anyhow::ensure!(
-            announced <= MAX_BODY as u64,
-            "the body is longer than {MAX_BODY} bytes"
-        );
+        let announced = usize::try_from(announced)
+            .ok()
+            .filter(|&n| n <= MAX_BODY)
+            .ok_or_else(too_long)?;
         let mut held = self.memory.try_acquire_many(0)?;
         let mut bytes = Vec::new();
+        let mut grow = |bytes: &mut Vec<u8>, to: usize| {
+            let more = u32::try_from(to - bytes.capacity()).expect("within MAX_BODY");
+            let paid = self.memory.try_acquire_many(more).map_err(|_| {
+                anyhow::anyhow!(
+                    "the scrapes' memory budget ({} bytes at once) is spent: not read",
+                    self.memory_budget
+                )
+            })?;
+            held.merge(paid);
+            bytes.reserve_exact(to - bytes.len());
+            anyhow::Ok(())
+        };
+        grow(&mut bytes, announced)?;
         while let Some(frame) = body.frame().await {
             let Ok(data) = frame?.into_data() else {
                 continue; // trailers
             };
-            anyhow::ensure!(
-                bytes.len() + data.len() <= MAX_BODY,
-                "the body is longer than {MAX_BODY} bytes"
-            );
-            let more = self
-                .memory
-                .try_acquire_many(data.len() as u32)
-                .map_err(|_| {
-                    anyhow::anyhow!(
-                        "the scrapes' memory budget ({} bytes at once) is spent: not read",
-                        self.memory_budget
-                    )
-                })?;
-            held.merge(more);
+            let needed = bytes.len() + data.len();
+            if needed > MAX_BODY {
+                return Err(too_long());
+            }
+            if needed > bytes.capacity() {
+                let to = needed.max(2 * bytes.capacity()).min(MAX_BODY);
+                grow(&mut bytes, to)?;
+            }
             bytes.extend_from_slice(&data);
         }
         let text =
@@ -418,6 +426,26 @@ mod tests {
         }
     }
 
+    /// A stand-in HTTP server on loopback: each connection's request (its first read) is
+    /// answered with `answer(request)`, then closed.
+    async fn stand_in(answer: fn(&str) -> Vec<u8>) -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = listener.accept().await.unwrap();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 8192];
+                    let n = s.read(&mut buf).await.unwrap_or(0);
+                    let _ = s
+                        .write_all(&answer(&String::from_utf8_lossy(&buf[..n])))
+                        .await;
+                });
+            }
+        });
+        addr
+    }
+
     /// 4,096 ranks are read a bounded number at a time, and a rank that accepts but never
     /// answers costs the round its deadline, not the decision: it is unreadable.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -465,23 +493,15 @@ mod tests {
 
     #[tokio::test]
     async fn reads_counters_over_http_and_names_failures() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            loop {
-                let (mut s, _) = listener.accept().await.unwrap();
-                let mut buf = [0u8; 1024];
-                let n = s.read(&mut buf).await.unwrap();
-                let req = String::from_utf8_lossy(&buf[..n]).to_string();
-                let body = "stoker_trainer_wait_seconds_total{rank=\"0\"} 1.5\nstoker_trainer_step_seconds_total{rank=\"0\"} 8.5\nstoker_trainer_samples_total{rank=\"0\"} 640\n";
-                let resp = if req.starts_with("GET /metrics ") {
-                    format!("HTTP/1.0 200 OK\r\n\r\n{body}")
-                } else {
-                    "HTTP/1.0 404 Not Found\r\n\r\n".to_string()
-                };
-                s.write_all(resp.as_bytes()).await.unwrap();
+        let addr = stand_in(|req| {
+            let body = "stoker_trainer_wait_seconds_total{rank=\"0\"} 1.5\nstoker_trainer_step_seconds_total{rank=\"0\"} 8.5\nstoker_trainer_samples_total{rank=\"0\"} 640\n";
+            if req.starts_with("GET /metrics ") {
+                format!("HTTP/1.0 200 OK\r\n\r\n{body}").into_bytes()
+            } else {
+                b"HTTP/1.0 404 Not Found\r\n\r\n".to_vec()
             }
-        });
+        })
+        .await;
         let scraper = loopback_scraper(MEMORY_BUDGET);
         let page = scraper
             .get(&format!("http://{addr}/metrics"))
@@ -571,26 +591,18 @@ mod tests {
     /// page is let go.
     #[tokio::test]
     async fn bodies_are_bounded_each_and_together() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            loop {
-                let (mut s, _) = listener.accept().await.unwrap();
-                tokio::spawn(async move {
-                    let mut buf = [0u8; 1024];
-                    let n = s.read(&mut buf).await.unwrap_or(0);
-                    let req = String::from_utf8_lossy(&buf[..n]).to_string();
-                    let size = if req.starts_with("GET /huge ") {
-                        MAX_BODY + 1
-                    } else {
-                        600 << 10
-                    };
-                    let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {size}\r\n\r\n");
-                    let _ = s.write_all(head.as_bytes()).await;
-                    let _ = s.write_all(&vec![b'#'; size]).await;
-                });
-            }
-        });
+        let addr = stand_in(|req| {
+            let size = if req.starts_with("GET /huge ") {
+                MAX_BODY + 1
+            } else {
+                600 << 10
+            };
+            let mut answer =
+                format!("HTTP/1.1 200 OK\r\ncontent-length: {size}\r\n\r\n").into_bytes();
+            answer.resize(answer.len() + size, b'#');
+            answer
+        })
+        .await;
         let scraper = loopback_scraper(1 << 20);
         let e = scraper
             .get(&format!("http://{addr}/huge"))
@@ -599,6 +611,8 @@ mod tests {
         assert!(e.to_string().contains("longer than 4194304 bytes"), "{e}");
         let first = scraper.get(&format!("http://{addr}/page")).await.unwrap();
         assert_eq!(first.len(), 600 << 10);
+        // Paid for: the buffer it holds (its announced length), no more, no less.
+        assert_eq!(scraper.memory.available_permits(), (1 << 20) - (600 << 10));
         let e = scraper
             .get(&format!("http://{addr}/page"))
             .await
@@ -618,41 +632,32 @@ mod tests {
     /// number each; the observation follows (97 of 100 ranks reporting is enough).
     #[tokio::test]
     async fn reads_an_aggregated_observation_from_prometheus() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            loop {
-                let (mut s, _) = listener.accept().await.unwrap();
-                let mut buf = vec![0u8; 8192];
-                let n = s.read(&mut buf).await.unwrap();
-                let req = String::from_utf8_lossy(&buf[..n]).to_string();
-                assert!(
-                    req.contains("namespace%3D%22ml%22%2Cpipeline%3D%22sft%22"),
-                    "{req}"
-                );
-                assert!(
-                    req.contains("%5B60s%5D") || req.contains("count%28count"),
-                    "{req}"
-                );
-                let v = if req.contains("query=max") {
-                    "0.25"
-                } else if req.contains("query=avg") {
-                    "0.1"
-                } else if req.contains("query=sum") {
-                    "970"
-                } else if req.contains("query=count%28count") {
-                    "100"
-                } else {
-                    "97"
-                };
-                let body = format!(
-                    r#"{{"status":"success","data":{{"resultType":"vector","result":[{{"metric":{{}},"value":[1,"{v}"]}}]}}}}"#
-                );
-                s.write_all(format!("HTTP/1.0 200 OK\r\n\r\n{body}").as_bytes())
-                    .await
-                    .unwrap();
-            }
-        });
+        let addr = stand_in(|req| {
+            assert!(
+                req.contains("namespace%3D%22ml%22%2Cpipeline%3D%22sft%22"),
+                "{req}"
+            );
+            assert!(
+                req.contains("%5B60s%5D") || req.contains("count%28count"),
+                "{req}"
+            );
+            let v = if req.contains("query=max") {
+                "0.25"
+            } else if req.contains("query=avg") {
+                "0.1"
+            } else if req.contains("query=sum") {
+                "970"
+            } else if req.contains("query=count%28count") {
+                "100"
+            } else {
+                "97"
+            };
+            let body = format!(
+                r#"{{"status":"success","data":{{"resultType":"vector","result":[{{"metric":{{}},"value":[1,"{v}"]}}]}}}}"#
+            );
+            format!("HTTP/1.0 200 OK\r\n\r\n{body}").into_bytes()
+        })
+        .await;
         let scraper = loopback_scraper(MEMORY_BUDGET);
         let got = read_prometheus(&scraper, &format!("http://{addr}/"), "ml", "sft", 60)
             .await
