@@ -7,8 +7,8 @@
 //! the pipeline does not own is never written: no adoption.
 
 use crate::cache::Cached;
-use crate::error::{at, not_owned, Error};
-use crate::labels::{owned_by, pipeline_of, FIELD_MANAGER};
+use crate::error::{at, ensure_owned, Error};
+use crate::labels::{pipeline_of, FIELD_MANAGER};
 use crate::metrics::Step;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Resource, ResourceExt};
@@ -118,12 +118,13 @@ where
                 .map(Arc::new),
         };
         let (owner_uid, owner) = pipeline_of(obj.meta()).expect("built objects name their owner");
-        if live
-            .as_ref()
-            .is_some_and(|live| !owned_by(live.meta(), Some(owner_uid)))
-        {
-            return Err(not_owned::<K>(Step::Apply, &ns, &name, owner));
-        }
+        ensure_owned(
+            Step::Apply,
+            &ns,
+            &name,
+            live.as_deref(),
+            (Some(owner_uid), owner),
+        )?;
         let wanted = hash_of(obj);
         let unchanged = live.as_ref().is_some_and(|live| {
             let applied = self.applied.lock().expect("applied objects");

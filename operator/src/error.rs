@@ -1,6 +1,7 @@
 //! Why a reconcile failed: the error, its metric label and the step that failed (as
 //! kube-rs controller-rs labels them).
 
+use crate::labels::owned_by;
 use crate::metrics::{ReconcileErrorKind, Step};
 use kube::Resource;
 
@@ -87,17 +88,22 @@ pub fn at_name<K: Resource<DynamicType = ()>>(
     }
 }
 
-/// The object `ns/name` of kind `K` exists and is not `pipeline`'s.
-pub fn not_owned<K: Resource<DynamicType = ()>>(
+/// `Ok` unless `existing`, the object `ns/name` of kind `K`, is there and not owned by the
+/// pipeline `(uid, name)`: the operator writes only into what it created.
+pub fn ensure_owned<K: Resource<DynamicType = ()>>(
     step: Step,
     ns: &str,
     name: &str,
-    pipeline: &str,
-) -> Error {
-    Error::NotOwned {
-        step,
-        object: object_name::<K>(ns, name),
-        pipeline: pipeline.into(),
+    existing: Option<&K>,
+    (uid, pipeline): (Option<&str>, &str),
+) -> Result<(), Error> {
+    match existing {
+        Some(obj) if !owned_by(obj.meta(), uid) => Err(Error::NotOwned {
+            step,
+            object: object_name::<K>(ns, name),
+            pipeline: pipeline.into(),
+        }),
+        _ => Ok(()),
     }
 }
 

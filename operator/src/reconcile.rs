@@ -316,13 +316,12 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
 /// The Service, PDB and NetworkPolicy (the Deployment is applied first, with the count).
 async fn apply_owned(dp: &Valid<'_>, ctx: &Context, pipeline: &str) -> Result<(), Error> {
     let (c, client) = (&ctx.cluster, &ctx.client);
-    (c.services
-        .apply(client, pipeline, &build::service(dp))
-        .await)?;
+    let service = build::service(dp);
+    c.services.apply(client, pipeline, &service).await?;
     let pdb = build::pod_disruption_budget(dp);
-    (c.disruption_budgets.apply(client, pipeline, &pdb).await)?;
+    c.disruption_budgets.apply(client, pipeline, &pdb).await?;
     let policy = build::network_policy(dp, &ctx.worker_metrics_from);
-    (c.network_policies.apply(client, pipeline, &policy).await)?;
+    c.network_policies.apply(client, pipeline, &policy).await?;
     Ok(())
 }
 

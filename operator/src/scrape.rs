@@ -32,38 +32,46 @@ const ROUND_DEADLINE: Duration = Duration::from_secs(20);
 /// The longest metric URL the operator reads.
 pub const MAX_URL_LEN: usize = 2048;
 
-/// Why the operator will not read `url`, if it will not: [`form_problem`], or an IP literal
-/// (or `localhost`) that [`may_connect_to`] refuses; names are checked when the scrape
-/// resolves them.
+/// Why the operator will not read `url`, if it will not: its form ([`parse`]), or an IP
+/// literal (or `localhost`) that [`may_connect_to`] refuses; names are checked when the
+/// scrape resolves them.
 pub fn url_problem(url: &str) -> Option<&'static str> {
-    form_problem(url).or_else(|| {
-        let uri = url.parse::<http::Uri>().ok()?;
-        let host = uri.host()?.trim_start_matches('[').trim_end_matches(']');
-        let refused = host.eq_ignore_ascii_case("localhost")
-            || host.parse().is_ok_and(|ip| !may_connect_to(ip));
-        refused.then_some("names a loopback, link-local, unspecified or multicast address")
-    })
+    let uri = match parse(url) {
+        Ok(uri) => uri,
+        Err(problem) => return Some(problem),
+    };
+    let host = bare_host(&uri);
+    let refused =
+        host.eq_ignore_ascii_case("localhost") || host.parse().is_ok_and(|ip| !may_connect_to(ip));
+    refused.then_some("names a loopback, link-local, unspecified or multicast address")
 }
 
-/// Why `url` is not one the scrape can send: it speaks plain `http://` (what the trainer
+/// `url` as one the scrape can send, or why not: it speaks plain `http://` (what the trainer
 /// client and Prometheus serve) to a host; whitespace or a control character would end the
 /// request line and add headers of the URL's author to it.
-fn form_problem(url: &str) -> Option<&'static str> {
+fn parse(url: &str) -> Result<http::Uri, &'static str> {
     if !url.starts_with("http://") {
-        Some("is not an http:// URL")
+        return Err("is not an http:// URL");
     } else if url.len() > MAX_URL_LEN {
-        Some("is longer than 2048 bytes")
+        return Err("is longer than 2048 bytes");
     } else if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        Some("contains whitespace or a control character")
-    } else if url.parse::<http::Uri>().ok().and_then(|u| {
-        let authority = u.authority()?.as_str();
-        Some(!authority.contains('@') && !u.host()?.is_empty())
-    }) != Some(true)
-    {
-        Some("is not an http://host[:port]/path URL without user info")
-    } else {
-        None
+        return Err("contains whitespace or a control character");
     }
+    let not_a_host = "is not an http://host[:port]/path URL without user info";
+    let uri: http::Uri = url.parse().map_err(|_| not_a_host)?;
+    let without_user = uri.authority().is_some_and(|a| !a.as_str().contains('@'));
+    let host = uri.host().is_some_and(|h| !h.is_empty());
+    if without_user && host {
+        Ok(uri)
+    } else {
+        Err(not_a_host)
+    }
+}
+
+/// The host of `uri` as the resolver takes it: an IPv6 literal without its brackets.
+fn bare_host(uri: &http::Uri) -> &str {
+    let host = uri.host().unwrap_or_default();
+    host.trim_start_matches('[').trim_end_matches(']')
 }
 
 /// Whether a metric source may be at `ip`: never loopback (the operator's own pod, or the
@@ -114,21 +122,17 @@ impl Scraper {
     /// passed `may_connect`, so a name cannot resolve to another address between check and
     /// use; the body is taken from the memory budget as it arrives.
     pub async fn get(&self, url: &str) -> anyhow::Result<Page<'_>> {
-        if let Some(problem) = form_problem(url) {
-            anyhow::bail!("{url:?} {problem}");
-        }
-        tokio::time::timeout(TIMEOUT, self.exchange(url))
+        let uri = parse(url).map_err(|problem| anyhow::anyhow!("{url:?} {problem}"))?;
+        tokio::time::timeout(TIMEOUT, self.exchange(&uri))
             .await
             .map_err(|_| anyhow::anyhow!("{url}: no answer within {TIMEOUT:?}"))?
             .map_err(|e| anyhow::anyhow!("{url}: {e:#}"))
     }
 
-    async fn exchange(&self, url: &str) -> anyhow::Result<Page<'_>> {
-        let uri: http::Uri = url.parse()?;
+    async fn exchange(&self, uri: &http::Uri) -> anyhow::Result<Page<'_>> {
         let host = uri.host().unwrap_or_default();
         let port = uri.port_u16().unwrap_or(80);
-        let bare = host.trim_start_matches('[').trim_end_matches(']');
-        let mut resolved = tokio::net::lookup_host((bare, port)).await?;
+        let mut resolved = tokio::net::lookup_host((bare_host(uri), port)).await?;
         let addr = resolved.find(|a| (self.may_connect)(a.ip())).ok_or_else(|| {
             anyhow::anyhow!(
                 "{host} is only at loopback, link-local, unspecified or multicast addresses: refused"

@@ -6,8 +6,8 @@
 use crate::apply::RESYNC;
 use crate::crd::{DataPipeline, TlsMode};
 use crate::credentials::{self as cred, CA_VALIDITY, WORKER_VALIDITY};
-use crate::error::{at, at_name, not_owned, object_name, Error};
-use crate::labels::{names, owned_by, FIELD_MANAGER};
+use crate::error::{at, at_name, ensure_owned, object_name, Error};
+use crate::labels::{names, FIELD_MANAGER};
 use crate::metrics::Step;
 use crate::validate::Valid;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
@@ -31,6 +31,14 @@ fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+/// The pipeline as owner of what it writes: its uid and name.
+fn owner(dp: &DataPipeline) -> (Option<&str>, &str) {
+    (
+        dp.metadata.uid.as_deref(),
+        dp.metadata.name.as_deref().unwrap_or_default(),
+    )
 }
 
 impl Credentials {
@@ -107,17 +115,7 @@ impl Credentials {
             &ns,
             &n.tls_secret,
         ))?;
-        if existing
-            .as_ref()
-            .is_some_and(|s| !owned_by(&s.metadata, dp.uid().as_deref()))
-        {
-            return Err(not_owned::<Secret>(
-                Step::Tls,
-                &ns,
-                &n.tls_secret,
-                &dp.name_any(),
-            ));
-        }
+        ensure_owned(Step::Tls, &ns, &n.tls_secret, existing.as_ref(), owner(dp))?;
         let worker_names = cred::worker_names(dp, &self.cluster_domain);
         let not_after =
             match cred::keep_worker_cert(existing.as_ref(), ca.cert_pem(), &worker_names, now) {
@@ -196,9 +194,7 @@ async fn ensure_ca(dp: &DataPipeline, secrets: &Api<Secret>, ns: &str) -> Result
             }
         }
     };
-    if !owned_by(&stored.metadata, dp.uid().as_deref()) {
-        return Err(not_owned::<Secret>(Step::Tls, ns, &name, &dp.name_any()));
-    }
+    ensure_owned(Step::Tls, ns, &name, Some(&stored), owner(dp))?;
     let (subject, cert, key) =
         cred::read_ca(&stored).map_err(|e| credentials_error::<Secret>(ns, &name, e))?;
     Authority::from_pem(&subject, &cert, &key)
@@ -218,10 +214,8 @@ async fn ensure_ca_config_map(
     let wanted = cred::ca_config_map(dp, ca_pem);
     let existing =
         (api.get_opt(&name).await).map_err(at_name::<ConfigMap>(Step::Tls, ns, &name))?;
+    ensure_owned(Step::Tls, ns, &name, existing.as_ref(), owner(dp))?;
     match existing {
-        Some(cm) if !owned_by(&cm.metadata, dp.uid().as_deref()) => {
-            Err(not_owned::<ConfigMap>(Step::Tls, ns, &name, &dp.name_any()))
-        }
         Some(cm) if cm.data == wanted.data => Ok(()),
         _ => apply(&api, &wanted).await,
     }

@@ -146,17 +146,11 @@ fn is_volume_folder(path: &str) -> bool {
 }
 
 fn metric_source(m: &MetricSource, out: &mut Vec<String>) {
-    for url in m.urls.iter().flatten() {
+    let urls = m.urls.iter().flatten().map(|u| ("urls", u));
+    let prometheus = m.prometheus.iter().map(|p| ("prometheus.url", &p.url));
+    for (field, url) in urls.chain(prometheus) {
         if let Some(problem) = url_problem(url) {
-            out.push(format!("autoscaling.metrics.urls: {url:?} {problem}"));
-        }
-    }
-    if let Some(p) = &m.prometheus {
-        if let Some(problem) = url_problem(&p.url) {
-            out.push(format!(
-                "autoscaling.metrics.prometheus.url: {:?} {problem}",
-                p.url
-            ));
+            out.push(format!("autoscaling.metrics.{field}: {url:?} {problem}"));
         }
     }
 }

@@ -403,13 +403,8 @@ async fn a_secret_of_the_cas_name_that_the_pipeline_does_not_own_is_refused() {
     });
     let e = reconcile(dp, ctx.clone()).await.unwrap_err();
     let why = "Secret ml/qwen-sft-tls-ca: exists and is not owned by DataPipeline qwen-sft";
-    assert!(e.to_string().contains(why), "{e}");
-    assert_eq!(
-        (e.metric_label().as_str(), e.step_label().as_str()),
-        ("not_owned", "tls")
-    );
     // Nothing written, nothing applied: the reconcile stopped there, and said why.
-    assert_not_owned_reported(server.await.unwrap(), why).await;
+    assert_not_owned_reported(&e, "tls", why, server.await.unwrap()).await;
 }
 
 /// After a NotOwned error: the Warning Event and the status, answered; the Event and the
@@ -429,8 +424,19 @@ async fn serve_not_owned_report(mut h: Handle) -> (Handle, Value, Value) {
     (h, event, ready)
 }
 
-/// The Event and the Ready condition name the object in the way; nothing else is sent.
-async fn assert_not_owned_reported((mut h, event, ready): (Handle, Value, Value), why: &str) {
+/// The error (kind not_owned, at `step`), the Event and the Ready condition name the object
+/// in the way; nothing else is sent.
+async fn assert_not_owned_reported(
+    e: &Error,
+    step: &str,
+    why: &str,
+    (mut h, event, ready): (Handle, Value, Value),
+) {
+    assert!(e.to_string().contains(why), "{e}");
+    assert_eq!(
+        (e.metric_label().as_str(), e.step_label().as_str()),
+        ("not_owned", step)
+    );
     assert_eq!(event["reason"], "NotOwned");
     assert!(event["note"].as_str().unwrap().contains(why), "{event}");
     assert_eq!(
@@ -466,12 +472,7 @@ async fn an_object_of_an_owned_name_that_the_pipeline_did_not_create_is_never_wr
     });
     let e = reconcile(Arc::new(dp), ctx.clone()).await.unwrap_err();
     let why = "Service ml/qwen-sft-workers: exists and is not owned by DataPipeline qwen-sft";
-    assert!(e.to_string().contains(why), "{e}");
-    assert_eq!(
-        (e.metric_label().as_str(), e.step_label().as_str()),
-        ("not_owned", "apply")
-    );
-    assert_not_owned_reported(server.await.unwrap(), why).await;
+    assert_not_owned_reported(&e, "apply", why, server.await.unwrap()).await;
     assert!(ctx
         .metrics
         .render()
