@@ -16,6 +16,9 @@ use tokio::sync::mpsc;
 /// and as many cancels.
 pub const QUEUE: usize = 2 * LINK_QUEUE;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// A worker that takes no bytes of a request for this long (it stopped reading, or the path
+/// to it is gone with data unacknowledged) loses the link; its requests go elsewhere.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What the scheduler sends a worker.
 pub enum Outbound {
@@ -85,14 +88,17 @@ async fn session(
     let (mut rd, mut wr) = tokio::io::split(stream);
     let writer = async move {
         while let Some(frame) = frames.recv().await {
-            match frame {
-                Outbound::Request(req) => {
-                    write_frame(&mut wr, Kind::Request, &req.encode()).await?
-                }
-                Outbound::Cancel(request_id) => {
-                    write_frame(&mut wr, Kind::Cancel, &Cancel { request_id }.encode()).await?
-                }
-            }
+            let (kind, payload) = match frame {
+                Outbound::Request(req) => (Kind::Request, req.encode()),
+                Outbound::Cancel(request_id) => (Kind::Cancel, Cancel { request_id }.encode()),
+            };
+            tokio::time::timeout(WRITE_TIMEOUT, write_frame(&mut wr, kind, &payload))
+                .await
+                .map_err(|_| {
+                    LinkError::Protocol(format!(
+                        "the worker took no bytes of a {kind:?} frame for {WRITE_TIMEOUT:?}"
+                    ))
+                })??;
         }
         // The scheduler let go of this worker.
         Ok::<(), LinkError>(())

@@ -43,6 +43,8 @@ stoker_wire::label_set! {
         PlanMismatch => "plan_mismatch",
         Transient => "transient",
         Deadline => "deadline",
+        Refused => "refused",
+        Failed => "failed",
     }
 }
 

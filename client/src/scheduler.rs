@@ -13,6 +13,10 @@
 //! and again elsewhere when its worker fails, drains or refuses; a straggler at the head of the
 //! line is hedged within a budget, and abandoned requests are cancelled. The first answer for a
 //! position wins; later ones are dropped, so the trainer sees every position exactly once.
+//!
+//! The bookkeeping (links, positions, delivery) is here; the rules are apart: `choice.rs`
+//! (which link takes a position, hedging), `answers.rs` (what an answer does), `failures.rs`
+//! (attempts, lost links, no worker) and `refusals.rs` (one worker's refusal is its own).
 
 use crate::batch::Batch;
 use crate::config::LoaderConfig;
@@ -145,6 +149,9 @@ struct Pending {
     failed_on: Vec<String>,
     failures: u32,
     hedged: bool,
+    /// Workers that refused or failed this position for a reason of their own or of the
+    /// batch's (`refusals.rs`): never asked for it again.
+    refused_by: BTreeMap<String, Refusal>,
 }
 
 struct InFlight {
@@ -191,6 +198,8 @@ pub struct Scheduler {
     links_per_rank: usize,
     /// Why each address is not serving, for error messages.
     problems: BTreeMap<String, Error>,
+    /// Workers that refused this rank's token, and what they said (until one accepts it).
+    refusing: BTreeMap<String, String>,
     /// Not before this time, and the backoff that got it there.
     reconnect_at: BTreeMap<String, (Instant, Duration)>,
     /// The same gates by time, so a step finds the due ones without a scan.
@@ -244,6 +253,7 @@ impl Scheduler {
             members: Members::default(),
             links_per_rank: cfg.links_per_rank,
             problems: BTreeMap::new(),
+            refusing: BTreeMap::new(),
             reconnect_at: BTreeMap::new(),
             gates: Default::default(),
             next_request: 1,
@@ -358,6 +368,7 @@ impl Scheduler {
         self.check_no_worker();
         if self.identity.is_some() {
             self.expire();
+            self.give_up_refused_everywhere();
             self.issue();
             self.hedge();
         }
@@ -376,14 +387,7 @@ impl Scheduler {
                 let addr = l.addr.clone();
                 self.metrics.error(WorkerErrorKind::Refused);
                 if error.code == ErrorCode::Unauthorized {
-                    let refusal = Error::Unauthorized {
-                        worker: addr.clone(),
-                        reason: error.message,
-                    };
-                    self.problems.insert(addr, refusal.clone());
-                    // Retrying cannot fix a token; say so at once.
-                    self.fail_identity(refusal.clone());
-                    self.fail_trainer(refusal);
+                    self.token_refused(addr, error.message);
                 } else {
                     // Full or draining: the connection closes next, and the rank finds
                     // capacity elsewhere meanwhile.
@@ -439,6 +443,7 @@ impl Scheduler {
         self.reconnect_at.retain(|a, _| set.contains(a));
         self.gates.retain(|(_, a)| set.contains(a));
         self.problems.retain(|a, _| set.contains(a));
+        self.refusing.retain(|a, _| set.contains(a));
         self.wanted = set;
         self.recompute_members();
         self.dial_homes();
@@ -758,282 +763,6 @@ impl Scheduler {
         Some((f, addr))
     }
 
-    /// A link took `elapsed` for a request (or at least that long, if it `lost` a hedge
-    /// race): its estimate moves, up at once under the subset policy (a peak-sensitive
-    /// average: one slow answer is believed now, quick ones bring it down gradually), by a
-    /// fifth of the way otherwise. Losing, or answering past the lag limit, makes it suspect;
-    /// answering in time clears that.
-    fn measured(&mut self, link: LinkId, elapsed: Duration, lost: bool) {
-        let peak = self.cfg.policy == Policy::Subset;
-        let typical = self.typical_latency();
-        let limit = self.lag_limit(typical);
-        let Some(l) = self.links.get(&link) else {
-            return;
-        };
-        // Under the subset policy the estimate has been decaying since it was measured:
-        // the new answer moves what it is now.
-        let current = match l.latency_ewma {
-            Some(_) if peak => Some(self.estimate(l, typical)),
-            e => e,
-        };
-        let l = self.links.get_mut(&link).expect("looked up");
-        if peak {
-            let late = limit.is_some_and(|limit| elapsed.as_secs_f64() > limit);
-            l.suspect = lost || late || (l.suspect && limit.is_none());
-        }
-        let s = elapsed.as_secs_f64();
-        l.latency_ewma = Some(match current {
-            Some(e) if !(peak && s > e) => 0.8 * e + 0.2 * s,
-            _ => s,
-        });
-        l.measured = self.now;
-    }
-
-    fn hedge_threshold(&self) -> Option<Duration> {
-        self.cfg.hedge?.threshold(&self.latencies)
-    }
-
-    fn hedge_head(&self) -> usize {
-        self.cfg.hedge.map_or(0, |h| h.head_positions)
-    }
-
-    /// When the trainer will ask for `pos`, once its pace is known: the position it takes
-    /// next is due one interval after the last take (now, if it is already waiting).
-    fn needed_at(&self, pos: u64) -> Option<Instant> {
-        let (next, at) = self.last_take?;
-        let interval = match self.shared.interval_ns.load(Ordering::Relaxed) {
-            0 => return None,
-            ns => Duration::from_nanos(ns),
-        };
-        if pos <= next && self.shared.asking.load(Ordering::Acquire) {
-            return Some(self.now);
-        }
-        Some(at + interval * (pos.saturating_sub(next) + 1) as u32)
-    }
-
-    /// When a position's request, sent at `sent`, is hedged: once it straggles (older than
-    /// `threshold`) and, under the subset policy with the trainer's pace known, only once a
-    /// fresh request (at the p90 latency) would no longer arrive before the trainer needs
-    /// it. A straggler with time to spare costs no duplicate work: at 4,096 ranks such
-    /// hedges, a few per step, met on the same worker and overloaded it.
-    fn hedge_due(&self, pos: u64, sent: Instant, threshold: Duration) -> Instant {
-        let straggling = sent + threshold;
-        if self.cfg.policy != Policy::Subset {
-            return straggling;
-        }
-        match (self.needed_at(pos), self.latencies.quantile(0.9)) {
-            (Some(need), Some(fresh)) => straggling.max(need.checked_sub(fresh).unwrap_or(need)),
-            _ => straggling,
-        }
-    }
-
-    fn hedge(&mut self) {
-        let Some(threshold) = self.hedge_threshold() else {
-            return;
-        };
-        let now = self.now;
-        let stragglers: Vec<u64> = self
-            .pending
-            .iter()
-            .take(self.hedge_head())
-            .filter(|(_, p)| !p.hedged && p.attempts.len() == 1)
-            .filter(|(pos, p)| {
-                self.in_flight
-                    .get(&p.attempts[0])
-                    .is_some_and(|f| now >= self.hedge_due(**pos, f.sent, threshold))
-            })
-            .map(|(pos, _)| *pos)
-            .collect();
-        for pos in stragglers {
-            let budgeted = self.cfg.policy == Policy::Subset;
-            if budgeted && !self.hedges.available() {
-                self.metrics.hedge(HedgeOutcome::OverBudget);
-                return;
-            }
-            match self.choose(pos, true) {
-                Choice::Link(link) => {
-                    if budgeted {
-                        self.hedges.spend();
-                    }
-                    self.send(pos, link, true);
-                    self.metrics.hedge(HedgeOutcome::Sent);
-                }
-                Choice::Spill => {
-                    self.spill = true;
-                    self.ensure_links();
-                }
-                Choice::Wait => {}
-            }
-        }
-    }
-
-    /// Where `pos` goes: a home with room that is not lagging (avoiding workers that failed
-    /// it), else the cheaper of a linked spare and a lagging home, else wait for a spare to
-    /// connect; a hedge never goes where the position is.
-    fn choose(&self, pos: u64, hedge: bool) -> Choice {
-        let p = &self.pending[&pos];
-        let typical = self.typical_latency();
-        let lag_limit = self.lag_limit(typical);
-        // Slower than the limit by its answers or by what it has not answered yet (a worker
-        // that turned slow keeps only what it holds), or a suspect already being probed. Only
-        // a rank with spares reroutes around a lagging link: the rest of the workers is for
-        // failures, and a rank with one link (few slots for many ranks) must not take
-        // another's slot because it is slow.
-        let may_lag = !self.members.spares.is_empty();
-        let lagging = |id: &LinkId, l: &WorkerLink| {
-            let slow = || {
-                lag_limit.is_some_and(|limit| {
-                    self.estimate(l, typical)
-                        .max(self.oldest_wait(*id).as_secs_f64())
-                        > limit
-                })
-            };
-            may_lag && ((l.suspect && l.outstanding > 0) || slow())
-        };
-        let busy: Vec<LinkId> = p
-            .attempts
-            .iter()
-            .filter_map(|id| self.in_flight.get(id).map(|f| f.link))
-            .collect();
-        let usable = |id: &LinkId, l: &WorkerLink| {
-            l.up && !l.draining && !busy.contains(id) && l.outstanding < l.window
-        };
-        let fresh = |l: &WorkerLink| !p.failed_on.contains(&l.addr);
-        let home = |l: &WorkerLink| self.members.is_home(&l.addr);
-        let best = |filter: &dyn Fn(&LinkId, &WorkerLink) -> bool| {
-            self.links
-                .iter()
-                .filter(|(id, l)| filter(id, l))
-                .min_by(|a, b| self.order(a, b, typical))
-                .map(|(id, _)| *id)
-        };
-        if let Some(id) = best(&|id, l| home(l) && usable(id, l) && fresh(l) && !lagging(id, l)) {
-            return Choice::Link(id);
-        }
-        // A healthy home that is only full (or still connecting for the first time) will take
-        // it soon: spilling would unbalance the workers.
-        let home_will_take = self.members.homes.iter().any(|a| {
-            let Some(id) = self.by_addr.get(a) else {
-                return false;
-            };
-            let l = &self.links[id];
-            let first_connect = !l.up && !self.problems.contains_key(a);
-            !l.draining
-                && !busy.contains(id)
-                && fresh(l)
-                && (l.up || first_connect)
-                && !lagging(id, l)
-        });
-        if home_will_take && !hedge {
-            return Choice::Wait;
-        }
-        // A linked spare, or a lagging home if it is cheaper still; with no spare linked, one
-        // is dialled (a lagging home is the last resort below).
-        let spare_linked = self
-            .links
-            .iter()
-            .any(|(id, l)| !home(l) && usable(id, l) && fresh(l));
-        if spare_linked {
-            if let Some(id) =
-                best(&|id, l| (!home(l) || lagging(id, l)) && usable(id, l) && fresh(l))
-            {
-                return Choice::Link(id);
-            }
-        }
-        let more_to_try = self
-            .members
-            .spares
-            .iter()
-            .chain(&self.members.rest)
-            .any(|a| self.by_addr.get(a).is_none_or(|id| !self.links[id].up));
-        if more_to_try && self.cfg.policy == Policy::Subset {
-            return Choice::Spill;
-        }
-        // Nothing else is left: a worker that failed this position, rather than none.
-        match best(&|id, l| usable(id, l)) {
-            Some(id) => Choice::Link(id),
-            None if home_will_take || self.cfg.policy == Policy::FullMesh => Choice::Wait,
-            None => Choice::Spill,
-        }
-    }
-
-    /// Which of two links takes a request first.
-    fn order(
-        &self,
-        a: &(&LinkId, &WorkerLink),
-        b: &(&LinkId, &WorkerLink),
-        typical: f64,
-    ) -> std::cmp::Ordering {
-        match self.cfg.policy {
-            // A link with no latency yet goes first, then the fewer outstanding, then the
-            // lowest id: the same on every rank.
-            Policy::FullMesh => {
-                let cost =
-                    |l: &WorkerLink| (l.outstanding + 1) as f64 * l.latency_ewma.unwrap_or(0.0);
-                cost(a.1)
-                    .total_cmp(&cost(b.1))
-                    .then(a.1.outstanding.cmp(&b.1.outstanding))
-                    .then(a.0.cmp(b.0))
-            }
-            // The lower expected wait, (outstanding + 1) × estimate, where a link never
-            // measured (or not lately) counts as the rank's typical link, and one whose
-            // oldest request has been out longer counts as at least that slow (a worker
-            // that turned slow answers nothing that would tell); ties per rank.
-            Policy::Subset => {
-                let cost = |(id, l): &(&LinkId, &WorkerLink)| {
-                    let waited = self.oldest_wait(**id).as_secs_f64();
-                    (l.outstanding + 1) as f64 * self.estimate(l, typical).max(waited)
-                };
-                cost(a).total_cmp(&cost(b)).then_with(|| {
-                    topology::tiebreak(self.cfg.rank, &a.1.addr)
-                        .cmp(&topology::tiebreak(self.cfg.rank, &b.1.addr))
-                })
-            }
-        }
-    }
-
-    /// How long the oldest request outstanding on `link` has waited.
-    fn oldest_wait(&self, link: LinkId) -> Duration {
-        self.in_flight
-            .values()
-            .filter(|f| f.link == link)
-            .map(|f| self.now.duration_since(f.sent))
-            .max()
-            .unwrap_or_default()
-    }
-
-    /// Past this latency (seconds) a link lags: LAG_FACTOR × the rank's median, under the
-    /// subset policy once the median rests on enough answers.
-    fn lag_limit(&self, typical: f64) -> Option<f64> {
-        (self.cfg.policy == Policy::Subset && self.latencies.len() >= LAG_OBSERVATIONS)
-            .then_some(typical * LAG_FACTOR)
-    }
-
-    /// The rank's typical latency in seconds: what a link never measured (or not lately) is
-    /// estimated at. The median of its recent answers (robust to one slow worker: its
-    /// estimate decays towards the others', so it is tried again), else the mean of its
-    /// links' estimates, else 1 s.
-    fn typical_latency(&self) -> f64 {
-        if let Some(median) = self.latencies.quantile(0.5) {
-            return median.as_secs_f64().max(1e-6);
-        }
-        let known: Vec<f64> = self.links.values().filter_map(|l| l.latency_ewma).collect();
-        if known.is_empty() {
-            1.0
-        } else {
-            known.iter().sum::<f64>() / known.len() as f64
-        }
-    }
-
-    fn estimate(&self, l: &WorkerLink, neutral: f64) -> f64 {
-        let Some(e) = l.latency_ewma else {
-            return neutral;
-        };
-        let age = self.now.duration_since(l.measured).as_secs_f64();
-        let keep = 0.5f64.powf(age / ESTIMATE_HALF_LIFE.as_secs_f64());
-        neutral + (e - neutral) * keep
-    }
-
     fn send(&mut self, pos: u64, link_id: LinkId, hedge: bool) {
         let identity = self.identity.as_ref().expect("issued only with a plan");
         let bpe = identity.batches_per_epoch;
@@ -1066,393 +795,15 @@ impl Scheduler {
         p.attempts.push(request_id);
         p.hedged |= hedge;
     }
-
-    /// The trainer gets `error` on its next call, ahead of any batch and without taking a
-    /// position: queued, never dropped for a full channel (the queue keeps the first few; more
-    /// of the same condition add nothing).
-    fn fail_trainer(&mut self, error: Error) {
-        tracing::error!("{error}");
-        if self.notices.len() < NOTICE_CAPACITY {
-            self.notices.push_back(error);
-        }
-    }
-
-    fn fail_identity(&mut self, error: Error) {
-        if !self.identity_taken && self.identity.is_none() && self.identity_result.is_none() {
-            self.identity_result = Some(Err(error));
-        }
-    }
-
-    fn on_up(&mut self, link: LinkId, offered: Welcome) {
-        let Some(l) = self.links.get_mut(&link) else {
-            return;
-        };
-        let mismatch = match (&self.identity, self.cfg.state.map(|s| s.plan_id)) {
-            (Some(have), _) if !have.same_plan(&offered) => Some(have.plan_id),
-            (None, Some(want)) if want != offered.plan_id => Some(want),
-            _ => None,
-        };
-        if let Some(want) = mismatch {
-            // Batches from another plan or dataset version would corrupt the order: never
-            // use this worker.
-            let msg = format!(
-                "worker {} serves plan {:016x} ({}), this loader needs plan {want:016x}",
-                l.addr, offered.plan_id, offered.description
-            );
-            tracing::warn!("{msg}");
-            self.metrics.error(WorkerErrorKind::PlanMismatch);
-            let addr = l.addr.clone();
-            self.problems.insert(addr, Error::PlanMismatch(msg));
-            // Kept as a link that is never used (so it is not dialled again), closed.
-            l.draining = true;
-            l.up = true;
-            self.actions.push(Action::Close { link });
-            return;
-        }
-        tracing::debug!("worker {} is up", l.addr);
-        l.up = true;
-        l.idle_since = self.now;
-        let addr = l.addr.clone();
-        self.live += 1;
-        self.metrics.workers.set(self.live as i64);
-        self.problems.remove(&addr);
-        if let Some((at, _)) = self.reconnect_at.remove(&addr) {
-            self.gates.remove(&(at, addr));
-        }
-        if self.identity.is_none() {
-            let (epoch, batch) = self.cfg.state.map_or((0, 0), |s| (s.epoch, s.next_batch));
-            // A state past the last position is refused by the loader before it takes a
-            // batch (`check_state`); until then the scheduler must not overflow on it.
-            self.next_issue = offered.position(epoch, batch).unwrap_or(u64::MAX);
-            self.next_deliver = self.next_issue;
-            self.shared
-                .consumed
-                .store(self.next_issue, Ordering::Release);
-            self.identity = Some(offered.clone());
-            if !self.identity_taken {
-                self.identity_result = Some(Ok(offered));
-            }
-            // The workers' hints (connection limit, links per rank) are known now.
-            self.recompute_members();
-            self.dial_homes();
-        }
-    }
-
-    fn on_answer(
-        &mut self,
-        link: LinkId,
-        request_id: u64,
-        answer: Result<(BatchHead, crate::buffer::AlignedBuf), ErrorFrame>,
-    ) {
-        let Some(f) = self.in_flight.remove(&request_id) else {
-            if let Err(e) = answer {
-                // request id 0: about the connection itself.
-                tracing::warn!("worker error: {}", e.message);
-            }
-            return;
-        };
-        let addr = self.release_link(link);
-        let elapsed = self.now.duration_since(f.sent);
-        match answer {
-            Ok((head, buf)) => {
-                self.metrics.payload_bytes.inc_by(buf.len() as u64);
-                self.latencies.record(elapsed);
-                self.hedges.earn();
-                let bytes = buf.len() as f64;
-                self.batch_bytes = Some(self.batch_bytes.map_or(bytes, |b| 0.8 * b + 0.2 * bytes));
-                self.metrics.request_latency.observe(elapsed.as_secs_f64());
-                self.measured(link, elapsed, false);
-                if let Some(l) = self.links.get_mut(&link) {
-                    if l.window < LINK_QUEUE {
-                        l.window += 1;
-                    }
-                }
-                let checked = match (self.wrong_answer(&head.request, f.position), &self.identity) {
-                    (Some(why), _) => Err((RejectReason::WrongBatch, why)),
-                    (None, Some(plan)) => Batch::new(head, buf, addr.clone(), &plan.media),
-                    (None, None) => {
-                        Err((RejectReason::WrongBatch, "an answer before a plan".into()))
-                    }
-                };
-                let batch = match checked {
-                    Ok(batch) => batch,
-                    Err((reason, why)) => {
-                        // Never deliver it: this worker is not trusted again, the batch is
-                        // asked for elsewhere.
-                        self.metrics.reject(reason);
-                        self.metrics.error(match reason {
-                            RejectReason::WrongBatch => WorkerErrorKind::WrongBatch,
-                            _ => WorkerErrorKind::MalformedBatch,
-                        });
-                        self.stop_using(link);
-                        self.count_failure(f.position, request_id, &addr, &why);
-                        return;
-                    }
-                };
-                let Some(p) = self.pending.remove(&f.position) else {
-                    return; // a hedge lost the race, or a seek made it stale
-                };
-                if f.hedge {
-                    self.metrics.hedge(HedgeOutcome::Won);
-                }
-                // The other attempts lost: their workers can stop preparing them. Each took at
-                // least this long, which its link's estimate learns (else a worker that turned
-                // slow, never answering, would look as quick as before and be asked again).
-                for id in p.attempts.iter().filter(|id| **id != request_id) {
-                    if let Some((lost, _)) = self.abandon(*id) {
-                        if self.cfg.policy == Policy::Subset {
-                            self.measured(lost.link, self.now.duration_since(lost.sent), true);
-                        }
-                    }
-                }
-                self.ready.insert(f.position, Ok(batch));
-            }
-            Err(e) if !self.pending.contains_key(&f.position) => {
-                // A hedge already won, or a seek made it stale: nothing to do.
-                tracing::debug!("late error from {addr}: {}", e.message);
-            }
-            Err(e) => match e.code {
-                ErrorCode::Unavailable | ErrorCode::PlanMismatch => {
-                    // Draining, or it restarted with another plan: never ask it again.
-                    self.stop_using(link);
-                    let reason = if e.code == ErrorCode::Unavailable {
-                        RetryReason::Draining
-                    } else {
-                        RetryReason::PlanMismatch
-                    };
-                    self.metrics.retry(reason);
-                    self.count_failure(f.position, request_id, &addr, &e.message);
-                }
-                ErrorCode::Transient => {
-                    // The store failed, not the data: ask again (elsewhere first).
-                    self.shrink_window(link);
-                    self.metrics.retry(RetryReason::Transient);
-                    self.count_failure(f.position, request_id, &addr, &e.message);
-                }
-                ErrorCode::Unauthorized | ErrorCode::BadRequest | ErrorCode::Failed => {
-                    // Another worker would answer the same: tell the trainer.
-                    self.metrics.error(WorkerErrorKind::Answer);
-                    self.give_up(f.position, &addr, &e.message);
-                }
-            },
-        }
-    }
-
-    fn shrink_window(&mut self, link: LinkId) {
-        if self.cfg.policy == Policy::Subset {
-            if let Some(l) = self.links.get_mut(&link) {
-                l.window = (l.window / 2).max(1);
-            }
-        }
-    }
-
-    /// Why a batch head does not answer `position` (plan, epoch, batch, rank or world size
-    /// differ), if it does not.
-    fn wrong_answer(&self, got: &BatchRequest, position: u64) -> Option<String> {
-        let plan = self.identity.as_ref()?;
-        let bpe = plan.batches_per_epoch;
-        let want = (
-            plan.plan_id,
-            position / bpe,
-            position % bpe,
-            self.cfg.rank,
-            self.cfg.world_size,
-        );
-        let have = (
-            got.plan_id,
-            got.epoch,
-            got.global_batch,
-            got.rank,
-            got.world_size,
-        );
-        (have != want).then(|| {
-            format!(
-                "answered (plan {:016x}, epoch {}, batch {}, rank {}/{}) for (plan {:016x}, epoch {}, batch {}, rank {}/{})",
-                have.0, have.1, have.2, have.3, have.4, want.0, want.1, want.2, want.3, want.4
-            )
-        })
-    }
-
-    /// One request fewer outstanding on `link`; its address (empty if the link is gone).
-    fn release_link(&mut self, link: LinkId) -> String {
-        let now = self.now;
-        match self.links.get_mut(&link) {
-            Some(l) => {
-                l.outstanding = l.outstanding.saturating_sub(1);
-                if l.outstanding == 0 {
-                    l.idle_since = now;
-                }
-                l.addr.clone()
-            }
-            None => String::new(),
-        }
-    }
-
-    /// `request_id` no longer stands for `position`, and `addr` is avoided for it from now
-    /// on; the position, if it is still pending.
-    fn drop_attempt(&mut self, position: u64, request_id: u64, addr: &str) -> Option<&mut Pending> {
-        let p = self.pending.get_mut(&position)?;
-        p.attempts.retain(|id| *id != request_id);
-        p.failed_on.push(addr.to_string());
-        Some(p)
-    }
-
-    /// One failed attempt at `position` on `addr`: asked again elsewhere, or given up after
-    /// `max_attempts` (then true: the trainer gets `why`).
-    fn count_failure(&mut self, position: u64, request_id: u64, addr: &str, why: &str) -> bool {
-        let max_attempts = self.cfg.max_attempts.max(1);
-        let Some(p) = self.drop_attempt(position, request_id, addr) else {
-            return false;
-        };
-        p.failures += 1;
-        let exhausted = p.failures >= max_attempts;
-        if exhausted {
-            self.give_up(position, addr, why);
-        }
-        exhausted
-    }
-
-    /// The trainer gets an error for `position`, in its turn.
-    fn give_up(&mut self, position: u64, addr: &str, message: &str) {
-        self.pending.remove(&position);
-        let bpe = self.identity.as_ref().map_or(1, |i| i.batches_per_epoch);
-        let error = Error::BatchFailed {
-            epoch: position / bpe,
-            batch: position % bpe,
-            rank: self.cfg.rank,
-            world_size: self.cfg.world_size,
-            worker: addr.to_string(),
-            reason: message.to_string(),
-        };
-        tracing::error!("{error}");
-        self.ready.insert(position, Err(error));
-    }
-
-    fn on_down(&mut self, link: LinkId, error: String, loss: Loss) {
-        let Some(l) = self.remove_link(link) else {
-            return;
-        };
-        let was_up = l.up;
-        let lost: Vec<u64> = self
-            .in_flight
-            .iter()
-            .filter(|(_, f)| f.link == link)
-            .map(|(id, _)| *id)
-            .collect();
-        // A request that kills or stalls every worker it reaches would otherwise be retried
-        // forever: a crash while it was in flight counts as an attempt.
-        let poison = format!(
-            "the connection to the worker was lost {} times while this batch was being \
-             prepared (last: {error}); a sample of it may crash or stall workers",
-            self.cfg.max_attempts.max(1)
-        );
-        for id in &lost {
-            let f = self.in_flight.remove(id).expect("listed");
-            if !self.pending.contains_key(&f.position) {
-                continue; // answered elsewhere already
-            }
-            self.metrics.retry(RetryReason::WorkerLost);
-            match loss {
-                Loss::Crashed => {
-                    if self.count_failure(f.position, *id, &l.addr, &poison) {
-                        self.metrics.error(WorkerErrorKind::Poison);
-                    }
-                }
-                Loss::Removed => {
-                    self.drop_attempt(f.position, *id, &l.addr);
-                }
-            }
-        }
-        let kind = if was_up {
-            WorkerErrorKind::Lost
-        } else {
-            WorkerErrorKind::Connect
-        };
-        self.metrics.error(kind);
-        if was_up && loss == Loss::Crashed {
-            tracing::warn!(
-                "worker {} lost ({error}); {} requests go to other workers",
-                l.addr,
-                lost.len()
-            );
-        }
-        self.problems
-            .entry(l.addr.clone())
-            .or_insert_with(|| Error::Internal(format!("worker {}: {error}", l.addr)));
-        if self.wanted.contains(&l.addr) {
-            let backoff = self
-                .reconnect_at
-                .get(&l.addr)
-                .map_or(RECONNECT_MIN, |(_, b)| (*b * 2).min(RECONNECT_MAX));
-            let at = self.now + backoff;
-            if let Some((old, _)) = self.reconnect_at.insert(l.addr.clone(), (at, backoff)) {
-                self.gates.remove(&(old, l.addr.clone()));
-            }
-            self.gates.insert((at, l.addr.clone()));
-        }
-    }
-
-    fn check_no_worker(&mut self) {
-        if self.live > 0 {
-            self.no_worker_since = None;
-            return;
-        }
-        let since = *self.no_worker_since.get_or_insert(self.now);
-        if self.now.duration_since(since) < self.cfg.no_worker_timeout {
-            return;
-        }
-        self.no_worker_since = Some(self.now);
-        let error = self.no_worker_error();
-        self.fail_identity(error.clone());
-        if self.identity.is_some() && !self.pending.is_empty() {
-            self.fail_trainer(error);
-        }
-    }
-
-    /// Why no worker can be used: a plan mismatch when that is every worker's problem (a
-    /// misconfiguration to fix, not an outage to wait out), else each worker's problem.
-    fn no_worker_error(&self) -> Error {
-        let why = |problems: Vec<String>| problems.join("; ");
-        let all_mismatched = !self.problems.is_empty()
-            && self
-                .problems
-                .values()
-                .all(|p| matches!(p, Error::PlanMismatch(_)));
-        if all_mismatched {
-            return Error::PlanMismatch(why(self
-                .problems
-                .values()
-                .map(Error::to_string)
-                .collect()));
-        }
-        Error::NoWorker {
-            timeout: self.cfg.no_worker_timeout,
-            why: if self.problems.is_empty() {
-                "discovery lists no workers".to_string()
-            } else {
-                why(self.problems.values().map(Error::to_string).collect())
-            },
-        }
-    }
 }
 
-/// Where a position can go now.
-enum Choice {
-    Link(LinkId),
-    /// A home will take it once it has room: wait.
-    Wait,
-    /// No home can: a spare must be connected first.
-    Spill,
-}
-
-/// How a connection went away, for counting attempts.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Loss {
-    /// Closed or failed under us (a crash, a reset, a worker that stalled until killed).
-    Crashed,
-    /// Removed from discovery (scale-down): not the request's fault.
-    Removed,
-}
+mod answers;
+mod choice;
+mod failures;
+mod refusals;
+use choice::Choice;
+use failures::Loss;
+use refusals::Refusal;
 
 #[cfg(test)]
 #[path = "scheduler_tests.rs"]

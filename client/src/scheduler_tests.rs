@@ -1048,3 +1048,155 @@ async fn a_lagging_home_keeps_what_it_holds_and_is_probed_one_request_at_a_time(
     assert_eq!(m.asked(home).len(), 2, "home again");
     assert!(m.asked(spare).is_empty());
 }
+
+fn refusal(code: ErrorCode, message: &str) -> ErrorFrame {
+    ErrorFrame {
+        request_id: 0,
+        code,
+        message: message.into(),
+    }
+}
+
+/// The other worker the rank dialled after its home, if there is exactly one.
+fn dialled_beside(m: &Machine, home: &str) -> String {
+    let others: Vec<&String> = m.links_by_addr.keys().filter(|a| *a != home).collect();
+    assert_eq!(others.len(), 1, "{others:?}");
+    others[0].clone()
+}
+
+/// A worker refusing the token beside a healthy one is that worker's problem: the rank is
+/// served by the other; the refusal is counted and named among the workers' problems.
+#[tokio::test]
+async fn a_refused_token_beside_a_healthy_worker_is_that_worker_s_problem() {
+    let (mut m, _) = subset_machine();
+    let home = m.s.members().homes[0].clone();
+    let link = m.link(&home);
+    m.event(Event::Refused {
+        link,
+        error: refusal(ErrorCode::Unauthorized, "wrong pipeline token"),
+    });
+    m.down(link);
+    m.step();
+    assert!(m.s.take_identity().is_none(), "the loader failed");
+    let spare = dialled_beside(&m, &home);
+    let spare = m.worker_up(&spare, plan(7));
+    m.step();
+    assert_eq!(m.asked(spare).len(), 2, "the other worker serves");
+    assert!(m.s.take_identity().unwrap().is_ok());
+    assert!(m.delivered().is_empty(), "no error for the trainer");
+    assert_eq!(m.s.metrics.errors.with_label_values(&["refused"]).get(), 1);
+    let problem = m.s.problems[&home].to_string();
+    assert!(problem.contains("wrong pipeline token"), "{problem}");
+}
+
+/// When every worker listed refuses the token, the trainer is told at once, naming them.
+#[tokio::test]
+async fn a_token_every_worker_refuses_fails_the_loader_naming_each() {
+    let mut m = Machine::new(config(1));
+    m.discover(&["a", "b"]);
+    for _ in 0..2 {
+        let (addr, link) = m
+            .links_by_addr
+            .iter()
+            .find(|(a, _)| !m.s.refusing.contains_key(*a))
+            .map(|(a, l)| (a.clone(), *l))
+            .expect("a worker not yet refusing is dialled");
+        assert!(
+            m.s.take_identity().is_none(),
+            "failed before {addr} refused"
+        );
+        m.event(Event::Refused {
+            link,
+            error: refusal(ErrorCode::Unauthorized, "wrong pipeline token"),
+        });
+        m.down(link);
+        m.step();
+    }
+    let err = m.s.take_identity().unwrap().unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "worker a, b refused the connection: wrong pipeline token"
+    );
+}
+
+/// One worker refusing or failing a batch beside a healthy one: the batch is asked of the
+/// other and delivered, the first is not asked for it again, and the retry is counted by
+/// reason.
+#[tokio::test]
+async fn a_batch_one_worker_refuses_or_fails_is_served_by_another() {
+    for (code, reason) in [
+        (ErrorCode::BadRequest, "refused"),
+        (ErrorCode::Unauthorized, "refused"),
+        (ErrorCode::Failed, "failed"),
+    ] {
+        let mut m = Machine::new(config(1));
+        let a = m.worker_up("a", plan(7));
+        m.step();
+        let first = m.asked(a);
+        let b = m.worker_up("b", plan(7));
+        m.fail(a, first[0].0, code, "this worker's own trouble");
+        m.step();
+        assert!(m.delivered().is_empty(), "{code:?} reached the trainer");
+        let retried = m.asked(b);
+        assert_eq!((retried[0].1, retried[0].2), (0, 0), "batch 0, from b");
+        m.answer(b, retried[0].0);
+        m.step();
+        assert_eq!(m.delivered(), [Ok(retried[0].0)], "{code:?}");
+        assert!(m.asked(a).iter().all(|r| (r.1, r.2) != (0, 0)));
+        let retries = m.s.metrics.retries.with_label_values(&[reason]).get();
+        assert_eq!(retries, 1, "{code:?}");
+    }
+}
+
+/// A batch two workers fail is the data's fault (`on_error: fail`): the trainer gets it,
+/// naming both, without asking the third.
+#[tokio::test]
+async fn a_batch_two_workers_fail_is_the_data_s_and_ends_naming_both() {
+    let mut m = Machine::new(config(1));
+    let a = m.worker_up("a", plan(7));
+    m.step();
+    let first = m.asked(a)[0].0;
+    let b = m.worker_up("b", plan(7));
+    m.fail(a, first, ErrorCode::Failed, "object x.jpg: corrupt");
+    m.step();
+    let second = m.asked(b)[0].0;
+    let c = m.worker_up("c", plan(7));
+    m.fail(b, second, ErrorCode::Failed, "object x.jpg: corrupt");
+    m.step();
+    let got = m.delivered();
+    let err = got[0].as_ref().unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "epoch 0 batch 0 (rank 1/2): worker a, b: object x.jpg: corrupt"
+    );
+    assert!(m.asked(c).iter().all(|r| (r.1, r.2) != (0, 0)));
+}
+
+/// A batch refused by one worker while the only other is unreachable ends, naming each
+/// worker's reason (it would otherwise wait for a worker that may never come back).
+#[tokio::test]
+async fn a_batch_refused_where_no_other_worker_is_reachable_names_each_reason() {
+    let mut m = Machine::new(config(1));
+    let a = m.worker_up("a", plan(7));
+    let b = m.worker_up("b", plan(7));
+    m.step();
+    let (link, id) = match (m.asked(a).first(), m.asked(b).first()) {
+        (Some(r), _) => (a, r.0),
+        (None, Some(r)) => (b, r.0),
+        (None, None) => panic!("batch 0 was not asked for"),
+    };
+    let other = if link == a { b } else { a };
+    m.down(other);
+    m.fail(link, id, ErrorCode::BadRequest, "bad request");
+    m.step();
+    let got = m.delivered();
+    let msg = got[0].as_ref().unwrap_err().to_string();
+    let (refuser, lost) = if link == a { ("a", "b") } else { ("b", "a") };
+    assert_eq!(
+        msg,
+        format!(
+            "epoch 0 batch 0 (rank 1/2): worker {refuser}, {lost}: {refuser}: bad request; \
+             {lost}: worker {lost}: connection reset"
+        )
+    );
+}

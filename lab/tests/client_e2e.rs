@@ -1,8 +1,8 @@
 //! The trainer client against real `stoker worker` processes over TLS: workers SIGKILLed at
 //! random moments during an epoch (and replaced, as a Deployment would) cost neither a sample nor a
 //! duplicate, with plain or token-shaped plans (balanced ranks, length buckets, packs: each
-//! delivered pack holds the plan's samples); and
-//! `stoker-lab demo` prints its ablation.
+//! delivered pack holds the plan's samples); a flood of silent connections and a worker refusing
+//! the token cost ranks nothing; and `stoker-lab demo` prints its ablation.
 
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeSet;
@@ -61,6 +61,35 @@ fn serve_dataset(
         .block_on(EmbeddedS3::start(root, "127.0.0.1:0", delay))
         .unwrap();
     (rt, s3)
+}
+
+/// `samples` conversations of small images in one shard, served by the embedded store.
+fn serve_small_images(
+    root: &std::path::Path,
+    samples: usize,
+) -> (tokio::runtime::Runtime, EmbeddedS3) {
+    let o = SynthOptions {
+        samples,
+        format: SynthFormat::Messages,
+        samples_per_shard: 48,
+        min_side: 32,
+        max_side: 96,
+        ..SynthOptions::default()
+    };
+    serve_dataset(root, &o, Duration::ZERO)
+}
+
+/// A one-thread worker of that dataset, in plaintext, with global batches of `global`.
+fn plaintext_worker(global: u32) -> WorkerConfig {
+    let mut cfg = WorkerConfig {
+        data: "s3://bucket/data".into(),
+        ..WorkerConfig::default()
+    };
+    cfg.s3.path_style = true;
+    cfg.sampling.global_batch_size = global;
+    cfg.concurrency.cpu_threads = Some(1);
+    cfg.serving.insecure_plaintext = true;
+    cfg
 }
 
 fn kills_lose_and_duplicate_no_sample(shaping: Shaping) {
@@ -215,24 +244,9 @@ fn many_ranks_in_lock_step_on_few_connection_slots_get_exactly_their_batches() {
     const SAMPLES: usize = 4 * GLOBAL as usize;
     const EPOCHS: u64 = 2;
     let root = tempfile::tempdir().unwrap();
-    let o = SynthOptions {
-        samples: SAMPLES,
-        format: SynthFormat::Messages,
-        samples_per_shard: 48,
-        min_side: 32,
-        max_side: 96,
-        ..SynthOptions::default()
-    };
-    let (_rt, s3) = serve_dataset(root.path(), &o, Duration::ZERO);
-    let mut cfg = WorkerConfig {
-        data: "s3://bucket/data".into(),
-        ..WorkerConfig::default()
-    };
-    cfg.s3.path_style = true;
-    cfg.sampling.global_batch_size = GLOBAL;
-    cfg.concurrency.cpu_threads = Some(1);
+    let (_rt, s3) = serve_small_images(root.path(), SAMPLES);
+    let mut cfg = plaintext_worker(GLOBAL);
     cfg.serving.no_auth = true;
-    cfg.serving.insecure_plaintext = true;
     cfg.serving.limits.max_connections = SLOTS;
     let env = s3.env();
     let spawn = move || LocalWorker::spawn(STOKER.as_ref(), &cfg, &env);
@@ -316,6 +330,102 @@ fn many_ranks_in_lock_step_on_few_connection_slots_get_exactly_their_batches() {
         let open = metric_value(&m, "stoker_worker_connections").unwrap_or(0.0);
         assert!(open <= SLOTS as f64, "{} holds {open} connections", w.addr);
     }
+}
+
+/// One bad peer is that peer's problem, with real processes: a worker beside 1,024 silent
+/// connections (from other loopback addresses: twice the worker's handshake budget) and a
+/// second worker that refuses the ranks' token, both given to the same ranks. Every rank gets
+/// the whole epoch, every sample exactly once, and the flood is counted by the worker.
+#[test]
+fn ranks_beside_a_flood_and_a_refusing_worker_get_every_sample_exactly_once() {
+    const RANKS: u32 = 4;
+    const SILENT: usize = 1024;
+    let root = tempfile::tempdir().unwrap();
+    let (rt, s3) = serve_small_images(root.path(), SAMPLES);
+    let spawn_with_token = |token: &str| {
+        let file = root.path().join(format!("token-{token}"));
+        std::fs::write(&file, token).unwrap();
+        let mut cfg = plaintext_worker(GLOBAL_BATCH);
+        cfg.serving.token_file = Some(file.to_str().unwrap().into());
+        LocalWorker::spawn(STOKER.as_ref(), &cfg, &s3.env()).unwrap()
+    };
+    let worker = spawn_with_token("the-ranks-token");
+    let refusing = spawn_with_token("another-token");
+    let silent: Vec<tokio::net::TcpStream> = rt.block_on(async {
+        let mut silent = Vec::new();
+        for i in 0..SILENT {
+            let s = tokio::net::TcpSocket::new_v4().unwrap();
+            let source = std::net::Ipv4Addr::new(127, 0, 1 + (i / 250) as u8, 1 + (i % 250) as u8);
+            s.bind((source, 0).into()).unwrap();
+            silent.push(s.connect(worker.addr.parse().unwrap()).await.unwrap());
+        }
+        silent
+    });
+    let plan = Plan::new(SAMPLES as u64, GLOBAL_BATCH, 0);
+    let bpe = plan.batches_per_epoch();
+    let addrs = vec![worker.addr.clone(), refusing.addr.clone()];
+    let ranks: Vec<_> = (0..RANKS)
+        .map(|rank| {
+            let addrs = addrs.clone();
+            std::thread::spawn(move || {
+                let mut cfg = LoaderConfig::new(Discovery::Static(addrs), rank, RANKS);
+                cfg.dial = Some(Dial::InsecurePlaintext);
+                cfg.token = "the-ranks-token".into();
+                let mut loader = Loader::new(cfg).unwrap();
+                let mut got = Vec::new();
+                while (got.len() as u64) < bpe {
+                    let b = loader
+                        .next_batch()
+                        .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                    if let Some(b) = b {
+                        got.push((b.global_batch, b.sample_ids.clone()));
+                    }
+                }
+                got
+            })
+        })
+        .collect();
+    let mut seen = Vec::new();
+    for (rank, r) in ranks.into_iter().enumerate() {
+        let got = r.join().unwrap();
+        let want: Vec<_> = (0..bpe)
+            .map(|g| {
+                (
+                    g,
+                    plan.rank_slice(0, g, rank as u32, RANKS).unwrap().samples,
+                )
+            })
+            .collect();
+        assert_eq!(got, want, "rank {rank}");
+        seen.extend(got.into_iter().flat_map(|(_, ids)| ids));
+    }
+    let distinct: BTreeSet<u64> = seen.iter().copied().collect();
+    assert_eq!(
+        (seen.len(), distinct.len()),
+        (SAMPLES, SAMPLES),
+        "every sample once"
+    );
+    let m = http::get_ok(&worker.metrics_addr, "/metrics").unwrap();
+    let flood = stoker_control::exposition::metric_value_with(
+        &m,
+        "stoker_worker_requests_refused_total",
+        &[("reason", "handshake_limit")],
+    );
+    assert!(
+        flood.unwrap_or(0.0) >= (SILENT / 2) as f64,
+        "the flood was not counted: {flood:?}"
+    );
+    let m = http::get_ok(&refusing.metrics_addr, "/metrics").unwrap();
+    let refused = stoker_control::exposition::metric_value_with(
+        &m,
+        "stoker_worker_requests_refused_total",
+        &[("reason", "unauthorized")],
+    );
+    assert!(
+        refused.unwrap_or(0.0) >= 1.0,
+        "no rank was refused: {refused:?}"
+    );
+    drop(silent);
 }
 
 #[test]

@@ -24,6 +24,24 @@ use tokio::net::TcpStream;
 use tokio_rustls::rustls::{self, ClientConfig, RootCertStore, ServerConfig};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
+/// TCP keepalive on every link, at both ends: a peer gone without a FIN or RST (its node lost,
+/// a partition) is noticed by the end waiting to read after this much silence plus
+/// [`KEEPALIVE_PROBES`] unanswered probes [`KEEPALIVE_INTERVAL`] apart: 30 s in all.
+pub const KEEPALIVE_IDLE: std::time::Duration = std::time::Duration::from_secs(15);
+pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+pub const KEEPALIVE_PROBES: u32 = 3;
+
+/// What every link's socket needs, at both ends: no Nagle delay (requests are tiny and wait on
+/// their answers) and keepalive.
+pub fn tune_link_socket(tcp: &TcpStream) -> io::Result<()> {
+    tcp.set_nodelay(true)?;
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_PROBES);
+    socket2::SockRef::from(tcp).set_tcp_keepalive(&keepalive)
+}
+
 /// A PEM file larger than this is refused before it is read (a bundle holds a few
 /// certificates of ~1 KiB).
 const MAX_PEM_BYTES: u64 = 1 << 20;
@@ -199,10 +217,11 @@ pub enum Dial {
 }
 
 impl Dial {
-    /// Connects to `addr` (`host:port`) with TCP_NODELAY, then TLS where asked.
+    /// Connects to `addr` (`host:port`), tuned as every link ([`tune_link_socket`]), then
+    /// TLS where asked.
     pub async fn connect(&self, addr: &str) -> io::Result<Stream> {
         let tcp = TcpStream::connect(addr).await?;
-        tcp.set_nodelay(true)?;
+        tune_link_socket(&tcp)?;
         match self {
             Dial::InsecurePlaintext => Ok(Stream::Plain(tcp)),
             Dial::Tls(tls) => {
@@ -303,6 +322,33 @@ impl AsyncWrite for Stream {
         match self.get_mut() {
             Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
             Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both ends of a link are tuned alike: a rank's dial, and a socket a worker accepted.
+    #[tokio::test]
+    async fn links_keep_alive_without_delay_at_both_ends() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (dialled, accepted) =
+            tokio::join!(Dial::InsecurePlaintext.connect(&addr), listener.accept());
+        let Stream::Plain(dialled) = dialled.unwrap() else {
+            panic!("plaintext was asked for")
+        };
+        let (accepted, _) = accepted.unwrap();
+        tune_link_socket(&accepted).unwrap();
+        for tcp in [&dialled, &accepted] {
+            let s = socket2::SockRef::from(tcp);
+            assert!(s.keepalive().unwrap());
+            assert_eq!(s.tcp_keepalive_time().unwrap(), KEEPALIVE_IDLE);
+            assert_eq!(s.tcp_keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
+            assert_eq!(s.tcp_keepalive_retries().unwrap(), KEEPALIVE_PROBES);
+            assert!(tcp.nodelay().unwrap());
         }
     }
 }

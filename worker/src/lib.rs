@@ -29,6 +29,7 @@ pub(crate) mod byte_budget;
 pub mod cancel;
 pub mod connection;
 pub(crate) mod failure;
+pub mod handshake;
 pub mod identity;
 pub mod limits;
 pub(crate) mod line_cache;

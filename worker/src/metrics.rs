@@ -27,6 +27,7 @@ pub struct Metrics {
     pub line_cache: IntCounterVec,
     pub requests_in_flight: IntGauge,
     pub connections: IntGauge,
+    pub handshakes: IntGauge,
     pub fetches_in_flight: IntGauge,
     /// Bytes of samples being prepared and batches waiting to be sent (crate::memory).
     pub memory_held_bytes: IntGauge,
@@ -114,6 +115,7 @@ stoker_wire::label_set! {
         NoHello => "no_hello",
         Version => "version",
         ConnectionLimit => "connection_limit",
+        HandshakeLimit => "handshake_limit",
         Idle => "idle",
         Stalled => "stalled",
         Tls => "tls",
@@ -212,6 +214,10 @@ impl Metrics {
                 "stoker_worker_connections",
                 "Connections holding one of the --max-connections slots.",
             ),
+            handshakes: gauge(
+                "stoker_worker_handshakes",
+                "Connections in their TLS handshake or before their Hello (no slot held).",
+            ),
             fetches_in_flight: gauge(
                 "stoker_worker_object_fetches_in_flight",
                 "Object-store reads in progress.",
@@ -271,6 +277,7 @@ impl Metrics {
         for g in [
             &m.requests_in_flight,
             &m.connections,
+            &m.handshakes,
             &m.fetches_in_flight,
             &m.memory_held_bytes,
             &m.dataset_samples,

@@ -2,7 +2,8 @@
 //!
 //! A connection starts with the TLS handshake (unless the worker serves plaintext, asked for by
 //! name), then the client's Hello (the pipeline token) and the worker's Welcome
-//! (the plan it serves). Then the client pipelines Requests; each is prepared as its own task
+//! (the plan it serves). Until its Hello is checked a connection is one of the handshakes
+//! budgeted in `crate::handshake`; only then does it take one of the trainers' connection slots. Then the client pipelines Requests; each is prepared as its own task
 //! and its Batch (or Error) is written as soon as it is ready, so answers may come out of
 //! order (they echo the request id). Per connection at most `max_inflight_per_conn` requests
 //! are prepared at once and up to [`READ_AHEAD`] more wait for a slot; beyond that the server
@@ -10,6 +11,7 @@
 
 use crate::batch::Batch;
 use crate::batch_frame::{check_frame_size, write_batch};
+use crate::handshake::{Handshakes, HANDSHAKE_TIMEOUT, MAX_HANDSHAKES, MAX_HANDSHAKES_PER_ADDRESS};
 use crate::identity::plan_id;
 use crate::memory::{self, Account, ConnMemory, MemoryPool};
 use crate::metrics::{Queue, RefusalReason, Stage};
@@ -28,8 +30,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::{AbortHandle, JoinError, JoinSet};
 
-/// Bounds the TLS handshake, and then the Hello, of every connection.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the accept loop pauses when accepting fails (out of file descriptors): it retries
+/// rather than spins.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// The largest Hello accepted (a token and a client name), before authentication.
 pub const MAX_HELLO_BYTES: u64 = 4 << 10;
 /// The largest frame accepted after it: a Request is 40 bytes, a Cancel 8.
@@ -50,7 +53,8 @@ pub struct ServerConfig {
     pub max_inflight_per_conn: usize,
     /// Connections open at once; one more is refused (Unavailable) and closed.
     pub max_connections: usize,
-    /// With nothing in flight, how long a connection may go without completing a frame.
+    /// How long a connection may go without completing a frame from its peer or a request of
+    /// its own (a request in preparation longer than this ends it too).
     pub idle_timeout: Duration,
     /// Samples started and not yet built into a batch, across all connections (a request
     /// of more takes them all): with the byte budget, the bound on the worker's memory.
@@ -97,6 +101,7 @@ pub struct Server {
     idle: Notify,
     memory: Arc<MemoryPool>,
     connections: Arc<Semaphore>,
+    handshakes: Arc<Handshakes>,
 }
 
 /// An Error frame about the connection itself rather than one request (request id 0).
@@ -253,6 +258,11 @@ impl Server {
                 pipeline.metrics.memory_held_bytes.clone(),
             ),
             connections: Arc::new(Semaphore::new(config.max_connections.max(1))),
+            handshakes: Handshakes::new(
+                MAX_HANDSHAKES,
+                MAX_HANDSHAKES_PER_ADDRESS,
+                pipeline.metrics.handshakes.clone(),
+            ),
             pipeline,
             welcome,
             config,
@@ -286,11 +296,15 @@ impl Server {
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
-                r = listener.accept() => {
-                    if let Ok((stream, peer)) = r {
+                r = listener.accept() => match r {
+                    Ok((stream, peer)) => {
                         tokio::spawn(self.clone().admit(stream, peer));
                     }
-                }
+                    Err(e) => {
+                        tracing::warn!("accepting a connection: {e}; retrying in {ACCEPT_BACKOFF:?}");
+                        tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    }
+                },
                 _ = &mut shutdown => break,
             }
         }
@@ -317,14 +331,47 @@ impl Server {
         }
     }
 
-    /// Serves one connection within the connection limit, after its TLS handshake; over the
-    /// limit, the peer gets an Error frame (Unavailable) naming it, and the refusal is counted.
+    /// Trainer slots taken (each by an authenticated connection until it closes).
+    pub fn slots_taken(&self) -> usize {
+        self.config.max_connections.max(1) - self.connections.available_permits()
+    }
+
+    /// Connections not yet authenticated.
+    pub fn handshakes_in_progress(&self) -> usize {
+        self.handshakes.in_progress()
+    }
+
+    /// Serves one connection: its handshake within the handshake budget (TLS and a valid
+    /// Hello within [`HANDSHAKE_TIMEOUT`]), then, authenticated, within the connection limit.
+    /// Over a limit the peer is refused, by an Error frame naming it once the handshake got
+    /// that far, and the refusal is counted. The slot is held by this function's frame: every
+    /// way out of it gives the slot back.
     async fn admit(self: Arc<Self>, tcp: TcpStream, peer: std::net::SocketAddr) {
-        let mut stream = match self.secure(tcp).await {
-            Ok(s) => s,
+        let (ticket, evicted) = match self.handshakes.enter(peer.ip()) {
+            Ok(entered) => entered,
+            Err(over) => {
+                self.refuse(RefusalReason::HandshakeLimit);
+                tracing::debug!("connection from {peer} closed: {over}");
+                return;
+            }
+        };
+        if evicted {
+            // The oldest handshake made room for this one (and closes).
+            self.refuse(RefusalReason::HandshakeLimit);
+        }
+        let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
+        let greeted = tokio::select! {
+            greeted = self.greet(tcp, deadline) => greeted,
+            () = ticket.evicted() => {
+                tracing::debug!("handshake from {peer} closed: the oldest of a full budget");
+                return;
+            }
+        };
+        drop(ticket);
+        let (rd, mut wr) = match greeted {
+            Ok(halves) => halves,
             Err(e) => {
-                self.refuse(RefusalReason::Tls);
-                tracing::debug!("connection from {peer}: {e}");
+                tracing::debug!("connection from {peer}: {e:#}");
                 return;
             }
         };
@@ -337,39 +384,56 @@ impl Server {
                     self.config.max_connections
                 ),
             );
-            let _ = write_frame(&mut stream, Kind::Error, &e.encode()).await;
-            self.close(&mut stream).await;
+            let _ = write_frame(&mut wr, Kind::Error, &e.encode()).await;
+            self.close(&mut wr).await;
             return;
         };
         let open = self.pipeline.metrics.connections.clone();
         open.inc();
-        if let Err(e) = self.handle(stream).await {
+        if let Err(e) = self.serve_requests(rd, wr).await {
             tracing::debug!("connection from {peer}: {e:#}");
         }
         open.dec();
         drop(slot);
     }
 
-    /// The TLS handshake (none in plaintext), within [`HELLO_TIMEOUT`].
-    async fn secure(&self, tcp: TcpStream) -> std::io::Result<Stream> {
-        tcp.set_nodelay(true)?;
-        match tokio::time::timeout(HELLO_TIMEOUT, self.config.transport.accept(tcp)).await {
-            Ok(r) => r.map_err(|e| std::io::Error::new(e.kind(), format!("TLS handshake: {e}"))),
-            Err(_) => Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("no TLS handshake within {HELLO_TIMEOUT:?}"),
-            )),
-        }
-    }
-
-    async fn handle(self: Arc<Self>, stream: Stream) -> anyhow::Result<()> {
+    /// The TLS handshake (none in plaintext) and the client's Hello, both by `deadline`: the
+    /// connection's halves once its token is accepted. A refused Hello is answered with an
+    /// Error frame naming why, and the connection closed.
+    async fn greet(
+        &self,
+        tcp: TcpStream,
+        deadline: tokio::time::Instant,
+    ) -> anyhow::Result<(ReadHalf<Stream>, BufWriter<WriteHalf<Stream>>)> {
+        stoker_tls::tune_link_socket(&tcp)?;
+        let stream =
+            match tokio::time::timeout_at(deadline, self.config.transport.accept(tcp)).await {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(e)) => {
+                    self.refuse(RefusalReason::Tls);
+                    anyhow::bail!("TLS handshake: {e}")
+                }
+                Err(_) => {
+                    self.refuse(RefusalReason::Tls);
+                    anyhow::bail!("no TLS handshake within {HANDSHAKE_TIMEOUT:?}")
+                }
+            };
         let (mut rd, wr) = tokio::io::split(stream);
         let mut wr = BufWriter::with_capacity(64 << 10, wr);
-        if let Err(refusal) = self.handshake(&mut rd).await {
+        if let Err(refusal) = self.hello(&mut rd, deadline).await {
             write_frame(&mut wr, Kind::Error, &refusal.encode()).await?;
             self.close(&mut wr).await;
-            return Ok(());
+            anyhow::bail!("refused: {}", refusal.message);
         }
+        Ok((rd, wr))
+    }
+
+    /// An authenticated connection: the Welcome, then requests until either side ends it.
+    async fn serve_requests(
+        self: &Arc<Self>,
+        mut rd: ReadHalf<Stream>,
+        mut wr: BufWriter<WriteHalf<Stream>>,
+    ) -> anyhow::Result<()> {
         write_frame(&mut wr, Kind::Welcome, &self.welcome.encode()).await?;
         wr.flush().await?;
         let (tx, rx) = mpsc::channel::<Answer>(OUTBOX_CAPACITY);
@@ -382,10 +446,14 @@ impl Server {
         Ok(())
     }
 
-    /// Reads the client's Hello (bounded in size and time) and checks its token; the Error
-    /// frame to send back when the client is refused.
-    async fn handshake(&self, rd: &mut ReadHalf<Stream>) -> Result<(), ErrorFrame> {
-        let hello = tokio::time::timeout(HELLO_TIMEOUT, read_frame(rd, MAX_HELLO_BYTES)).await;
+    /// Reads the client's Hello (bounded in size, and in time by `deadline`) and checks its
+    /// token; the Error frame to send back when the client is refused.
+    async fn hello(
+        &self,
+        rd: &mut ReadHalf<Stream>,
+        deadline: tokio::time::Instant,
+    ) -> Result<(), ErrorFrame> {
+        let hello = tokio::time::timeout_at(deadline, read_frame(rd, MAX_HELLO_BYTES)).await;
         let no_hello = |why: String| (RefusalReason::NoHello, why);
         let hello = match hello {
             Ok(Ok(Some((Kind::Hello, p)))) => {
@@ -397,7 +465,7 @@ impl Server {
                 Err((RefusalReason::Version, e.to_string()))
             }
             Ok(Err(e)) => Err(no_hello(e.to_string())),
-            Err(_) => Err(no_hello(format!("no Hello within {HELLO_TIMEOUT:?}"))),
+            Err(_) => Err(no_hello(format!("no Hello within {HANDSHAKE_TIMEOUT:?}"))),
             Ok(Ok(_)) => Err(no_hello("expected a Hello frame first".to_string())),
         };
         let hello = hello.map_err(|(reason, why)| {
@@ -510,11 +578,15 @@ impl Server {
         });
         let mut frames = std::pin::pin!(frames);
         let mut reading = true;
+        // The connection moves when a frame arrives or a request's answer is handed over:
+        // requests in flight on a connection where neither happens for the idle timeout (a
+        // preparation stuck, with nothing read meanwhile) do not keep it open.
+        let mut moved = tokio::time::Instant::now();
         while reading || !conn.waiting.is_empty() {
-            let idle = conn.running.is_empty() && conn.waiting.is_empty();
             tokio::select! {
                 biased;
                 Some(done) = conn.running.join_next_with_id(), if !conn.running.is_empty() => {
+                    moved = tokio::time::Instant::now();
                     conn.finished(done);
                 }
                 permit = slots.clone().acquire_owned(), if !conn.waiting.is_empty() => {
@@ -522,6 +594,7 @@ impl Server {
                     self.start(req, permit.expect("never closed"), &tx, &memory, &mut conn);
                 }
                 frame = frames.next(), if reading && conn.waiting.len() < READ_AHEAD => {
+                    moved = tokio::time::Instant::now();
                     match Incoming::from_frame(frame.expect("the stream never ends")) {
                         Ok(None) => reading = false,
                         Ok(Some(Incoming::Request(req))) => conn.waiting.push_back(req),
@@ -544,12 +617,12 @@ impl Server {
                     conn.running.abort_all();
                     return;
                 }
-                () = tokio::time::sleep(self.config.idle_timeout), if idle && reading => {
+                () = tokio::time::sleep_until(moved + self.config.idle_timeout), if reading => {
                     self.refuse(RefusalReason::Idle);
                     let e = connection_error(
                         ErrorCode::Unavailable,
                         format!(
-                            "no request completed for {:?}; closing the connection",
+                            "nothing read and no answer ready for {:?}; closing the connection",
                             self.config.idle_timeout
                         ),
                     );

@@ -1,14 +1,20 @@
 //! Hostile peers on the batch port: headers announcing huge frames before and after
-//! authentication, random bytes, many connections at once. The worker never sizes memory from
-//! a header it has not bounded, answers each with an Error frame naming what it refused,
-//! counts it, and keeps serving an honest client meanwhile.
+//! authentication, random bytes, many connections at once, floods of silent connections. The
+//! worker never sizes memory from a header it has not bounded, answers each with an Error
+//! frame naming what it refused, counts it, and keeps serving an honest client meanwhile; a
+//! connection takes a trainer's slot only once its Hello is accepted, and gives it back on
+//! every way out.
 
 mod common;
 
 use common::*;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
 use stoker_control::exposition::metric_value_with;
 use stoker_testkit::synth::SynthFormat;
 use stoker_wire::{ErrorCode, ErrorFrame, FrameHeader, Hello, Kind};
+use stoker_worker::handshake::{MAX_HANDSHAKES, MAX_HANDSHAKES_PER_ADDRESS};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -54,9 +60,24 @@ fn hello(token: &str) -> Vec<u8> {
     out
 }
 
+/// Connects from `source`, another loopback address than the honest clients' 127.0.0.1.
+async fn connect_from(source: Ipv4Addr, addr: SocketAddr) -> TcpStream {
+    let s = tokio::net::TcpSocket::new_v4().unwrap();
+    s.bind((source, 0).into()).unwrap();
+    s.connect(addr).await.unwrap()
+}
+
+/// Attackers take turns among 64 loopback addresses, so that many at once stay within each
+/// address's share of the handshake budget (what is under test is what they send).
+fn attacker_address() -> Ipv4Addr {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed) % 64;
+    Ipv4Addr::new(127, 0, 3, 1 + n as u8)
+}
+
 /// Sends `bytes`, then reads what the worker answers until it closes: the Error frame.
-async fn attack(addr: std::net::SocketAddr, bytes: Vec<u8>) -> ErrorFrame {
-    let mut s = TcpStream::connect(addr).await.unwrap();
+async fn attack(addr: SocketAddr, bytes: Vec<u8>) -> ErrorFrame {
+    let mut s = connect_from(attacker_address(), addr).await;
     s.write_all(&bytes).await.unwrap();
     let mut got = Vec::new();
     // The worker closes after its answer; a reset after it is fine too.
@@ -144,13 +165,12 @@ async fn connections_beyond_the_limit_are_refused_by_name_until_one_closes() {
     let mut cfg = ds.config(4);
     cfg.serving.limits.max_connections = 3;
     let w = start_worker(&cfg).await;
-    // Three idle peers hold every slot (they never say Hello).
+    // Three idle peers hold every slot: authenticated, then silent.
     let mut idle = Vec::new();
     for _ in 0..3 {
-        idle.push(TcpStream::connect(w.addr).await.unwrap());
+        idle.push(Client::connect(w.addr, TOKEN).await.unwrap());
     }
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    let e = attack(w.addr, Vec::new()).await;
+    let e = attack(w.addr, hello(TOKEN)).await;
     assert_eq!(e.code, ErrorCode::Unavailable);
     assert!(
         e.message.contains("limit of 3 connections"),
@@ -190,7 +210,8 @@ async fn an_idle_or_drip_feeding_peer_is_closed_by_name_after_the_idle_timeout()
     for e in [silent.await.unwrap(), drip.await.unwrap()] {
         assert_eq!(e.code, ErrorCode::Unavailable);
         assert!(
-            e.message.starts_with("no request completed for 1s"),
+            e.message
+                .starts_with("nothing read and no answer ready for 1s"),
             "{}",
             e.message
         );
@@ -200,4 +221,173 @@ async fn an_idle_or_drip_feeding_peer_is_closed_by_name_after_the_idle_timeout()
     let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
     let (head, _) = c.get(request(&welcome, 0, 0, 0, 1)).await.batch();
     assert_eq!(head.sample_ids.len(), 4);
+}
+
+/// Requests in flight do not keep a connection open when nothing moves on it: a request whose
+/// image the store never answers, and nothing else read, ends it after the idle timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_where_nothing_moves_is_closed_with_a_request_in_flight() {
+    let mut ds = synth_dataset(4, SynthFormat::Llava).await;
+    let behaviour = StoreBehaviour {
+        slow_objects: vec![("jpg".into(), Duration::from_secs(86_400))],
+        ..Default::default()
+    };
+    ds.restart_store(behaviour).await;
+    let mut cfg = ds.config(4);
+    cfg.s3.read_timeout_s = 2 * 86_400;
+    cfg.serving.limits.idle_timeout_s = 1;
+    let w = start_worker(&cfg).await;
+    let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+    c.send(request(&welcome, 0, 0, 0, 1)).await;
+    let e = c.recv().await.error();
+    assert_eq!((e.request_id, e.code), (0, ErrorCode::Unavailable));
+    assert!(
+        e.message
+            .starts_with("nothing read and no answer ready for 1s"),
+        "{}",
+        e.message
+    );
+    assert_eq!(refused(&w, "idle"), 1.0);
+}
+
+/// Waits until the worker is quiet (no handshake, no request in flight) and then holds
+/// exactly `held` slots, counted three ways: the semaphore, the gauge and the test's own
+/// open connections.
+async fn slots_agree(w: &Worker, held: usize) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let taken = w.server.slots_taken();
+        let gauge = w.metrics.connections.get();
+        let quiet =
+            w.server.handshakes_in_progress() == 0 && w.metrics.requests_in_flight.get() == 0;
+        if quiet && taken == held && gauge == held as i64 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "slots taken {taken}, connections gauge {gauge}, open {held}, handshakes {}, \
+             requests in flight {}",
+            w.server.handshakes_in_progress(),
+            w.metrics.requests_in_flight.get()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Slots are taken by authenticated connections only and given back on every way out:
+/// after rounds of churn (served, killed with requests in flight, cancelled, refused for
+/// the token, for a bad frame, for the connection limit, silent until the handshake
+/// timeout), the slots taken equal the connections open, exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slots_agree_with_open_connections_after_churn_refusals_and_kills() {
+    let ds = synth_dataset(8, SynthFormat::Llava).await;
+    let mut cfg = ds.config(4);
+    cfg.serving.limits.max_connections = 4;
+    let w = start_worker(&cfg).await;
+    // Silent until the handshake timeout: no slot, ever.
+    let silent = connect_from(Ipv4Addr::new(127, 0, 4, 1), w.addr).await;
+    while w.server.handshakes_in_progress() == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    slots_agree(&w, 0).await;
+    assert_eq!(refused(&w, "no_hello"), 1.0);
+    drop(silent);
+    for round in 0..4u64 {
+        let mut kept = Vec::new();
+        for g in 0..2 {
+            let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+            let (head, _) = c.get(request(&welcome, round % 2, g, 0, 1)).await.batch();
+            assert_eq!(head.sample_ids.len(), 4);
+            kept.push(c);
+        }
+        // Killed with requests in flight, and cancelled then closed.
+        let (mut killed, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+        killed.send(request(&welcome, 0, 0, 0, 1)).await;
+        killed.send(request(&welcome, 0, 1, 0, 1)).await;
+        drop(killed);
+        let (mut cancelled, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+        let r = request(&welcome, 1, 1, 0, 1);
+        cancelled.send(r).await;
+        cancelled.cancel(r.request_id).await;
+        drop(cancelled);
+        // Refused: the token, a frame over its limit after the Hello.
+        let e = Client::connect(w.addr, "wrong").await.err().unwrap();
+        assert_eq!(e.code, ErrorCode::Unauthorized);
+        // (Once the killed and cancelled connections are gone: the bad frame needs a slot.)
+        slots_agree(&w, 2).await;
+        let mut bad = hello(TOKEN);
+        bad.extend(header(Kind::Request, 512 << 10));
+        assert_eq!(attack(w.addr, bad).await.code, ErrorCode::BadRequest);
+        slots_agree(&w, 2).await;
+        // Over the limit: two more fill it, the fifth is refused by name.
+        for _ in 0..2 {
+            kept.push(Client::connect(w.addr, TOKEN).await.unwrap().0);
+        }
+        let e = Client::connect(w.addr, TOKEN).await.err().unwrap();
+        assert_eq!(e.code, ErrorCode::Unavailable, "{}", e.message);
+        slots_agree(&w, 4).await;
+        kept.truncate(1);
+        slots_agree(&w, 1).await;
+        drop(kept);
+        slots_agree(&w, 0).await;
+    }
+    assert_eq!(refused(&w, "connection_limit"), 4.0);
+    assert_eq!(refused(&w, "unauthorized"), 4.0);
+}
+
+/// 1,024 silent connections (from 16 other addresses, 64 each: twice the handshake budget)
+/// and one address beyond its share take no trainer slot and keep no rank out: the address
+/// over its share is refused at once, the oldest silent handshakes make room for newer ones,
+/// and honest clients are served while the flood is still open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_silent_connections_takes_no_slot_and_keeps_no_rank_out() {
+    let ds = synth_dataset(8, SynthFormat::Llava).await;
+    let mut cfg = ds.config(4);
+    cfg.serving.limits.max_connections = 2;
+    let w = start_worker(&cfg).await;
+    let mut silent = Vec::new();
+    for i in 0..1024 {
+        let source = Ipv4Addr::new(127, 0, 1, 1 + (i / MAX_HANDSHAKES_PER_ADDRESS) as u8);
+        silent.push(connect_from(source, w.addr).await);
+    }
+    let greedy = Ipv4Addr::new(127, 0, 2, 1);
+    for _ in 0..MAX_HANDSHAKES_PER_ADDRESS + 8 {
+        silent.push(connect_from(greedy, w.addr).await);
+    }
+    // Every connection past the budget evicted the oldest; 8 over one address's share were
+    // refused.
+    let expected = (1024 + MAX_HANDSHAKES_PER_ADDRESS - MAX_HANDSHAKES + 8) as f64;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while refused(&w, "handshake_limit") < expected {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the flood was not counted"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(w.server.handshakes_in_progress(), MAX_HANDSHAKES);
+    assert_eq!(
+        w.server.slots_taken(),
+        0,
+        "a silent connection holds a slot"
+    );
+    // Honest clients on 127.0.0.1 get in while the flood is open and are served.
+    let mut honest = Vec::new();
+    for g in 0..2 {
+        let (mut c, welcome) = Client::connect(w.addr, TOKEN).await.unwrap();
+        let (head, _) = c.get(request(&welcome, 0, g, 0, 1)).await.batch();
+        assert_eq!(head.sample_ids.len(), 4);
+        honest.push(c);
+    }
+    assert!(
+        w.server.handshakes_in_progress() >= MAX_HANDSHAKES - 2,
+        "the flood ended before the honest clients were served"
+    );
+    assert_eq!(
+        (w.server.slots_taken(), w.metrics.connections.get()),
+        (2, 2)
+    );
+    // The flood ends by the handshake timeout; the honest connections keep their slots.
+    slots_agree(&w, 2).await;
+    drop(silent);
 }

@@ -192,7 +192,6 @@ async fn sigterm_drains_in_flight_requests_then_refuses() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_object_delays_only_its_own_batch() {
     use std::time::Duration;
-    use stoker_testkit::embedded_s3::{EmbeddedS3, StoreBehaviour};
     let mut ds = synth_dataset(8, SynthFormat::Llava).await;
     // Find a sample of batch 0 and make its first image a straggler.
     let probe = start_worker(&ds.config(4)).await;
@@ -212,9 +211,7 @@ async fn a_slow_object_delays_only_its_own_batch() {
         slow_objects: vec![(slow, Duration::from_secs(3))],
         ..Default::default()
     };
-    ds.s3 = EmbeddedS3::start_with(ds.root.path(), "127.0.0.1:0", behaviour)
-        .await
-        .unwrap();
+    ds.restart_store(behaviour).await;
 
     let mut cfg = ds.config(4);
     cfg.concurrency.max_fetches = 2;
@@ -393,7 +390,6 @@ async fn the_welcome_carries_the_connection_hints() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_request_is_not_answered_and_frees_its_slot_and_budget() {
     use std::time::Duration;
-    use stoker_testkit::embedded_s3::{EmbeddedS3, StoreBehaviour};
     let mut ds = synth_dataset(12, SynthFormat::Llava).await;
     let probe = start_worker(&ds.config(4)).await;
     let plan = &probe.server.pipeline.plan;
@@ -409,9 +405,7 @@ async fn a_cancelled_request_is_not_answered_and_frees_its_slot_and_budget() {
         slow_objects: vec![(stalled, Duration::from_secs(86_400))],
         ..Default::default()
     };
-    ds.s3 = EmbeddedS3::start_with(ds.root.path(), "127.0.0.1:0", behaviour)
-        .await
-        .unwrap();
+    ds.restart_store(behaviour).await;
     let mut cfg = ds.config(4);
     cfg.s3.read_timeout_s = 2 * 86_400;
     cfg.serving.limits.max_inflight_per_conn = 1;

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 pub use stoker_config::{PixelDtype, WorkerConfig};
-use stoker_testkit::embedded_s3::EmbeddedS3;
+pub use stoker_testkit::embedded_s3::{EmbeddedS3, StoreBehaviour};
 use stoker_testkit::synth::{generate, SynthFormat, SynthOptions};
 use stoker_wire::{BatchHead, BatchRequest, ErrorFrame, Welcome};
 pub use stoker_worker::connection::{Answer, Connection};
@@ -26,6 +26,13 @@ pub struct Dataset {
 impl Dataset {
     pub fn dir(&self) -> std::path::PathBuf {
         self.root.path().join("bucket/data")
+    }
+
+    /// Serves the dataset from a new store that behaves as `behaviour` (stragglers, stalls).
+    pub async fn restart_store(&mut self, behaviour: StoreBehaviour) {
+        self.s3 = EmbeddedS3::start_with(self.root.path(), "127.0.0.1:0", behaviour)
+            .await
+            .unwrap();
     }
 
     /// A worker configuration for this dataset with global batches of `global_batch_size`.
