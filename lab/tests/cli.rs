@@ -14,7 +14,7 @@ use stoker_worker::connection::{Answer, Connection};
 use stoker_worker::dataset::lengths::SampleLengths;
 
 mod common;
-use common::{LAB, STOKER};
+use common::{json_lines, LAB, STOKER};
 
 /// Runs a command of the binary that has it: the lab's synth, bench and demo, else the product's.
 fn stoker(s3: &EmbeddedS3, args: &[&str]) -> std::process::Output {
@@ -232,19 +232,9 @@ async fn dataset_commands_and_worker_lifecycle_over_s3() {
 /// batches on the same global batches (pure arithmetic, no timing).
 #[test]
 fn bench_balance_prints_one_json_object_per_world_size() {
-    let out = std::process::Command::new(LAB)
-        .args(["bench", "balance", "--json", "--steps", "3"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let rows = json_lines(
+        std::process::Command::new(LAB).args(["bench", "balance", "--json", "--steps", "3"]),
     );
-    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
     let worlds: Vec<u64> = rows
         .iter()
         .map(|r| r["world_size"].as_u64().unwrap())

@@ -21,7 +21,7 @@ use stoker_worker::dataset::lengths::SampleLengths;
 use stoker_worker::plan::{Plan, Shaping};
 
 mod common;
-use common::{LAB, STOKER};
+use common::{json_lines, LAB, STOKER};
 const SAMPLES: usize = 48;
 const GLOBAL_BATCH: u32 = 8;
 
@@ -498,24 +498,7 @@ fn demo_prints_the_ablation_as_json() {
 /// not, and both deliver exactly (the command fails otherwise).
 #[test]
 fn the_scale_simulator_shows_bounded_links_meeting_their_targets() {
-    let out = std::process::Command::new(LAB)
-        .args([
-            "bench", "scale", "--sizes", "512x128", "--steps", "20", "--json",
-        ])
-        .args(["--max-connections", "256"])
-        .env("RUST_LOG", "error")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let rows = ci_scale_rows(&[]);
     let subset: Vec<_> = rows.iter().filter(|r| r["policy"] == "subset").collect();
     assert_eq!(subset.len(), 5, "five scenarios: {rows:?}");
     for r in &subset {
@@ -550,6 +533,48 @@ fn the_scale_simulator_shows_bounded_links_meeting_their_targets() {
     // Half the ranks find no slot anywhere (the job fails), or the herd stalls it.
     let starved = mesh["ranks_without_worker"].as_u64().unwrap();
     assert!(starved > 0 || worst < 0.5, "the full mesh: {mesh}");
+}
+
+/// `stoker-lab bench scale` at CI size (512 ranks × 128 workers of 256 connections, 20 steps)
+/// with `extra` arguments: one JSON row per scenario.
+fn ci_scale_rows(extra: &[&str]) -> Vec<serde_json::Value> {
+    json_lines(
+        std::process::Command::new(LAB)
+            .args([
+                "bench", "scale", "--sizes", "512x128", "--steps", "20", "--json",
+            ])
+            .args(["--max-connections", "256"])
+            .args(extra)
+            .env("RUST_LOG", "error"),
+    )
+}
+
+/// The headroom rows at CI size (docs/benchmarks.md, "Headroom"; the sizing rule in
+/// docs/design.md): with the fleet at 0.7 of its cores a worker restarted or drained costs at
+/// most one step below 0.9 efficiency; at 0.9 a drain costs more. The simulator is seeded and
+/// in virtual time, so each row is the same on every run.
+#[test]
+fn the_scale_simulator_shows_the_headroom_routine_events_need() {
+    let after_event = |utilization: &str| -> Vec<(String, u64)> {
+        let args = ["--policies", "subset", "--scenarios", "restart,drain"];
+        ci_scale_rows(&[&args[..], &["--utilization", utilization]].concat())
+            .into_iter()
+            .map(|r| {
+                assert_eq!(r["exact_delivery"], true, "{r}");
+                let below = r["steps_below_0_9_after_event"].as_u64().unwrap();
+                (r["scenario"].as_str().unwrap().to_string(), below)
+            })
+            .collect()
+    };
+    let at_07 = after_event("0.7");
+    assert_eq!(at_07.len(), 2, "{at_07:?}");
+    assert!(at_07.iter().all(|(_, below)| *below <= 1), "{at_07:?}");
+    let drain = |rows: &[(String, u64)]| rows.iter().find(|r| r.0 == "drain").unwrap().1;
+    let at_09 = after_event("0.9");
+    assert!(
+        drain(&at_09) > drain(&at_07),
+        "0.7: {at_07:?}, 0.9: {at_09:?}"
+    );
 }
 
 /// A service-time profile that is no distribution is refused by name, before any run.

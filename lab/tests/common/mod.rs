@@ -12,3 +12,18 @@ pub static STOKER: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock
     );
     product
 });
+
+/// Runs a lab command that prints one JSON object per line; its objects (it must succeed).
+#[allow(dead_code)] // not every test file runs one
+pub fn json_lines(cmd: &mut std::process::Command) -> Vec<serde_json::Value> {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
