@@ -198,8 +198,6 @@ pub struct Scheduler {
     links_per_rank: usize,
     /// Why each address is not serving, for error messages.
     problems: BTreeMap<String, Error>,
-    /// Workers that refused this rank's token, and what they said (until one accepts it).
-    refusing: BTreeMap<String, String>,
     /// Not before this time, and the backoff that got it there.
     reconnect_at: BTreeMap<String, (Instant, Duration)>,
     /// The same gates by time, so a step finds the due ones without a scan.
@@ -253,7 +251,6 @@ impl Scheduler {
             members: Members::default(),
             links_per_rank: cfg.links_per_rank,
             problems: BTreeMap::new(),
-            refusing: BTreeMap::new(),
             reconnect_at: BTreeMap::new(),
             gates: Default::default(),
             next_request: 1,
@@ -443,7 +440,6 @@ impl Scheduler {
         self.reconnect_at.retain(|a, _| set.contains(a));
         self.gates.retain(|(_, a)| set.contains(a));
         self.problems.retain(|a, _| set.contains(a));
-        self.refusing.retain(|a, _| set.contains(a));
         self.wanted = set;
         self.recompute_members();
         self.dial_homes();

@@ -1098,7 +1098,7 @@ async fn a_token_every_worker_refuses_fails_the_loader_naming_each() {
         let (addr, link) = m
             .links_by_addr
             .iter()
-            .find(|(a, _)| !m.s.refusing.contains_key(*a))
+            .find(|(a, _)| m.s.token_refusal(a).is_none())
             .map(|(a, l)| (a.clone(), *l))
             .expect("a worker not yet refusing is dialled");
         assert!(

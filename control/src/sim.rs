@@ -27,13 +27,10 @@ impl Plant {
         (self.ranks * self.samples_per_rank) as f64 / self.compute_s
     }
 
-    /// The fewest workers whose noiseless supply keeps the worst rank at or under the spec's
-    /// target and leaves its headroom.
+    /// The fewest workers whose noiseless supply leaves the spec's headroom over the demand
+    /// (nobody waits then, so the wait target holds too).
     pub fn optimum(&self, spec: &Spec) -> u32 {
-        let mean_ok = spec.target_wait_ratio / (1.0 + self.noise);
-        let by_wait = self.demand() * (1.0 - mean_ok);
-        let by_headroom = self.demand() * (1.0 + spec.headroom);
-        (by_wait.max(by_headroom) / self.per_worker_per_s).ceil() as u32
+        (self.demand() * (1.0 + spec.headroom) / self.per_worker_per_s).ceil() as u32
     }
 }
 

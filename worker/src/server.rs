@@ -3,7 +3,8 @@
 //! A connection starts with the TLS handshake (unless the worker serves plaintext, asked for by
 //! name), then the client's Hello (the pipeline token) and the worker's Welcome
 //! (the plan it serves). Until its Hello is checked a connection is one of the handshakes
-//! budgeted in `crate::handshake`; only then does it take one of the trainers' connection slots. Then the client pipelines Requests; each is prepared as its own task
+//! budgeted in `crate::handshake`; only then does it take one of the trainers' connection
+//! slots. Then the client pipelines Requests; each is prepared as its own task
 //! and its Batch (or Error) is written as soon as it is ready, so answers may come out of
 //! order (they echo the request id). Per connection at most `max_inflight_per_conn` requests
 //! are prepared at once and up to [`READ_AHEAD`] more wait for a slot; beyond that the server

@@ -38,7 +38,6 @@ impl Scheduler {
         self.live += 1;
         self.metrics.workers.set(self.live as i64);
         self.problems.remove(&addr);
-        self.refusing.remove(&addr);
         if let Some((at, _)) = self.reconnect_at.remove(&addr) {
             self.gates.remove(&(at, addr));
         }

@@ -20,23 +20,34 @@ const DATA_FAILURE_WITNESSES: usize = 2;
 const NAMED: usize = 8;
 
 impl Scheduler {
+    /// What `addr` said refusing this rank's token, while that is its problem (until it
+    /// accepts the token: comes up, or refuses for another reason).
+    pub(super) fn token_refusal(&self, addr: &str) -> Option<&str> {
+        match self.problems.get(addr)? {
+            Error::Unauthorized { reason, .. } => Some(reason),
+            _ => None,
+        }
+    }
+
     /// `addr` refused this rank's token. Only when every worker listed has, retrying cannot
     /// help: the trainer is told at once.
     pub(super) fn token_refused(&mut self, addr: String, reason: String) {
         let refusal = Error::Unauthorized {
             worker: addr.clone(),
-            reason: reason.clone(),
+            reason,
         };
-        self.problems.insert(addr.clone(), refusal);
-        self.refusing.insert(addr, reason);
-        let everywhere = self.wanted.iter().all(|a| self.refusing.contains_key(a));
-        if everywhere && !self.wanted.is_empty() {
-            let each = self.refusing.iter().map(|(a, r)| (a.as_str(), r.as_str()));
-            let (worker, reason) = name_each(each);
-            let refusal = Error::Unauthorized { worker, reason };
-            self.fail_identity(refusal.clone());
-            self.fail_trainer(refusal);
-        }
+        self.problems.insert(addr, refusal);
+        let each: Option<Vec<(&str, &str)>> = self
+            .wanted
+            .iter()
+            .map(|a| self.token_refusal(a).map(|r| (a.as_str(), r)))
+            .collect();
+        let Some((worker, reason)) = each.filter(|e| !e.is_empty()).map(name_each) else {
+            return;
+        };
+        let refusal = Error::Unauthorized { worker, reason };
+        self.fail_identity(refusal.clone());
+        self.fail_trainer(refusal);
     }
 
     /// `addr` refused or failed `position`: never asked for it again; the data's fault once
@@ -85,14 +96,14 @@ impl Scheduler {
         }
     }
 
-    /// `addr` refused the token, or its last connection failed and it serves nothing now.
+    /// `addr` refused the token, or its last connection failed, and it serves nothing now.
     fn out_of_reach(&self, addr: &str) -> bool {
         let serving = || {
             self.by_addr
                 .get(addr)
                 .is_some_and(|id| self.links[id].up && !self.links[id].draining)
         };
-        self.refusing.contains_key(addr) || (self.problems.contains_key(addr) && !serving())
+        self.problems.contains_key(addr) && !serving()
     }
 
     /// The trainer gets `position`'s error, naming each worker that refused or failed it and
@@ -112,8 +123,8 @@ impl Scheduler {
             .iter()
             .filter(|a| !p.refused_by.contains_key(*a))
         {
-            if let Some(why) = self.refusing.get(a) {
-                each.push((a.clone(), why.clone()));
+            if let Some(why) = self.token_refusal(a) {
+                each.push((a.clone(), why.to_string()));
             } else if let Some(problem) = self.problems.get(a).filter(|_| self.out_of_reach(a)) {
                 each.push((a.clone(), problem.to_string()));
             }
