@@ -23,6 +23,9 @@ use stoker_worker::plan::{Plan, Shaping};
 mod common;
 use common::{json_lines, LAB, STOKER};
 const SAMPLES: usize = 48;
+/// The demo compares rates it measures: the flood test (a worker answering 1,024 sockets)
+/// does not run beside it.
+static TIMED: Mutex<()> = Mutex::new(());
 const GLOBAL_BATCH: u32 = 8;
 
 #[test]
@@ -338,6 +341,7 @@ fn many_ranks_in_lock_step_on_few_connection_slots_get_exactly_their_batches() {
 /// the whole epoch, every sample exactly once, and the flood is counted by the worker.
 #[test]
 fn ranks_beside_a_flood_and_a_refusing_worker_get_every_sample_exactly_once() {
+    let _quiet = TIMED.lock().unwrap_or_else(|e| e.into_inner());
     const RANKS: u32 = 4;
     const SILENT: usize = 1024;
     let root = tempfile::tempdir().unwrap();
@@ -430,6 +434,7 @@ fn ranks_beside_a_flood_and_a_refusing_worker_get_every_sample_exactly_once() {
 
 #[test]
 fn demo_prints_the_ablation_as_json() {
+    let _quiet = TIMED.lock().unwrap_or_else(|e| e.into_inner());
     let cache = tempfile::tempdir().unwrap();
     let out = std::process::Command::new(LAB)
         .args([
