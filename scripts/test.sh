@@ -47,6 +47,9 @@ stage_lint() {
 stage_rust() {
   ./scripts/build.sh
   ./scripts/setup-tokenizer.sh  # the real tokenizer, the one thing the Rust tests read from the cache
+  # lab/tests/blackhole.rs builds network namespaces (iproute2) and drops packets in one (iptables).
+  command -v ip >/dev/null || apt_install iproute2
+  command -v iptables >/dev/null || apt_install iptables
   cargo test --release --workspace
 }
 

@@ -35,6 +35,7 @@ pub use buffer::{AlignedBuf, BufferPool};
 pub use config::{ca_from_env, LoaderConfig, LoaderState, Policy, CA_ENV};
 pub use discovery::{Discovery, WorkerSet};
 pub use error::{Error, Result};
+pub use link::CONNECT_TIMEOUT;
 pub use metrics::ClientMetrics;
 pub use normalize::{normalize_pixels, NormalizeError, PixelLut, PixelOut};
 pub use policy::{Depth, HedgePolicy};

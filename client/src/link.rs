@@ -15,7 +15,8 @@ use tokio::sync::mpsc;
 /// Frames queued for one worker's socket: its requests (at most [`LINK_QUEUE`] outstanding)
 /// and as many cancels.
 pub const QUEUE: usize = 2 * LINK_QUEUE;
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// TCP, TLS and the Hello/Welcome exchange, each.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// A worker that takes no bytes of a request for this long (it stopped reading, or the path
 /// to it is gone with data unacknowledged) loses the link; its requests go elsewhere.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(30);

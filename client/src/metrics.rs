@@ -45,6 +45,7 @@ stoker_wire::label_set! {
         Deadline => "deadline",
         Refused => "refused",
         Failed => "failed",
+        Silent => "silent",
     }
 }
 

@@ -133,6 +133,9 @@ struct WorkerLink {
     window: usize,
     /// Since when nothing is outstanding (idle spares are released).
     idle_since: Instant,
+    /// When it last answered anything (or came up): a link that holds requests and says
+    /// nothing for long is silent (`choice.rs`).
+    heard: Instant,
     /// It lost a hedge race or answered lagging, and has not answered in time since: it is
     /// probed with one request at a time (others go elsewhere meanwhile).
     suspect: bool,
@@ -179,6 +182,9 @@ const INITIAL_WINDOW: usize = 2;
 const LAG_FACTOR: f64 = 4.0;
 /// ... judged only once the median rests on this many answers.
 const LAG_OBSERVATIONS: usize = 8;
+/// A link holding requests is silent once it has answered nothing for this many times the
+/// longest of the rank's recent latencies (and the lag limit).
+const SILENT_FACTOR: f64 = 1.5;
 
 pub struct Scheduler {
     cfg: LoaderConfig,
@@ -330,6 +336,11 @@ impl Scheduler {
             if let Some(f) = self.in_flight.values().map(|f| f.sent).min() {
                 at(f + self.cfg.request_timeout);
             }
+            for link in self.links.keys() {
+                if let Some(silent) = self.silent_at(*link) {
+                    at(silent);
+                }
+            }
             if let Some(threshold) = self.hedge_threshold() {
                 for (pos, p) in self.pending.iter().take(self.hedge_head()) {
                     if let Some(f) = p.attempts.first().and_then(|id| self.in_flight.get(id)) {
@@ -367,6 +378,7 @@ impl Scheduler {
             self.expire();
             self.give_up_refused_everywhere();
             self.issue();
+            self.fail_over_silent();
             self.hedge();
         }
         self.release_idle();
@@ -599,6 +611,7 @@ impl Scheduler {
                 draining: false,
                 window,
                 idle_since: self.now,
+                heard: self.now,
                 suspect: false,
                 probe: self.identity.is_none(),
             },

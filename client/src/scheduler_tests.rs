@@ -791,6 +791,15 @@ fn subset_machine() -> (Machine, Vec<String>) {
     (m, addrs)
 }
 
+/// The same rank with its home up (members as the plan sets them).
+fn subset_home_up() -> (Machine, LinkId, crate::topology::Members) {
+    let (mut m, _) = subset_machine();
+    let home_addr = m.s.members().homes[0].clone();
+    let home = m.worker_up(&home_addr, plan(7));
+    let members = m.s.members().clone();
+    (m, home, members)
+}
+
 #[tokio::test]
 async fn a_rank_links_only_its_home_and_spills_to_one_spare_when_the_home_fails() {
     let (mut m, _) = subset_machine();
@@ -990,20 +999,19 @@ async fn a_straggler_with_time_to_spare_is_hedged_only_once_the_trainer_would_wa
 
 #[tokio::test]
 async fn a_lagging_home_keeps_what_it_holds_and_is_probed_one_request_at_a_time() {
-    let (mut m, _) = subset_machine();
-    let home_addr = m.s.members().homes[0].clone();
-    let home = m.worker_up(&home_addr, plan(7));
-    let members = m.s.members().clone();
-    for _ in 0..LAG_OBSERVATIONS {
+    let (mut m, home, members) = subset_home_up();
+    for _ in 1..LAG_OBSERVATIONS {
         m.s.latencies.record(Duration::from_millis(10));
     }
+    m.s.latencies.record(Duration::from_millis(30));
     m.step();
     let first = m.asked(home);
     assert_eq!(first.len(), 2);
     m.advance(Duration::from_millis(10));
     m.answer(home, first[0].0);
     // Position 1 has waited 50 ms at home, past 4 × the median (10 ms): the home lags, so
-    // position 2 goes to a spare, dialled for it.
+    // position 2 goes to a spare, dialled for it. It answered 40 ms ago, less than 1.5 ×
+    // the longest recent latency (30 ms): lagging, not silent, so it keeps position 1.
     m.advance(Duration::from_millis(40));
     m.consume(1);
     m.step();
@@ -1047,6 +1055,56 @@ async fn a_lagging_home_keeps_what_it_holds_and_is_probed_one_request_at_a_time(
     m.step();
     assert_eq!(m.asked(home).len(), 2, "home again");
     assert!(m.asked(spare).is_empty());
+}
+
+/// A worker gone without a word (no answer, no close: a partition, a lost node) holds two
+/// positions. Once its link has answered nothing for longer than 1.5 × any recent answer took
+/// and than the lag limit, both are asked of another worker at once: with hedging off, long
+/// before the socket's keepalive (30 s) or the request timeout (120 s) would say so.
+#[tokio::test]
+async fn positions_held_by_a_silent_worker_are_asked_elsewhere_within_a_few_latencies() {
+    let (mut m, home, members) = subset_home_up();
+    // Median 10 ms (lag limit 40 ms), longest 20 ms (× 1.5 = 30 ms): silent after 40 ms.
+    for ms in [10, 10, 10, 10, 10, 10, 10, 20] {
+        m.s.latencies.record(Duration::from_millis(ms));
+    }
+    m.step();
+    let held = m.asked(home);
+    assert_eq!(held.len(), 2);
+    let wake = m.s.next_timer().expect("a timer for the silence");
+    assert_eq!(wake.duration_since(m.now), Duration::from_millis(40));
+    m.advance(Duration::from_millis(39));
+    m.step();
+    assert_eq!(m.links_by_addr.len(), 1, "not silent yet: no spare dialled");
+    m.advance(Duration::from_millis(1));
+    m.step();
+    assert_eq!(
+        m.links_by_addr.len(),
+        2,
+        "a spare dialled for the stranded positions"
+    );
+    let spare = m.worker_up(&members.spares[0], plan(7));
+    m.step();
+    let again = m.asked(spare);
+    assert_eq!(
+        again.iter().map(|r| (r.1, r.2)).collect::<Vec<_>>(),
+        [(0, 0), (0, 1)]
+    );
+    assert!(m.asked(home).is_empty(), "a silent home gets nothing new");
+    assert_eq!(m.s.metrics.retries.with_label_values(&["silent"]).get(), 2);
+    assert_eq!(m.s.metrics.hedges.with_label_values(&["sent"]).get(), 0);
+    // Asked once each: the next steps send nothing more while the spare prepares them.
+    m.advance(Duration::from_millis(100));
+    m.step();
+    assert!(m.asked(spare).is_empty() && m.asked(home).is_empty());
+    m.answer(spare, again[0].0);
+    m.answer(spare, again[1].0);
+    let delivered = m.delivered();
+    assert_eq!(delivered.len(), 2, "{delivered:?}");
+    // The silent worker's answers, should they come after all, are not delivered again.
+    m.answer(home, held[0].0);
+    m.answer(home, held[1].0);
+    assert!(m.delivered().is_empty());
 }
 
 fn refusal(code: ErrorCode, message: &str) -> ErrorFrame {

@@ -503,7 +503,7 @@ fn demo_prints_the_ablation_as_json() {
 /// not, and both deliver exactly (the command fails otherwise).
 #[test]
 fn the_scale_simulator_shows_bounded_links_meeting_their_targets() {
-    let rows = ci_scale_rows(&[]);
+    let rows = ci_scale_rows(&["--scenarios", "steady,restart,drain,scale-up,slow"]);
     let subset: Vec<_> = rows.iter().filter(|r| r["policy"] == "subset").collect();
     assert_eq!(subset.len(), 5, "five scenarios: {rows:?}");
     for r in &subset {
@@ -580,6 +580,39 @@ fn the_scale_simulator_shows_the_headroom_routine_events_need() {
         drain(&at_09) > drain(&at_07),
         "0.7: {at_07:?}, 0.9: {at_09:?}"
     );
+}
+
+/// The faults that send no RST, the rolling update and the trainer's pause at CI size
+/// (docs/benchmarks.md, "Silent workers, rollouts, pauses"): a worker and a whole node that
+/// stop answering without closing (still listed, or unlisted once the node is NotReady), every
+/// worker replaced 10 % at a time, a pause past the workers' idle timeout — each costs at most
+/// one step below 0.9 efficiency, and every rank gets exactly its batches.
+#[test]
+fn the_scale_simulator_shows_silent_workers_rollouts_and_pauses_cost_at_most_a_step() {
+    let scenarios = "blackhole,blackhole-node,node-loss,rollout,trainer-pause";
+    let rows = ci_scale_rows(&["--policies", "subset", "--scenarios", scenarios]);
+    assert_eq!(rows.len(), 5, "{rows:?}");
+    let row = |name: &str| rows.iter().find(|r| r["scenario"] == name).unwrap();
+    for r in &rows {
+        let name = &r["scenario"];
+        assert_eq!(r["exact_delivery"], true, "{name}");
+        assert_eq!(r["ranks_without_worker"], 0, "{name}");
+        let eff = r["efficiency_by_step"].as_array().unwrap();
+        assert!(eff.len() >= 20, "{name}: every step ran: {eff:?}");
+        let below = r["steps_below_0_9_after_event"].as_u64().unwrap();
+        assert!(below <= 1, "{name}: {below} steps below 0.9: {eff:?}");
+    }
+    // The silent workers' positions were asked elsewhere (the client's silent-link rule), and
+    // a silent node held more of them than one worker.
+    let silent = |name: &str| row(name)["silent_retries_per_step"].as_f64().unwrap();
+    assert!(silent("blackhole") > 0.0, "{rows:?}");
+    assert!(silent("blackhole-node") > silent("blackhole"), "{rows:?}");
+    // Every one of the 128 workers was replaced, and the run lasted until the last was listed.
+    let rollout = row("rollout");
+    assert_eq!(rollout["workers"], 256, "{rollout}");
+    // The pause outlasted the workers' idle timeout: they closed the ranks' links, and the
+    // ranks dialled again without a step lost.
+    assert!(row("trainer-pause")["links_closed_idle"].as_u64().unwrap() >= 512);
 }
 
 /// A service-time profile that is no distribution is refused by name, before any run.

@@ -8,5 +8,6 @@ pub mod docs;
 pub mod embedded_s3;
 pub mod http;
 pub mod local_worker;
+pub mod netns;
 pub mod synth;
 pub mod tls;

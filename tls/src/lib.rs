@@ -30,6 +30,12 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 pub const KEEPALIVE_IDLE: std::time::Duration = std::time::Duration::from_secs(15);
 pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 pub const KEEPALIVE_PROBES: u32 = 3;
+/// A rank's link fails when bytes it sent stay unacknowledged this long (TCP_USER_TIMEOUT):
+/// keepalive probes only an idle socket, so without it a worker gone silent while a request
+/// was on the way held the link until the kernel's retransmissions gave up (~15 min, Linux's
+/// `tcp_retries2`). Ranks only: their requests are small, and a worker's link to a rank that
+/// stops reading ends by the worker's send timeout instead.
+pub const USER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// What every link's socket needs, at both ends: no Nagle delay (requests are tiny and wait on
 /// their answers) and keepalive.
@@ -222,6 +228,7 @@ impl Dial {
     pub async fn connect(&self, addr: &str) -> io::Result<Stream> {
         let tcp = TcpStream::connect(addr).await?;
         tune_link_socket(&tcp)?;
+        socket2::SockRef::from(&tcp).set_tcp_user_timeout(Some(USER_TIMEOUT))?;
         match self {
             Dial::InsecurePlaintext => Ok(Stream::Plain(tcp)),
             Dial::Tls(tls) => {
@@ -350,5 +357,8 @@ mod tests {
             assert_eq!(s.tcp_keepalive_retries().unwrap(), KEEPALIVE_PROBES);
             assert!(tcp.nodelay().unwrap());
         }
+        let user_timeout = |tcp| socket2::SockRef::from(tcp).tcp_user_timeout().unwrap();
+        assert_eq!(user_timeout(&dialled), Some(USER_TIMEOUT), "the rank's end");
+        assert_eq!(user_timeout(&accepted), None, "the worker's end");
     }
 }

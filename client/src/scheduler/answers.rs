@@ -34,6 +34,7 @@ impl Scheduler {
         tracing::debug!("worker {} is up", l.addr);
         l.up = true;
         l.idle_since = self.now;
+        l.heard = self.now;
         let addr = l.addr.clone();
         self.live += 1;
         self.metrics.workers.set(self.live as i64);
@@ -66,6 +67,9 @@ impl Scheduler {
         request_id: u64,
         answer: Result<(BatchHead, crate::buffer::AlignedBuf), ErrorFrame>,
     ) {
+        if let Some(l) = self.links.get_mut(&link) {
+            l.heard = self.now;
+        }
         let Some(f) = self.in_flight.remove(&request_id) else {
             if let Err(e) = answer {
                 // request id 0: about the connection itself.

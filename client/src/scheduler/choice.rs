@@ -97,20 +97,29 @@ impl Scheduler {
                 self.metrics.hedge(HedgeOutcome::OverBudget);
                 return;
             }
-            match self.choose(pos, true) {
-                Choice::Link(link) => {
-                    if budgeted {
-                        self.hedges.spend();
-                    }
-                    self.send(pos, link, true);
-                    self.metrics.hedge(HedgeOutcome::Sent);
+            if self.send_elsewhere(pos) {
+                if budgeted {
+                    self.hedges.spend();
                 }
-                Choice::Spill => {
-                    self.spill = true;
-                    self.ensure_links();
-                }
-                Choice::Wait => {}
+                self.metrics.hedge(HedgeOutcome::Sent);
             }
+        }
+    }
+
+    /// Sends `pos` once more, to a link other than those holding it, or dials a spare for it
+    /// when there is none; whether it was sent.
+    pub(super) fn send_elsewhere(&mut self, pos: u64) -> bool {
+        match self.choose(pos, true) {
+            Choice::Link(link) => {
+                self.send(pos, link, true);
+                true
+            }
+            Choice::Spill => {
+                self.spill = true;
+                self.ensure_links();
+                false
+            }
+            Choice::Wait => false,
         }
     }
 
@@ -241,6 +250,28 @@ impl Scheduler {
                 })
             }
         }
+    }
+
+    /// When `link` turns silent if nothing changes: it holds requests, and it has answered
+    /// nothing since its oldest was sent, for longer than any of the rank's recent answers
+    /// took (× [`SILENT_FACTOR`]) and than the lag limit. A worker gone without a word (a
+    /// partition, a lost node) is noticed here, in seconds, long before its socket's
+    /// keepalive or unacknowledged-bytes timeout fails the link (30 s); a slow worker that
+    /// still answers is lagging, not silent. (The lag limit alone, 4 × the median, took the
+    /// tail of a healthy worker's service times for silence: `stoker-lab bench scale` asked
+    /// 0.05 positions a step again in `steady`, none with this rule.)
+    pub(super) fn silent_at(&self, link: LinkId) -> Option<Instant> {
+        let l = self.links.get(&link)?;
+        let lag = self.lag_limit(self.typical_latency())?;
+        let longest = self.latencies.quantile(1.0)?.as_secs_f64();
+        let limit = lag.max(SILENT_FACTOR * longest);
+        let oldest = self
+            .in_flight
+            .values()
+            .filter(|f| f.link == link)
+            .map(|f| f.sent)
+            .min()?;
+        Some(oldest.max(l.heard) + Duration::from_secs_f64(limit))
     }
 
     /// How long the oldest request outstanding on `link` has waited.

@@ -136,6 +136,39 @@ impl Scheduler {
         }
     }
 
+    /// Every position whose attempts are all on silent links (`Scheduler::silent_at`) is
+    /// asked again elsewhere at once, outside the hedge budget, as a lost worker's are; the
+    /// attempts stay in flight (one wins if its worker answers after all), and a silent link
+    /// lags, so it is given nothing new. `retries_total{reason="silent"}`.
+    pub(super) fn fail_over_silent(&mut self) {
+        let now = self.now;
+        let silent: Vec<LinkId> = self
+            .links
+            .keys()
+            .copied()
+            .filter(|l| self.silent_at(*l).is_some_and(|t| t <= now))
+            .collect();
+        if silent.is_empty() {
+            return;
+        }
+        let on_silent = |id: &u64| {
+            self.in_flight
+                .get(id)
+                .is_some_and(|f| silent.contains(&f.link))
+        };
+        let stranded: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| !p.attempts.is_empty() && p.attempts.iter().all(on_silent))
+            .map(|(pos, _)| *pos)
+            .collect();
+        for pos in stranded {
+            if self.send_elsewhere(pos) {
+                self.metrics.retry(RetryReason::Silent);
+            }
+        }
+    }
+
     pub(super) fn check_no_worker(&mut self) {
         if self.live > 0 {
             self.no_worker_since = None;

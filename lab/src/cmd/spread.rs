@@ -19,6 +19,7 @@ use std::time::Duration;
 use stoker_config::{cache_root, Preprocessing, Serving, WorkerConfig};
 use stoker_testkit::embedded_s3::{client_env, EmbeddedS3};
 use stoker_testkit::local_worker::LocalWorker;
+use stoker_testkit::netns::{self, in_ns, Namespaces};
 
 #[derive(clap::Args)]
 pub struct SpreadArgs {
@@ -73,92 +74,31 @@ fn node_ip(i: usize) -> String {
     format!("10.77.0.{}", 10 + i)
 }
 
-fn ip(args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new("ip").args(args).output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "ip {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
-    Ok(())
-}
-
-fn in_ns(ns: &str, cmd: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new("ip")
-        .args(["netns", "exec", ns])
-        .args(cmd)
-        .output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "in {ns}: {}: {}",
-        cmd.join(" "),
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn stale_namespaces() -> Vec<String> {
-    Command::new("ip")
-        .args(["netns", "list"])
-        .output()
-        .map(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .filter_map(|l| l.split_whitespace().next())
-                .filter(|n| n.starts_with(PREFIX))
-                .map(String::from)
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// The namespaces and links; deleting the namespaces deletes their veths too.
+/// The namespaces and links (`stoker_testkit::netns`: deleted on drop).
 struct Topology {
-    namespaces: Vec<String>,
-}
-
-impl Drop for Topology {
-    fn drop(&mut self) {
-        for ns in &self.namespaces {
-            let _ = ip(&["netns", "del", ns]);
-        }
-    }
+    _namespaces: Namespaces,
 }
 
 impl Topology {
     fn build(nodes: usize, link_mbit: u64) -> anyhow::Result<Topology> {
-        for ns in stale_namespaces() {
-            let _ = ip(&["netns", "del", &ns]);
-        }
-        let mut topo = Topology {
-            namespaces: vec![BRIDGE_NS.into()],
-        };
-        ip(&["netns", "add", BRIDGE_NS])?;
-        in_ns(BRIDGE_NS, &["ip", "link", "add", "br0", "type", "bridge"])?;
-        in_ns(BRIDGE_NS, &["ip", "link", "set", "br0", "up"])?;
+        let mut namespaces = Namespaces::new(PREFIX);
+        let bridge = namespaces.add(&BRIDGE_NS[PREFIX.len()..])?;
+        in_ns(&bridge, &["ip", "link", "add", "br0", "type", "bridge"])?;
+        in_ns(&bridge, &["ip", "link", "set", "br0", "up"])?;
         let mut ends: Vec<(String, String, Option<u64>)> = vec![
             (STORE_NS.into(), STORE_IP.into(), None),
             (TRAINER_NS.into(), TRAINER_IP.into(), None),
         ];
         ends.extend((0..nodes).map(|i| (node_ns(i), node_ip(i), Some(link_mbit))));
         for (k, (ns, addr, cap)) in ends.iter().enumerate() {
-            ip(&["netns", "add", ns])?;
-            topo.namespaces.push(ns.clone());
+            namespaces.add(&ns[PREFIX.len()..])?;
             let (inside, outside) = (format!("sk{k}"), format!("sk{k}b"));
-            ip(&[
-                "link", "add", &inside, "type", "veth", "peer", "name", &outside,
-            ])?;
-            ip(&["link", "set", &inside, "netns", ns])?;
-            ip(&["link", "set", &outside, "netns", BRIDGE_NS])?;
-            in_ns(
-                ns,
-                &["ip", "addr", "add", &format!("{addr}/24"), "dev", &inside],
+            let cidr = format!("{addr}/24");
+            namespaces.veth(
+                (ns.as_str(), inside.as_str(), Some(cidr.as_str())),
+                (BRIDGE_NS, outside.as_str(), None),
             )?;
-            in_ns(ns, &["ip", "link", "set", "lo", "up"])?;
-            in_ns(ns, &["ip", "link", "set", &inside, "up"])?;
             in_ns(BRIDGE_NS, &["ip", "link", "set", &outside, "master", "br0"])?;
-            in_ns(BRIDGE_NS, &["ip", "link", "set", &outside, "up"])?;
             if let Some(mbit) = cap {
                 // Both directions: the node's own egress, and what the bridge sends it.
                 let tbf = |ns: &str, dev: &str| {
@@ -185,7 +125,9 @@ impl Topology {
                 tbf(BRIDGE_NS, &outside)?;
             }
         }
-        Ok(topo)
+        Ok(Topology {
+            _namespaces: namespaces,
+        })
     }
 
     /// Bytes the node has sent on its link so far (read on the bridge side).
@@ -268,16 +210,7 @@ pub async fn run(a: SpreadArgs) -> anyhow::Result<()> {
 }
 
 fn run_blocking(mut a: SpreadArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        Command::new("id")
-            .arg("-u")
-            .output()
-            .map(|o| o.stdout.starts_with(b"0"))
-            .unwrap_or(false),
-        "stoker-lab bench spread needs root (network namespaces, veth, tc)"
-    );
-    ip(&["netns", "list"])
-        .map_err(|e| anyhow::anyhow!("network namespaces are not available here: {e}"))?;
+    netns::check_available("stoker-lab bench spread")?;
     demo_preprocessing(&mut a.pre);
     let root = cache_root().join("demo");
     let bucket = ensure_demo_dataset(&root, a.samples, 1024)?;
@@ -489,7 +422,8 @@ fn print_report(r: &SpreadReport) {
 }
 
 /// `stoker-lab bench trainer`: simulated ranks through the real client, for a fixed time; prints
-/// one JSON object (samples/s, worst and mean wait ratio).
+/// one JSON object (samples/s, worst and mean wait ratio, and the loaders' retries and lost
+/// links); with `--record`, each batch first, as it is taken.
 #[derive(clap::Args)]
 pub struct TrainerArgs {
     /// Workers (HOST:PORT,...).
@@ -504,50 +438,79 @@ pub struct TrainerArgs {
     /// Seconds before measuring.
     #[arg(long, default_value_t = 3)]
     warmup_s: u64,
+    /// Print one JSON object per batch taken (rank, epoch, batch, sample ids, seconds since
+    /// the start, seconds the rank waited for it), so a test can check every delivery.
+    #[arg(long)]
+    record: bool,
 }
 
 pub fn trainer(a: TrainerArgs) -> anyhow::Result<()> {
     use stoker_client::{Dial, Discovery, Loader, LoaderConfig};
+    let t0 = std::time::Instant::now();
     let ranks: Vec<_> = (0..a.ranks)
         .map(|rank| {
             let mut cfg = LoaderConfig::new(Discovery::parse(&a.workers)?, rank, a.ranks);
             cfg.dial = Some(Dial::InsecurePlaintext); // the bench's plaintext workers
             cfg.no_worker_timeout = Duration::from_secs(20);
             let mut loader = Loader::new(cfg)?;
-            let (step, warm, dur) = (
+            let (step, warm, dur, record) = (
                 Duration::from_millis(a.step_ms),
                 Duration::from_secs(a.warmup_s),
                 Duration::from_secs(a.duration_s),
+                a.record,
             );
             Ok(std::thread::spawn(
-                move || -> anyhow::Result<(f64, f64, u64)> {
-                    let t0 = std::time::Instant::now();
-                    while t0.elapsed() < warm {
-                        loader.next_batch()?;
+                move || -> anyhow::Result<(f64, f64, u64, Loader)> {
+                    let mut take = || -> anyhow::Result<(f64, u64)> {
+                        let t = std::time::Instant::now();
+                        let b = loader.next_batch()?;
+                        let waited = t.elapsed().as_secs_f64();
+                        let Some(b) = b else {
+                            return Ok((waited, 0));
+                        };
+                        if record {
+                            let line = serde_json::json!({
+                                "rank": rank,
+                                "epoch": b.epoch,
+                                "batch": b.global_batch,
+                                "samples": b.sample_ids,
+                                "t": t0.elapsed().as_secs_f64(),
+                                "waited": waited,
+                            });
+                            println!("{line}");
+                        }
                         std::thread::sleep(step);
+                        Ok((waited, b.sample_ids.len() as u64))
+                    };
+                    let begin = std::time::Instant::now();
+                    while begin.elapsed() < warm {
+                        take()?;
                     }
                     let (start, mut wait, mut samples) = (std::time::Instant::now(), 0.0, 0u64);
                     while start.elapsed() < dur {
-                        let t = std::time::Instant::now();
-                        if let Some(b) = loader.next_batch()? {
-                            samples += b.sample_ids.len() as u64;
-                        }
-                        wait += t.elapsed().as_secs_f64();
-                        std::thread::sleep(step);
+                        let (w, n) = take()?;
+                        wait += w;
+                        samples += n;
                     }
-                    Ok((wait, start.elapsed().as_secs_f64(), samples))
+                    Ok((wait, start.elapsed().as_secs_f64(), samples, loader))
                 },
             ))
         })
         .collect::<anyhow::Result<_>>()?;
     let mut worst: f64 = 0.0;
     let (mut mean, mut samples, mut wall) = (0.0, 0u64, 0.0f64);
+    let (mut retries, mut lost) = (std::collections::BTreeMap::new(), 0u64);
     for r in ranks {
-        let (w, t, s) = r.join().expect("rank thread")?;
+        let (w, t, s, loader) = r.join().expect("rank thread")?;
         worst = worst.max(w / t);
         mean += w / t / a.ranks as f64;
         samples += s;
         wall = wall.max(t);
+        let m = loader.metrics();
+        for reason in ["worker_lost", "deadline", "silent"] {
+            *retries.entry(reason).or_insert(0) += m.retries.with_label_values(&[reason]).get();
+        }
+        lost += m.errors.with_label_values(&["lost"]).get();
     }
     println!(
         "{}",
@@ -555,6 +518,8 @@ pub fn trainer(a: TrainerArgs) -> anyhow::Result<()> {
             "samples_per_s": samples as f64 / wall,
             "wait_ratio_worst": worst,
             "wait_ratio_mean": mean,
+            "retries": retries,
+            "links_lost": lost,
         })
     );
     Ok(())

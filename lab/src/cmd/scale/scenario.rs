@@ -1,0 +1,124 @@
+//! Scenarios: what happens to the fleet or the trainer at the middle step, and how the fleet
+//! around it behaves (Kubernetes' rolling update, its node lifecycle).
+
+use super::*;
+
+const NAMES: [(Scenario, &str); 10] = [
+    (Scenario::Steady, "steady"),
+    (Scenario::Restart, "restart"),
+    (Scenario::Drain, "drain"),
+    (Scenario::ScaleUp, "scale-up"),
+    (Scenario::Slow, "slow"),
+    (Scenario::Blackhole, "blackhole"),
+    (Scenario::BlackholeNode, "blackhole-node"),
+    (Scenario::NodeLoss, "node-loss"),
+    (Scenario::Rollout, "rollout"),
+    (Scenario::TrainerPause, "trainer-pause"),
+];
+
+impl Scenario {
+    pub(super) fn parse(s: &str) -> anyhow::Result<Scenario> {
+        match NAMES.iter().find(|(_, name)| *name == s) {
+            Some((scenario, _)) => Ok(*scenario),
+            None => {
+                let names: Vec<&str> = NAMES.iter().map(|(_, n)| *n).collect();
+                anyhow::bail!("scenario {s:?}: expected one of {}", names.join(", "))
+            }
+        }
+    }
+
+    pub(super) fn name(self) -> &'static str {
+        NAMES.iter().find(|(s, _)| *s == self).expect("named").1
+    }
+
+    /// Steps in a run: `--steps`, or enough after the middle one for a rollout to finish
+    /// (its waves, each a start-up at most 25 % over `--startup-s`) and ten more.
+    pub(super) fn steps(self, a: &ScaleArgs, workers: usize) -> u64 {
+        if self != Scenario::Rollout {
+            return a.steps;
+        }
+        let waves = workers.div_ceil(rollout_batch(workers)) as f64;
+        let span = (waves * a.startup_s * 1.25 + DRAIN_EXIT.as_secs_f64()) / a.step_s;
+        a.steps.max(a.steps / 2 + span.ceil() as u64 + 10)
+    }
+}
+
+/// Workers a rolling update replaces at once: the share, rounded down as Kubernetes rounds
+/// `maxUnavailable`, and at least one.
+fn rollout_batch(workers: usize) -> usize {
+    ((workers as f64 * ROLLOUT_SHARE) as usize).max(1)
+}
+
+impl Sim {
+    /// The step at which the scenario's event happens: the middle of `--steps` (a longer run
+    /// adds its steps after it).
+    pub(super) fn event_at(&self) -> u64 {
+        self.a.steps / 2
+    }
+
+    /// Step `k`'s compute, in seconds: the trainer's step, and the pause at the middle one.
+    pub(super) fn compute_s(&self, k: u64) -> f64 {
+        let pause = self.scenario == Scenario::TrainerPause && k == self.event_at();
+        self.a.step_s + if pause { self.a.pause_s } else { 0.0 }
+    }
+
+    /// The scenario's event, at the middle step.
+    pub(super) fn fire(&mut self) {
+        let node = |sim: &Sim| -> Vec<usize> {
+            let first = sim.workers[0].node;
+            (0..sim.workers.len())
+                .filter(|w| sim.workers[*w].node == first)
+                .collect()
+        };
+        match self.scenario {
+            Scenario::Steady => self.event_step = None,
+            Scenario::Restart => {
+                self.worker_down(0);
+                self.at(self.now + ns(RESTART_DOWN), Ev::WorkerBack(0));
+            }
+            Scenario::Drain => self.at(self.now + ns(DRAIN_UNLIST), Ev::Drain(0)),
+            Scenario::ScaleUp => self.at(self.now, Ev::ScaleUp),
+            Scenario::Slow => self.workers[0].slowdown = SLOW_WORKER,
+            Scenario::Blackhole => self.silence(0),
+            Scenario::BlackholeNode => node(self).into_iter().for_each(|w| self.silence(w)),
+            Scenario::NodeLoss => {
+                node(self).into_iter().for_each(|w| self.silence(w));
+                let n = self.workers[0].node;
+                self.at(self.now + ns(NODE_NOT_READY), Ev::NodeNotReady(n));
+            }
+            Scenario::Rollout => {
+                self.rollout = (0..self.workers.len()).collect();
+                for _ in 0..rollout_batch(self.workers.len()) {
+                    self.replace_next();
+                }
+            }
+            Scenario::TrainerPause => {} // in the step's compute
+        }
+    }
+
+    /// The next worker of the old version is deleted (it leaves the endpoints and drains) and
+    /// its replacement starts on its node, listed once ready (then the next goes).
+    pub(super) fn replace_next(&mut self) {
+        let Some(old) = self.rollout.pop_front() else {
+            return;
+        };
+        self.at(self.now + ns(DRAIN_UNLIST), Ev::Drain(old));
+        let node = self.workers[old].node;
+        let new = self.add_worker(node, false);
+        let startup = self.a.startup_s * self.rng.gen_range(0.75..1.25);
+        self.at(
+            self.now + ns(Duration::from_secs_f64(startup)),
+            Ev::Ready(new),
+        );
+    }
+
+    /// A node's pods leave the Service's endpoints (they stay silent).
+    pub(super) fn node_not_ready(&mut self, node: usize) {
+        for w in 0..self.workers.len() {
+            if self.workers[w].node == node {
+                let addr = self.workers[w].addr.clone();
+                self.listed.remove(&addr);
+            }
+        }
+    }
+}
