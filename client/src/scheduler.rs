@@ -336,10 +336,8 @@ impl Scheduler {
             if let Some(f) = self.in_flight.values().map(|f| f.sent).min() {
                 at(f + self.cfg.request_timeout);
             }
-            for link in self.links.keys() {
-                if let Some(silent) = self.silent_at(*link) {
-                    at(silent);
-                }
+            for silent in self.silent_at().into_values() {
+                at(silent);
             }
             if let Some(threshold) = self.hedge_threshold() {
                 for (pos, p) in self.pending.iter().take(self.hedge_head()) {

@@ -252,26 +252,32 @@ impl Scheduler {
         }
     }
 
-    /// When `link` turns silent if nothing changes: it holds requests, and it has answered
+    /// When each link that holds requests turns silent if nothing changes: it has answered
     /// nothing since its oldest was sent, for longer than any of the rank's recent answers
     /// took (× [`SILENT_FACTOR`]) and than the lag limit. A worker gone without a word (a
     /// partition, a lost node) is noticed here, in seconds, long before its socket's
     /// keepalive or unacknowledged-bytes timeout fails the link (30 s); a slow worker that
     /// still answers is lagging, not silent. (The lag limit alone, 4 × the median, took the
     /// tail of a healthy worker's service times for silence: `stoker-lab bench scale` asked
-    /// 0.05 positions a step again in `steady`, none with this rule.)
-    pub(super) fn silent_at(&self, link: LinkId) -> Option<Instant> {
-        let l = self.links.get(&link)?;
-        let lag = self.lag_limit(self.typical_latency())?;
-        let longest = self.latencies.quantile(1.0)?.as_secs_f64();
-        let limit = lag.max(SILENT_FACTOR * longest);
-        let oldest = self
-            .in_flight
-            .values()
-            .filter(|f| f.link == link)
-            .map(|f| f.sent)
-            .min()?;
-        Some(oldest.max(l.heard) + Duration::from_secs_f64(limit))
+    /// 0.05 positions a step again in `steady`, none with this rule.) One pass over the
+    /// requests in flight, the limit computed once.
+    pub(super) fn silent_at(&self) -> HashMap<LinkId, Instant> {
+        let limit = self.lag_limit(self.typical_latency()).and_then(|lag| {
+            let longest = self.latencies.quantile(1.0)?.as_secs_f64();
+            Some(Duration::from_secs_f64(lag.max(SILENT_FACTOR * longest)))
+        });
+        let Some(limit) = limit else {
+            return HashMap::new();
+        };
+        let mut oldest: HashMap<LinkId, Instant> = HashMap::new();
+        for f in self.in_flight.values() {
+            let o = oldest.entry(f.link).or_insert(f.sent);
+            *o = (*o).min(f.sent);
+        }
+        oldest
+            .into_iter()
+            .filter_map(|(id, sent)| Some((id, sent.max(self.links.get(&id)?.heard) + limit)))
+            .collect()
     }
 
     /// How long the oldest request outstanding on `link` has waited.

@@ -143,10 +143,10 @@ impl Scheduler {
     pub(super) fn fail_over_silent(&mut self) {
         let now = self.now;
         let silent: Vec<LinkId> = self
-            .links
-            .keys()
-            .copied()
-            .filter(|l| self.silent_at(*l).is_some_and(|t| t <= now))
+            .silent_at()
+            .into_iter()
+            .filter(|(_, at)| *at <= now)
+            .map(|(id, _)| id)
             .collect();
         if silent.is_empty() {
             return;

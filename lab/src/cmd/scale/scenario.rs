@@ -39,8 +39,14 @@ impl Scenario {
         }
         let waves = workers.div_ceil(rollout_batch(workers)) as f64;
         let span = (waves * a.startup_s * 1.25 + DRAIN_EXIT.as_secs_f64()) / a.step_s;
-        a.steps.max(a.steps / 2 + span.ceil() as u64 + 10)
+        a.steps.max(event_at(a) + span.ceil() as u64 + 10)
     }
+}
+
+/// The step at which the scenario's event happens: the middle of `--steps` (a longer run adds
+/// its steps after it).
+pub(super) fn event_at(a: &ScaleArgs) -> u64 {
+    a.steps / 2
 }
 
 /// Workers a rolling update replaces at once: the share, rounded down as Kubernetes rounds
@@ -50,26 +56,14 @@ fn rollout_batch(workers: usize) -> usize {
 }
 
 impl Sim {
-    /// The step at which the scenario's event happens: the middle of `--steps` (a longer run
-    /// adds its steps after it).
-    pub(super) fn event_at(&self) -> u64 {
-        self.a.steps / 2
-    }
-
     /// Step `k`'s compute, in seconds: the trainer's step, and the pause at the middle one.
     pub(super) fn compute_s(&self, k: u64) -> f64 {
-        let pause = self.scenario == Scenario::TrainerPause && k == self.event_at();
+        let pause = self.scenario == Scenario::TrainerPause && k == event_at(&self.a);
         self.a.step_s + if pause { self.a.pause_s } else { 0.0 }
     }
 
     /// The scenario's event, at the middle step.
     pub(super) fn fire(&mut self) {
-        let node = |sim: &Sim| -> Vec<usize> {
-            let first = sim.workers[0].node;
-            (0..sim.workers.len())
-                .filter(|w| sim.workers[*w].node == first)
-                .collect()
-        };
         match self.scenario {
             Scenario::Steady => self.event_step = None,
             Scenario::Restart => {
@@ -80,11 +74,18 @@ impl Sim {
             Scenario::ScaleUp => self.at(self.now, Ev::ScaleUp),
             Scenario::Slow => self.workers[0].slowdown = SLOW_WORKER,
             Scenario::Blackhole => self.silence(0),
-            Scenario::BlackholeNode => node(self).into_iter().for_each(|w| self.silence(w)),
+            Scenario::BlackholeNode => {
+                let node = self.workers[0].node;
+                self.workers_on(node)
+                    .into_iter()
+                    .for_each(|w| self.silence(w));
+            }
             Scenario::NodeLoss => {
-                node(self).into_iter().for_each(|w| self.silence(w));
-                let n = self.workers[0].node;
-                self.at(self.now + ns(NODE_NOT_READY), Ev::NodeNotReady(n));
+                let node = self.workers[0].node;
+                self.workers_on(node)
+                    .into_iter()
+                    .for_each(|w| self.silence(w));
+                self.at(self.now + ns(NODE_NOT_READY), Ev::NodeNotReady(node));
             }
             Scenario::Rollout => {
                 self.rollout = (0..self.workers.len()).collect();
@@ -114,11 +115,16 @@ impl Sim {
 
     /// A node's pods leave the Service's endpoints (they stay silent).
     pub(super) fn node_not_ready(&mut self, node: usize) {
-        for w in 0..self.workers.len() {
-            if self.workers[w].node == node {
-                let addr = self.workers[w].addr.clone();
-                self.listed.remove(&addr);
-            }
+        for w in self.workers_on(node) {
+            let addr = self.workers[w].addr.clone();
+            self.listed.remove(&addr);
         }
+    }
+
+    /// The workers on `node`.
+    fn workers_on(&self, node: usize) -> Vec<usize> {
+        (0..self.workers.len())
+            .filter(|w| self.workers[*w].node == node)
+            .collect()
     }
 }

@@ -345,7 +345,7 @@ impl Sim {
             rank.taken = k + 1;
             rank.shared.took(k + 1, interval);
         }
-        if k == self.event_at() && self.event_step.is_none() {
+        if k == scenario::event_at(&self.a) && self.event_step.is_none() {
             self.event_step = Some(k);
             self.fire();
         }
