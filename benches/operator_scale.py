@@ -2,15 +2,19 @@
 DataPipelines, on the real control plane of scripts/cluster.sh (kwok nodes and pods).
 
     benches/operator_scale.py --binary target/release/stoker [--baseline OLD_BINARY] \
-        [--pipelines 100] [--nodes 20] [--window 120]
+        [--pipelines 100] [--nodes 20] [--window 700] [--ranks 2]
 
 Each binary in turn runs as the chart's ServiceAccount against the same cluster and the same
-pipelines: half with a fixed count, half autoscaled on trainer pods (none exist, so the
-autoscaler holds and says why), every one with a per-node bandwidth budget. Counted from the
-API server's audit log (every request made with the ServiceAccount's token): the requests to
-converge (from start until every pipeline's status shows all its workers ready) and the
-requests per minute afterwards, while nothing changes, by verb and resource; the operator's
-RSS at the end of the window and its peak. One table, the binaries side by side."""
+pipelines: half with a fixed count, half autoscaled on live trainers (`--ranks` stand-ins of
+trainer ranks each, serving /metrics from a network namespace of the bench's own, their wait
+ratio 0.02 +- 0.01 and rate 100 +- 3 % samples/s per rank drawn afresh for every reading, as a
+real trainer's readings wobble, below the 0.05 target: the autoscaler holds at its minimum),
+every one with a per-node bandwidth budget. Counted from the API server's audit log (every
+request made with the ServiceAccount's token): the requests to converge (from start until
+every pipeline's status shows all its workers ready) and the requests per minute afterwards,
+while nothing but the trainers' readings changes, by verb and resource; the operator's RSS at
+the end of the window and its peak. The default window, 700 s, is past any 10-minute timer.
+One table, the binaries side by side."""
 
 import argparse
 import json
@@ -20,12 +24,13 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "k8s"))
-from conftest import RELEASE_NS, SA, Audit, Cluster, Operator, helm, wait_until  # noqa: E402
+from conftest import (RELEASE_NS, SA, Audit, Cluster, Operator, Trainer, TrainerNet,  # noqa: E402
+                      helm, wait_until)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def pipeline(i: int, ns: str) -> dict:
+def pipeline(i: int, ns: str, trainers: dict) -> dict:
     spec = {
         "source": {"s3": {"uri": f"s3://datasets/set-{i}", "endpoint": "http://minio:9000"}},
         "preprocessing": {"preset": "qwen2-vl"},
@@ -38,7 +43,7 @@ def pipeline(i: int, ns: str) -> dict:
     if i % 2:
         spec["autoscaling"] = {
             "minReplicas": 2, "maxReplicas": 8, "targetWaitRatio": 0.05, "intervalSeconds": 15,
-            "metrics": {"trainerPods": {"selector": {"app": f"trainer-{i}"}, "port": 9400}}}
+            "metrics": {"urls": [t.url for t in trainers[i]]}}
     return {"apiVersion": "stoker.dev/v1alpha1", "kind": "DataPipeline",
             "metadata": {"name": f"p{i:03d}", "namespace": ns}, "spec": spec}
 
@@ -61,14 +66,26 @@ def converged(cluster: Cluster, ns: str) -> int:
     return len(done)
 
 
-def measure(cluster, kubeconfig, binary, n, window, logs, audit, converge_limit) -> dict:
+def start_trainers(net: TrainerNet, n: int, ranks: int) -> dict:
+    """The autoscaled pipelines' trainers: `ranks` stand-ins each, as `trainers[i]`."""
+    trainers = {}
+    for i in range(1, n, 2):
+        trainers[i] = [Trainer(net, pipeline=f"p{i:03d}", rank=r, wait_jitter=0.01,
+                               rate_jitter=0.03, seed=i * 1000 + r) for r in range(ranks)]
+        for t in trainers[i]:
+            t.wait_ratio, t.rate = 0.02, 100.0
+    return trainers
+
+
+def measure(cluster, kubeconfig, binary, n, window, logs, audit, converge_limit,
+            trainers) -> dict:
     """One binary on a namespace of its own: `n` new pipelines, converged and then steady;
     the namespace (and everything the pipelines own) is deleted afterwards."""
     import os
     os.environ["STOKER_BIN"] = binary
     ns = f"bench-{len(list(logs.iterdir()))}"
     cluster.kubectl("create", "namespace", ns)
-    cluster.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(pipeline(i, ns))
+    cluster.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(pipeline(i, ns, trainers))
                                                             for i in range(n)))
     op = Operator(kubeconfig, ns, logs)
     wait_until("the operator to lead", op.is_leader, 60)
@@ -104,7 +121,8 @@ def main() -> None:
     ap.add_argument("--baseline")
     ap.add_argument("--pipelines", type=int, default=100)
     ap.add_argument("--nodes", type=int, default=20)
-    ap.add_argument("--window", type=int, default=120, help="seconds of steady state counted")
+    ap.add_argument("--window", type=int, default=700, help="seconds of steady state counted")
+    ap.add_argument("--ranks", type=int, default=2, help="trainer ranks per autoscaled pipeline")
     ap.add_argument("--converge-limit", type=int, default=600,
                     help="seconds to wait for every pipeline to converge")
     ap.add_argument("--json", help="write the figures here too")
@@ -113,7 +131,9 @@ def main() -> None:
     os.environ["STOKER_CLUSTER_NODES"] = str(args.nodes)
     state = pathlib.Path(tempfile.mkdtemp(prefix="stoker-bench-cluster-"))
     cluster = Cluster(state)
+    net = TrainerNet()
     try:
+        trainers = start_trainers(net, args.pipelines, args.ranks)
         helm(cluster, "install", "stoker", str(REPO / "charts" / "stoker"), "-n", RELEASE_NS,
              "--create-namespace", "--wait", "--timeout", "120s")
         kubeconfig = cluster.token_kubeconfig(SA, RELEASE_NS, state / "sa.kubeconfig")
@@ -124,13 +144,14 @@ def main() -> None:
         for label, binary in [("baseline", args.baseline), ("this", args.binary)]:
             if binary:
                 r = measure(cluster, kubeconfig, binary, args.pipelines, args.window, logs, audit,
-                            args.converge_limit)
+                            args.converge_limit, trainers)
                 runs.append((label, r))
                 print(f"{label}: {r['converged']} converged in {r['converge_s']:.0f} s",
                       file=sys.stderr)
         report(runs, args)
     finally:
         cluster.down()
+        net.close()
 
 
 def report(runs, args) -> None:

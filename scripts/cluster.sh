@@ -238,9 +238,12 @@ start_controllers() {
     --node-monitor-grace-period 40s --profiling=false --v 1
   start kube-scheduler --kubeconfig "$KUBECONFIG_PATH" \
     --bind-address 127.0.0.1 --secure-port 0 --leader-elect=false --profiling=false --v 1
+  # The heartbeat stage is kwok's "with lease" one: node status every ~10 minutes, liveness
+  # by the node Lease kwok renews. Without the Lease, every fake node went NotReady 40 s after
+  # each status heartbeat (the grace period above) and its pods were marked unready for good.
   start kwok --kubeconfig "$KUBECONFIG_PATH" --config "$STOKER_CACHE/kwok-stages.yaml" \
     --manage-all-nodes=false --manage-nodes-with-label-selector type=kwok \
-    --node-ip 127.0.0.1 --cidr 127.64.0.0/16
+    --node-lease-duration-seconds 40 --node-ip 127.0.0.1 --cidr 127.64.0.0/16
 }
 
 # nodes_ready SELECTOR N: at least N nodes matching SELECTOR are Ready.

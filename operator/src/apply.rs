@@ -2,9 +2,11 @@
 //! Each owned kind keeps its cache and, per pipeline, what the operator last applied (a hash
 //! of it) and what the API server answered; an object is applied again when the wanted one
 //! differs, when someone else changed or deleted it (its generation, or for kinds whose spec
-//! changes do not move one its resourceVersion, moved past the answer), and every [`RESYNC`]
-//! regardless (drift in metadata need not move the generation). An object of an owned name that
-//! the pipeline does not own is never written: no adoption.
+//! changes do not move one its resourceVersion, moved past the answer), or when the cached copy
+//! lacks a label, annotation or owner the operator sets (an edit of metadata moves no
+//! generation). Nothing is applied on a timer: the watches show every change, and an object
+//! as left costs no request however long it stands. An object of an owned name that the
+//! pipeline does not own is never written: no adoption.
 
 use crate::cache::Cached;
 use crate::error::{at, ensure_owned, Error};
@@ -14,14 +16,10 @@ use kube::api::{Patch, PatchParams};
 use kube::{Api, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Debug;
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
-
-/// Every owned object is applied at least this often, changed or not.
-pub const RESYNC: Duration = Duration::from_secs(600);
 
 /// One owned kind: its cache and what was last applied per pipeline ("namespace/name").
 pub struct Owned<K: Resource<DynamicType = ()> + 'static> {
@@ -42,7 +40,6 @@ pub enum Changes {
 struct Applied<K> {
     wanted: u64,
     answer: Arc<K>,
-    at: Instant,
 }
 
 /// Did the object stay as the apply left it? Its uid is the same and its generation has not
@@ -55,6 +52,24 @@ fn as_left<K: Resource>(changes: Changes, live: &K, answer: &K) -> bool {
             Changes::Generation => l.generation.unwrap_or(0) <= a.generation.unwrap_or(0),
             Changes::ResourceVersion => l.resource_version == a.resource_version,
         }
+}
+
+/// Does `live` still carry the labels, annotations and owners `wanted` sets? Others may add
+/// their own (the Deployment controller's revision annotation); removing or changing ours is
+/// drift.
+fn metadata_kept<K: Resource>(live: &K, wanted: &K) -> bool {
+    let (l, w) = (live.meta(), wanted.meta());
+    let within = |w: &Option<BTreeMap<String, String>>, l: &Option<BTreeMap<String, String>>| {
+        (w.iter().flatten()).all(|(k, v)| l.as_ref().and_then(|l| l.get(k)) == Some(v))
+    };
+    let owners = |m: &kube::api::ObjectMeta| {
+        (m.owner_references.iter().flatten())
+            .map(|o| (o.uid.clone(), o.controller))
+            .collect::<HashSet<_>>()
+    };
+    within(&w.labels, &l.labels)
+        && within(&w.annotations, &l.annotations)
+        && owners(w).is_subset(&owners(l))
 }
 
 fn hash_of<K: Serialize>(obj: &K) -> u64 {
@@ -130,8 +145,8 @@ where
             let applied = self.applied.lock().expect("applied objects");
             applied.get(pipeline).is_some_and(|a| {
                 a.wanted == wanted
-                    && a.at.elapsed() < RESYNC
                     && as_left(self.changes, live.as_ref(), a.answer.as_ref())
+                    && metadata_kept(live.as_ref(), obj)
             })
         });
         if let (true, Some(live)) = (unchanged, &live) {
@@ -141,7 +156,7 @@ where
             "{pipeline}: applying {} {ns}/{name} ({})",
             K::kind(&()),
             if live.is_some() {
-                "changed, or due"
+                "changed, or drifted"
             } else {
                 "absent"
             }
@@ -155,7 +170,6 @@ where
             Applied {
                 wanted,
                 answer: answer.clone(),
-                at: Instant::now(),
             },
         );
         Ok(answer)
@@ -217,5 +231,46 @@ mod tests {
             &service("u1", Some(1), "101"),
             &answer
         ));
+    }
+
+    #[test]
+    fn metadata_drift_is_ours_removed_or_changed_not_others_added() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+        let map = |kv: &[(&str, &str)]| {
+            Some(
+                kv.iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            )
+        };
+        let owner = |uid: &str| OwnerReference {
+            uid: uid.into(),
+            controller: Some(true),
+            ..OwnerReference::default()
+        };
+        let with = |labels, annotations, owners: Vec<OwnerReference>| Service {
+            metadata: ObjectMeta {
+                labels,
+                annotations,
+                owner_references: Some(owners),
+                ..ObjectMeta::default()
+            },
+            ..Service::default()
+        };
+        let wanted = with(map(&[("a", "1")]), map(&[("n", "x")]), vec![owner("p")]);
+        let added = with(
+            map(&[("a", "1"), ("b", "2")]),
+            map(&[("n", "x"), ("rev", "3")]),
+            vec![owner("p")],
+        );
+        assert!(metadata_kept(&added, &wanted));
+        for drifted in [
+            with(map(&[("a", "2")]), map(&[("n", "x")]), vec![owner("p")]),
+            with(None, map(&[("n", "x")]), vec![owner("p")]),
+            with(map(&[("a", "1")]), None, vec![owner("p")]),
+            with(map(&[("a", "1")]), map(&[("n", "x")]), vec![owner("q")]),
+        ] {
+            assert!(!metadata_kept(&drifted, &wanted), "{:?}", drifted.metadata);
+        }
     }
 }

@@ -39,6 +39,10 @@ pub struct LeaderElection {
     /// The Lease's resourceVersion as last seen, and when it was first seen (this process's
     /// monotonic clock).
     observed: Mutex<Option<(String, Instant)>>,
+    /// The Lease as this replica's last successful write left it: the next renewal writes
+    /// over it directly (one request, not a read and a write), its resourceVersion the
+    /// precondition; a 409 (someone else wrote since) goes back to reading it.
+    written: Mutex<Option<Lease>>,
     /// The wall clock the Lease's timestamps are written with (for people reading the Lease;
     /// never compared). Tests set a skewed one.
     wall_clock: fn() -> Timestamp,
@@ -52,6 +56,7 @@ impl LeaderElection {
             identity: identity.into(),
             duration,
             observed: Mutex::new(None),
+            written: Mutex::new(None),
             wall_clock: Timestamp::now,
         }
     }
@@ -126,6 +131,15 @@ impl LeaderElection {
             lease_transitions: Some(transitions),
             ..LeaseSpec::default()
         };
+        let written = self.written.lock().expect("written lease").take();
+        if let Some(mut lease) = written {
+            let cur = lease.spec.clone().unwrap_or_default();
+            lease.spec = Some(spec(cur.acquire_time, cur.lease_transitions.unwrap_or(0)));
+            match self.replace(&lease).await {
+                Err(kube::Error::Api(e)) if e.code == 409 => {} // someone else wrote: read it
+                written => return self.held(written),
+            }
+        }
         let Some(mut lease) = self.api.get_opt(&self.name).await? else {
             let lease = Lease {
                 metadata: ObjectMeta {
@@ -134,11 +148,8 @@ impl LeaderElection {
                 },
                 spec: Some(spec(Some(now.clone()), 0)),
             };
-            return match self.api.create(&PostParams::default(), &lease).await {
-                Ok(_) => Ok(true),
-                Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
-                Err(e) => Err(e),
-            };
+            let created = self.api.create(&PostParams::default(), &lease).await;
+            return self.held(created);
         };
         let cur = lease.spec.clone().unwrap_or_default();
         let mine = cur.holder_identity.as_deref() == Some(self.identity.as_str());
@@ -156,12 +167,23 @@ impl LeaderElection {
         };
         lease.spec = Some(spec(acquired, transitions));
         // `lease.metadata.resource_version` is the one read: a concurrent writer makes this 409.
-        match self
-            .api
-            .replace(&self.name, &PostParams::default(), &lease)
+        self.held(self.replace(&lease).await)
+    }
+
+    async fn replace(&self, lease: &Lease) -> Result<Lease, kube::Error> {
+        (self.api)
+            .replace(&self.name, &PostParams::default(), lease)
             .await
-        {
-            Ok(_) => Ok(true),
+    }
+
+    /// Whether a write of the Lease made this replica its holder (409: another writer won);
+    /// the Lease as written is kept for the next renewal.
+    fn held(&self, written: Result<Lease, kube::Error>) -> Result<bool, kube::Error> {
+        match written {
+            Ok(lease) => {
+                *self.written.lock().expect("written lease") = Some(lease);
+                Ok(true)
+            }
             Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
             Err(e) => Err(e),
         }

@@ -267,12 +267,6 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
         }
     };
     let (pipeline, c) = (key(dp), &ctx.cluster);
-    let credentials = &ctx.credentials;
-    credentials
-        .ensure_token(&valid, &ctx.client, &pipeline)
-        .await?;
-    let cert_not_after = credentials.ensure_tls(dp, &ctx.client, &pipeline).await?;
-
     let existing = c
         .deployments
         .current(&pipeline, &ns, &crate::labels::names(dp).workers);
@@ -281,6 +275,16 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
         .as_ref()
         .and_then(|d| d.status.as_ref()?.ready_replicas)
         .unwrap_or(0);
+    // A deleted Secret keeps new worker pods from starting: unready workers are a reason to
+    // read the credentials again.
+    let unready = current.is_some_and(|c| ready < c);
+    let credentials = &ctx.credentials;
+    credentials
+        .ensure_token(&valid, &ctx.client, &pipeline, unready)
+        .await?;
+    let cert_not_after = (credentials)
+        .ensure_tls(dp, &ctx.client, &pipeline, unready)
+        .await?;
     let mut scale = decide(dp, ctx, current.unwrap_or(dp.spec.replicas), ready).await;
     let room = room(dp, c);
     let wanted = scale.replicas;

@@ -1,9 +1,13 @@
-//! The pipeline's credentials, kept: the token Secret (created once, never read) and the TLS
-//! material (a CA per pipeline, the workers' certificate renewed before it expires, the CA
-//! certificate for trainers). Each is checked once per pipeline and then every [`RESYNC`]
-//! (someone may have deleted it), not on every reconcile. The objects are `credentials`.
+//! The pipeline's credentials, kept: the token Secret (created once, its value never read) and
+//! the TLS material (a CA per pipeline, the workers' certificate renewed before it expires, the
+//! CA certificate for trainers). The operator may not watch Secrets (docs/security.md), so it
+//! reads them: once per pipeline, then again about hourly (someone may have deleted one), and
+//! sooner while some of the pipeline's workers are not ready — which a deleted Secret causes,
+//! its pods unable to mount it: a minute after the last check, then 2, 4, ... minutes while
+//! they stay unready for another reason (a pipeline stuck unready costs ~6 checks an hour,
+//! not 60). A settled pipeline costs 4 reads an hour, not one on every reconcile. The objects
+//! are `credentials`.
 
-use crate::apply::RESYNC;
 use crate::crd::{DataPipeline, TlsMode};
 use crate::credentials::{self as cred, CA_VALIDITY, WORKER_VALIDITY};
 use crate::error::{at, at_name, ensure_owned, object_name, Error};
@@ -15,16 +19,52 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::{Resource, ResourceExt};
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use stoker_tls::issue::{unique_name, Authority};
+
+/// How often a settled pipeline's credentials are read again, each pipeline at its own time
+/// within ±25 % of it (pipelines created together are not all read together again).
+const CHECK_EVERY: Duration = Duration::from_secs(3600);
+/// The first wait before a check while some of the pipeline's workers are not ready; it
+/// doubles with each check made while they are, up to [`CHECK_EVERY`].
+const CHECK_UNREADY_FIRST: Duration = Duration::from_secs(60);
 
 /// What was last made sure of, per pipeline ("namespace/name").
 pub struct Credentials {
     /// The cluster's DNS domain: the last of the workers' certificate names.
     cluster_domain: String,
-    tokens: Mutex<HashMap<String, Instant>>,
+    tokens: Mutex<HashMap<String, Checked>>,
     /// When the TLS material was checked, and when the workers' certificate expires.
-    certs: Mutex<HashMap<String, (Instant, u64)>>,
+    certs: Mutex<HashMap<String, (Checked, u64)>>,
+}
+
+/// When a pipeline's credential was last made sure of, when it is next due, and how long
+/// after the last check unready workers make it due.
+#[derive(Clone, Copy, Debug)]
+struct Checked {
+    at: Instant,
+    due: Instant,
+    unready_wait: Duration,
+}
+
+impl Checked {
+    /// A check made now (`before`: the last one), with the pipeline's workers unready or not.
+    fn made(before: Option<Checked>, workers_unready: bool) -> Self {
+        let at = Instant::now();
+        let unready_wait = match before {
+            Some(b) if workers_unready => (b.unready_wait * 2).min(CHECK_EVERY),
+            _ => CHECK_UNREADY_FIRST,
+        };
+        Checked {
+            at,
+            due: at + CHECK_EVERY.mul_f64(0.75 + 0.5 * rand::random::<f64>()),
+            unready_wait,
+        }
+    }
+
+    fn fresh(&self, workers_unready: bool) -> bool {
+        Instant::now() < self.due && !(workers_unready && self.at.elapsed() >= self.unready_wait)
+    }
 }
 
 fn unix_now() -> u64 {
@@ -56,33 +96,41 @@ impl Credentials {
         (self.certs.lock().expect("certs")).retain(|k, _| live.contains(k));
     }
 
-    /// Creates the token Secret unless it exists. Create only: the operator never reads it
-    /// (409: it exists, made by an earlier reconcile or another replica), and a token is never
-    /// rotated under running trainers.
+    /// Creates the token Secret unless it exists: written once, and never rotated under
+    /// running trainers. Its value is never read: a check reads its metadata only (is it
+    /// there, is it the pipeline's); a create that finds it made meanwhile (409, another
+    /// replica) is as good.
     pub async fn ensure_token(
         &self,
         valid: &Valid<'_>,
         client: &kube::Client,
         key: &str,
+        workers_unready: bool,
     ) -> Result<(), Error> {
         let dp = valid.dp;
-        let fresh = |t: &Instant| t.elapsed() < RESYNC;
-        if dp.spec.token_secret.is_some()
-            || (self.tokens.lock().expect("tokens").get(key)).is_some_and(fresh)
-        {
+        let before = self.tokens.lock().expect("tokens").get(key).copied();
+        if dp.spec.token_secret.is_some() || before.is_some_and(|c| c.fresh(workers_unready)) {
             return Ok(());
         }
-        let secret = cred::token_secret(valid, &random_token());
         let ns = dp.namespace().unwrap_or_default();
-        match Api::<Secret>::namespaced(client.clone(), &ns)
-            .create(&PostParams::default(), &secret)
-            .await
-        {
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 409 => {}
-            Err(e) => return Err(at(Step::Token, &secret)(e)),
+        let name = names(dp).token_secret;
+        let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+        let existing = (secrets.get_metadata_opt(&name).await).map_err(at_name::<Secret>(
+            Step::Token,
+            &ns,
+            &name,
+        ))?;
+        ensure_owned(Step::Token, &ns, &name, existing.as_ref(), owner(dp))?;
+        if existing.is_none() {
+            let secret = cred::token_secret(valid, &random_token());
+            match secrets.create(&PostParams::default(), &secret).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) => return Err(at(Step::Token, &secret)(e)),
+            }
         }
-        (self.tokens.lock().expect("tokens")).insert(key.into(), Instant::now());
+        let checked = Checked::made(before, workers_unready);
+        (self.tokens.lock().expect("tokens")).insert(key.into(), checked);
         Ok(())
     }
 
@@ -94,15 +142,16 @@ impl Credentials {
         dp: &DataPipeline,
         client: &kube::Client,
         key: &str,
+        workers_unready: bool,
     ) -> Result<Option<u64>, Error> {
         if dp.spec.tls.mode == TlsMode::InsecurePlaintext {
             return Ok(None);
         }
         let now = unix_now();
-        let checked = self.certs.lock().expect("certs").get(key).copied();
-        if let Some((at, not_after)) = checked {
-            let due = not_after.saturating_sub(cred::RENEW_BEFORE.as_secs()) <= now;
-            if at.elapsed() < RESYNC && !due {
+        let before = self.certs.lock().expect("certs").get(key).copied();
+        if let Some((checked, not_after)) = before {
+            let renew = not_after.saturating_sub(cred::RENEW_BEFORE.as_secs()) <= now;
+            if checked.fresh(workers_unready) && !renew {
                 return Ok(Some(not_after));
             }
         }
@@ -141,7 +190,8 @@ impl Credentials {
                 }
             };
         ensure_ca_config_map(dp, client, &ns, ca.cert_pem()).await?;
-        (self.certs.lock().expect("certs")).insert(key.into(), (Instant::now(), not_after));
+        let checked = Checked::made(before.map(|(c, _)| c), workers_unready);
+        (self.certs.lock().expect("certs")).insert(key.into(), (checked, not_after));
         Ok(Some(not_after))
     }
 }
@@ -226,4 +276,26 @@ fn random_token() -> String {
     // ThreadRng is a CSPRNG seeded from the OS.
     let b: [u8; 32] = rand::random();
     b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unready_workers_bring_checks_sooner_and_less_often_the_longer_they_stay() {
+        let mut c = Checked::made(None, true);
+        let mut waits = vec![c.unready_wait.as_secs()];
+        for _ in 0..8 {
+            c = Checked::made(Some(c), true);
+            waits.push(c.unready_wait.as_secs());
+        }
+        assert_eq!(waits, [60, 120, 240, 480, 960, 1920, 3600, 3600, 3600]);
+        // Ready again: the next unready spell starts at a minute.
+        assert_eq!(Checked::made(Some(c), false).unready_wait.as_secs(), 60);
+        let due = c.due.duration_since(c.at).as_secs_f64();
+        assert!((2700.0..=4500.0).contains(&due), "{due}");
+        // Just checked: fresh, unready or not.
+        assert!(c.fresh(false) && c.fresh(true));
+    }
 }

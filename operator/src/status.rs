@@ -58,15 +58,19 @@ pub fn compute(dp: &DataPipeline, scale: &Scale, seen: &Observed) -> DataPipelin
         desired_replicas: scale.replicas,
         ready_replicas: ready,
         selector: selector_string(dp),
-        wait_ratio: scale.observation.map(|o| WaitRatio {
-            worst: round3(o.worst_wait_ratio),
-            mean: round3(o.mean_wait_ratio),
+        wait_ratio: scale.observation.map(|o| {
+            let shown = prev.wait_ratio;
+            WaitRatio {
+                worst: Shown::WAIT_RATIO.of(o.worst_wait_ratio, shown.map(|w| w.worst)),
+                mean: Shown::WAIT_RATIO.of(o.mean_wait_ratio, shown.map(|w| w.mean)),
+            }
         }),
-        samples_per_second: scale.observation.map(|o| round3(o.consumed_per_s)),
-        per_worker_samples_per_second: scale
-            .per_worker
-            .map(round3)
-            .or(prev.per_worker_samples_per_second),
+        samples_per_second: (scale.observation)
+            .map(|o| Shown::RATE.of(o.consumed_per_s, prev.samples_per_second)),
+        per_worker_samples_per_second: match scale.per_worker {
+            Some(v) => Some(Shown::RATE.of(v, prev.per_worker_samples_per_second)),
+            None => prev.per_worker_samples_per_second,
+        },
         last_scale_time,
         last_scale_reason,
         observed_generation: generation,
@@ -215,8 +219,52 @@ fn now() -> Time {
     Time(k8s_openapi::jiff::Timestamp::now())
 }
 
-fn round3(v: f64) -> f64 {
-    (v * 1000.0).round() / 1000.0
+/// How a trainer measurement is shown in the status: rounded to what a person reads, and the
+/// value already shown kept until the new one is a whole step away from it. Each autoscaled
+/// pipeline reads its trainers every interval; shown to 0.001 its status changed at every
+/// reading (4 writes a minute per pipeline at 15 s), noise that nobody reads. Kept within a
+/// step, a reading that wobbles around a rounding edge writes nothing; a real change of a step
+/// is shown at the next reading.
+enum Shown {
+    /// To 0.01, changed by 0.01: the wait ratio, a fraction whose targets are a few hundredths.
+    Hundredths,
+    /// To 3 significant digits, changed by 5 % of the value shown: rates.
+    Relative,
+}
+
+impl Shown {
+    const WAIT_RATIO: Shown = Shown::Hundredths;
+    const RATE: Shown = Shown::Relative;
+
+    fn of(&self, value: f64, shown: Option<f64>) -> f64 {
+        let step = |s: f64| match self {
+            Shown::Hundredths => 0.01,
+            Shown::Relative => 0.05 * s.abs(),
+        };
+        match shown {
+            Some(s) if (value - s).abs() < step(s) => s,
+            _ => match self {
+                Shown::Hundredths => (value * 100.0).round() / 100.0,
+                Shown::Relative => significant(value, 3),
+            },
+        }
+    }
+}
+
+/// `v` to `digits` significant digits (a multiple or fraction of a power of ten computed from
+/// integers, so 1230 is 1230.0, not 1230.0000000000002).
+fn significant(v: f64, digits: i32) -> f64 {
+    if v == 0.0 || !v.is_finite() {
+        return v;
+    }
+    let shift = digits - 1 - v.abs().log10().floor() as i32;
+    if shift >= 0 {
+        let m = 10f64.powi(shift);
+        (v * m).round() / m
+    } else {
+        let m = 10f64.powi(-shift);
+        (v / m).round() * m
+    }
 }
 
 #[cfg(test)]
@@ -277,6 +325,60 @@ mod tests {
             .conditions
             .iter()
             .all(|c| c.observed_generation == Some(7)));
+    }
+
+    #[test]
+    fn measurements_are_shown_as_read_and_kept_within_a_step() {
+        let w = Shown::WAIT_RATIO;
+        assert_eq!(w.of(0.04712, None), 0.05);
+        // Noise about a rounding edge keeps what is shown; a step away, the new value.
+        assert_eq!(w.of(0.0449, Some(0.05)), 0.05);
+        assert_eq!(w.of(0.0551, Some(0.05)), 0.05);
+        assert_eq!(w.of(0.0390, Some(0.05)), 0.04);
+        assert_eq!(w.of(0.8, Some(0.05)), 0.8);
+        let r = Shown::RATE;
+        assert_eq!(r.of(1234.5, None), 1230.0);
+        assert_eq!(r.of(0.012345, None), 0.0123);
+        assert_eq!(r.of(1290.0, Some(1230.0)), 1230.0);
+        assert_eq!(r.of(1300.0, Some(1230.0)), 1300.0);
+        assert_eq!(r.of(0.0, Some(0.0)), 0.0);
+        assert_eq!(r.of(3.0, Some(0.0)), 3.0);
+    }
+
+    #[test]
+    fn a_status_is_unchanged_by_readings_within_a_step() {
+        let seen = Observed {
+            deployment: DeploymentStatus {
+                replicas: Some(2),
+                ready_replicas: Some(2),
+                ..Default::default()
+            },
+            room: None,
+            wanted: 2,
+            previous_replicas: Some(2),
+        };
+        let reading = |wait: f64, rate: f64| Scale {
+            observation: Some(Observation {
+                worst_wait_ratio: wait,
+                mean_wait_ratio: wait / 2.0,
+                consumed_per_s: rate,
+                ready_workers: 2,
+                ranks_reporting: 8,
+                ranks: 8,
+            }),
+            per_worker: Some(rate / 2.0),
+            metrics_available: Some(true),
+            ..scale(2)
+        };
+        let mut d = dp();
+        d.status = Some(compute(&d, &reading(0.031, 812.4), &seen));
+        let first = d.status.clone().unwrap();
+        assert_eq!(first.samples_per_second, Some(812.0));
+        for (wait, rate) in [(0.034, 790.0), (0.027, 840.0), (0.0251, 780.0)] {
+            assert_eq!(compute(&d, &reading(wait, rate), &seen), first);
+        }
+        let moved = compute(&d, &reading(0.047, 812.0), &seen);
+        assert_eq!(moved.wait_ratio.map(|w| w.worst), Some(0.05));
     }
 
     #[test]

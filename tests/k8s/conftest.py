@@ -6,9 +6,11 @@ what the cluster enforces."""
 
 import collections
 import ctypes
+import http.server
 import json
 import os
 import pathlib
+import random
 import shutil
 import signal
 import socket
@@ -299,6 +301,60 @@ class TrainerNet:
     def close(self) -> None:
         # Deleting the namespace deletes its end of the veth pair, and so the pair.
         subprocess.run(["ip", "netns", "del", self.NAME], capture_output=True)
+
+
+class Trainer(http.server.ThreadingHTTPServer):
+    """A simulated trainer rank's /metrics in the test's own network namespace (the operator
+    scrapes no loopback address): counters that integrate a wait ratio the test sets, as
+    stoker's client exports them. With jitter, each scrape's interval gets the wait ratio
+    ± `wait_jitter` and the rate ± `rate_jitter` of itself, drawn uniformly: the noise of a
+    real trainer's readings."""
+
+    def __init__(self, net: TrainerNet, pipeline: str = "scaler", rank: int = 0,
+                 wait_jitter: float = 0.0, rate_jitter: float = 0.0, seed: int = 0) -> None:
+        self.wait_ratio, self.rate = 0.8, 20.0
+        self.wait_jitter, self.rate_jitter = wait_jitter, rate_jitter
+        self.rng = random.Random(seed)
+        self.labels = f'{{pipeline="{pipeline}",rank="{rank}"}}'
+        self.counters = [0.0, 0.0, 0.0]
+        self.t = time.monotonic()
+        self.lock = threading.Lock()
+        trainer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = trainer.render().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        super().__init__((net.ADDRESS, 0), Handler, bind_and_activate=False)
+        self.socket.close()
+        self.socket = net.listening_socket()
+        self.server_address = self.socket.getsockname()
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def render(self) -> str:
+        with self.lock:
+            now = time.monotonic()
+            dt, self.t = now - self.t, now
+            u = lambda: self.rng.uniform(-1.0, 1.0)
+            wait = min(max(self.wait_ratio + self.wait_jitter * u(), 0.0), 1.0)
+            self.counters[0] += wait * dt
+            self.counters[1] += (1 - wait) * dt
+            self.counters[2] += self.rate * (1 + self.rate_jitter * u()) * dt
+            w, s, n = self.counters
+        return (f"stoker_trainer_wait_seconds_total{self.labels} {w}\n"
+                f"stoker_trainer_step_seconds_total{self.labels} {s}\n"
+                f"stoker_trainer_samples_total{self.labels} {n}\n")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.server_address[0]}:{self.server_address[1]}/metrics"
 
 
 @pytest.fixture(scope="session")

@@ -5,10 +5,8 @@ Tests run in file order and share one cluster and one operator (see conftest.py)
 
 import base64
 import copy
-import http.server
 import json
 import pathlib
-import threading
 import time
 
 import subprocess
@@ -16,7 +14,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import (REPO, RELEASE_NS, SA, Audit, Operator, TrainerNet, helm, restricted_namespace,
+from conftest import (REPO, RELEASE_NS, SA, Audit, Operator, Trainer, helm, restricted_namespace,
                       wait_until)
 
 NS = "ml"
@@ -337,53 +335,6 @@ def test_a_nodes_bandwidth_budget_counts_every_pipelines_workers(cluster, operat
 
 
 # --- scaling ----------------------------------------------------------------------------------
-
-class Trainer(http.server.ThreadingHTTPServer):
-    """A simulated trainer rank's /metrics in the test's own network namespace (the operator
-    scrapes no loopback address): counters that integrate a wait ratio the test sets, as
-    stoker's client exports them."""
-
-    def __init__(self, net: TrainerNet) -> None:
-        self.wait_ratio, self.rate = 0.8, 20.0
-        self.counters = [0.0, 0.0, 0.0]
-        self.t = time.monotonic()
-        self.lock = threading.Lock()
-        trainer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                body = trainer.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a):
-                pass
-
-        super().__init__((net.ADDRESS, 0), Handler, bind_and_activate=False)
-        self.socket.close()
-        self.socket = net.listening_socket()
-        self.server_address = self.socket.getsockname()
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    def render(self) -> str:
-        with self.lock:
-            now = time.monotonic()
-            dt, self.t = now - self.t, now
-            self.counters[0] += self.wait_ratio * dt
-            self.counters[1] += (1 - self.wait_ratio) * dt
-            self.counters[2] += self.rate * dt
-            w, s, n = self.counters
-        labels = '{pipeline="scaler",rank="0"}'
-        return (f"stoker_trainer_wait_seconds_total{labels} {w}\n"
-                f"stoker_trainer_step_seconds_total{labels} {s}\n"
-                f"stoker_trainer_samples_total{labels} {n}\n")
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.server_address[0]}:{self.server_address[1]}/metrics"
-
 
 def test_autoscaling_follows_the_trainers_wait_ratio(cluster, operator, trainer_net):
     trainer = Trainer(trainer_net)

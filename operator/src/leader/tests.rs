@@ -150,6 +150,8 @@ mod two_replicas {
         version: u64,
         writes: Vec<&'static str>,
         cut_off: HashSet<&'static str>,
+        lease_reads: usize,
+        lease_writes: usize,
     }
 
     fn status(code: u16) -> Response<Body> {
@@ -180,11 +182,15 @@ mod two_replicas {
             let mut s = self.state.lock().unwrap();
             let is_lease = path.starts_with("/apis/coordination.k8s.io/");
             match (method, is_lease) {
-                (Method::GET, true) => match &s.lease {
-                    Some(lease) => respond(lease),
-                    None => status(404),
-                },
+                (Method::GET, true) => {
+                    s.lease_reads += 1;
+                    match &s.lease {
+                        Some(lease) => respond(lease),
+                        None => status(404),
+                    }
+                }
                 (Method::POST | Method::PUT, true) => {
+                    s.lease_writes += 1;
                     let mut lease: Value = serde_json::from_slice(&body).unwrap();
                     let current = s.version.to_string();
                     let fresh = match &s.lease {
@@ -330,6 +336,21 @@ mod two_replicas {
         let mut runs: Vec<&'static str> = api.state.lock().unwrap().writes.clone();
         runs.dedup();
         runs
+    }
+
+    #[test]
+    fn a_leader_renews_with_one_request() {
+        let api = Arc::new(ApiServer::default());
+        let a = replica(&api, "a", Timestamp::now);
+        a.run_for(Duration::from_secs(60));
+        let s = api.state.lock().unwrap();
+        // The first try reads (none there) and creates; each renewal every 5 s writes only.
+        assert_eq!(
+            (s.lease_reads, s.lease_writes),
+            (1, 12),
+            "{:?}",
+            s.writes.len()
+        );
     }
 
     #[test]

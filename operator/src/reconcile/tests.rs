@@ -195,7 +195,18 @@ async fn serve_first_tls(h: &mut Handle) -> Value {
 /// ready), the other owned objects, status. What the API server answered, and the status
 /// sent.
 async fn serve_first_reconcile(h: &mut Handle, ready: i32) -> (Vec<Value>, Value) {
-    // The token Secret: created (create only, the operator never reads it).
+    // The token Secret: its metadata read (none there; its value is never read), created.
+    let (req, send) = h.next_request().await.expect("a request");
+    assert_eq!(req.uri().path(), format!("{SECRETS}/qwen-sft-token"));
+    let accept = req.headers().get(http::header::ACCEPT).unwrap();
+    assert!(
+        accept
+            .to_str()
+            .unwrap()
+            .contains("as=PartialObjectMetadata"),
+        "{accept:?}"
+    );
+    send.send_response(not_found());
     let (secret, send) = expect(h, Method::POST, SECRETS).await;
     assert_eq!(secret["metadata"]["name"], "qwen-sft-token");
     assert_eq!(secret["stringData"]["token"].as_str().unwrap().len(), 64);
@@ -405,6 +416,24 @@ async fn a_secret_of_the_cas_name_that_the_pipeline_does_not_own_is_refused() {
     let why = "Secret ml/qwen-sft-tls-ca: exists and is not owned by DataPipeline qwen-sft";
     // Nothing written, nothing applied: the reconcile stopped there, and said why.
     assert_not_owned_reported(&e, "tls", why, server.await.unwrap()).await;
+}
+
+/// A token Secret of the pipeline's name that someone else made is not taken as the
+/// pipeline's (its token would be theirs): its metadata is read, nothing more.
+#[tokio::test]
+async fn a_token_secret_that_the_pipeline_does_not_own_is_refused() {
+    let (ctx, mut h, _watches) = context(vec![], &["n1"]);
+    let dp = Arc::new(example());
+    let server = tokio::spawn(async move {
+        let (_, send) = expect(&mut h, Method::GET, &format!("{SECRETS}/qwen-sft-token")).await;
+        let foreign = json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+            "metadata": {"name": "qwen-sft-token", "namespace": "ml"}});
+        send.send_response(ok(&foreign));
+        serve_not_owned_report(h).await
+    });
+    let e = reconcile(dp, ctx.clone()).await.unwrap_err();
+    let why = "Secret ml/qwen-sft-token: exists and is not owned by DataPipeline qwen-sft";
+    assert_not_owned_reported(&e, "token", why, server.await.unwrap()).await;
 }
 
 /// After a NotOwned error: the Warning Event and the status, answered; the Event and the
