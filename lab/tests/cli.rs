@@ -300,7 +300,7 @@ async fn balanced_ranks_need_the_datasets_lengths_and_keep_every_global_batch() 
 
     let stored =
         write_sample_lengths(STOKER.as_ref(), "s3://bucket/data", &s3.env(), &data).unwrap();
-    let tokens = SampleLengths::from_bytes(&stored).unwrap().tokens;
+    let tokens: Vec<u32> = (SampleLengths::from_bytes(stored).unwrap().tokens.iter()).collect();
     assert_eq!(tokens.len(), 24);
     // Measured at index time from text and image headers (EXIF-rotated JPEGs among them):
     // the lengths the whole decoding pipeline gives.

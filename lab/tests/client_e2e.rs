@@ -126,7 +126,7 @@ fn kills_lose_and_duplicate_no_sample(shaping: Shaping) {
     if shaping != Shaping::default() {
         let dir = root.path().join("bucket/data");
         let stored = write_sample_lengths(STOKER.as_ref(), "s3://bucket/data", &s3.env(), &dir);
-        let lengths = SampleLengths::from_bytes(&stored.unwrap()).unwrap();
+        let lengths = SampleLengths::from_bytes(stored.unwrap()).unwrap();
         plan = plan.with_lengths(lengths.tokens, shaping);
     }
     let env = s3.env();

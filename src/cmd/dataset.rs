@@ -549,7 +549,8 @@ async fn store_lengths(p: &Pipeline, by_id: &[Option<SampleShape>]) -> anyhow::R
         tokens: by_id
             .iter()
             .map(|l| l.as_ref().map_or(0, |l| l.tokens as u32))
-            .collect(),
+            .collect::<Vec<u32>>()
+            .into(),
     };
     p.store.put(LENGTHS_KEY, stored.to_bytes()).await?;
     eprintln!("wrote {}", p.store.describe(LENGTHS_KEY));

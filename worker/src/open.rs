@@ -2,6 +2,7 @@
 //! one store and index when mixed, the plan over them, and the pipeline.
 
 use crate::dataset::index::DatasetIndex;
+use crate::dataset::le_u32s::LeU32s;
 use crate::dataset::lengths::SampleLengths;
 use crate::identity::preprocessing_id;
 use crate::limits::SampleLimits;
@@ -11,7 +12,7 @@ use crate::plan::{Plan, Shaping};
 use crate::preprocess::preset::Preset;
 use crate::source::{MediaRoot, Store};
 use std::sync::Arc;
-use stoker_config::WorkerConfig;
+use stoker_config::{SampleOrder, WorkerConfig};
 
 /// One dataset of a pipeline: where it is, its weight in a mix, its own store (its index
 /// and lengths live at its root), its media root if its media lie apart, and its index.
@@ -53,7 +54,7 @@ impl Dataset {
     }
 
     /// Its samples' lengths for these preprocessing settings, each fitting a pack if packing.
-    async fn lengths(&self, preprocessing: u64, shaping: Shaping) -> anyhow::Result<Vec<u32>> {
+    async fn lengths(&self, preprocessing: u64, shaping: Shaping) -> anyhow::Result<LeU32s> {
         let n = self.index.num_samples();
         let lengths =
             SampleLengths::load(&self.store, self.index.version, preprocessing, n).await?;
@@ -106,6 +107,11 @@ async fn combine(
     Ok((store, media_roots, DatasetIndex::concat(parts.collect())))
 }
 
+/// From this many samples the `shuffle` order's arrays (4 bytes a sample, two at an epoch's
+/// end) are worth a warning: 67 MB each here, 400 MB at 10^8 (docs/design.md, "What a worker
+/// holds").
+const LARGE_SHUFFLE: u64 = 1 << 24;
+
 /// Opens the datasets, loads (or builds) their indexes and assembles the pipeline `cfg`
 /// describes.
 pub async fn open_pipeline(
@@ -138,6 +144,15 @@ pub async fn open_pipeline(
         cfg.sampling.seed,
     )
     .with_order(cfg.sampling.order);
+    let n = plan.num_samples;
+    if cfg.sampling.order == SampleOrder::Shuffle && n >= LARGE_SHUFFLE {
+        tracing::warn!(
+            "--order shuffle holds each epoch's order, 4 bytes a sample: {} MB for {n} samples, \
+             twice that from an epoch's last tenth to its end; --order feistel holds none \
+             (another plan: a resume state of one is refused by the other)",
+            4 * n / 1_000_000
+        );
+    }
     if datasets.len() > 1 {
         let weights: Vec<u32> = datasets.iter().map(|d| d.weight).collect();
         plan = plan.with_mix(&sizes, &weights);
@@ -149,11 +164,11 @@ pub async fn open_pipeline(
     };
     if shaping != Shaping::default() {
         let id = preprocessing_id(&config, text.fingerprint);
-        let mut lengths = Vec::with_capacity(plan.num_samples as usize);
+        let mut lengths = Vec::with_capacity(datasets.len());
         for d in &datasets {
-            lengths.extend(d.lengths(id, shaping).await?);
+            lengths.push(d.lengths(id, shaping).await?);
         }
-        plan = plan.with_lengths(lengths, shaping);
+        plan = plan.with_lengths(LeU32s::concat(lengths), shaping);
     }
     let names = datasets.iter().map(|d| d.uri.clone()).zip(sizes).collect();
     let (store, media_roots, index) = combine(datasets, cfg).await?;

@@ -13,6 +13,7 @@
 //! which builds what a request needs on the blocking pool and the next epoch's order ahead of
 //! the boundary: the serving threads (and the health probes) never wait on a build.
 
+use crate::dataset::le_u32s::LeU32s;
 use rand::{RngCore, SeedableRng};
 use std::sync::{Arc, Mutex, OnceLock};
 pub use stoker_config::SampleOrder;
@@ -34,8 +35,9 @@ pub struct Plan {
     costs: Option<(SampleCosts, Shaping)>,
     /// Several datasets mixed by weight (their ids follow each other).
     mix: Option<Mix>,
-    /// `shuffle`: recent epochs' permutations (the current one, the next built ahead, and
-    /// one for ranks still finishing the previous).
+    /// `shuffle`: the current epoch's permutation, and the next one from the current's last
+    /// tenth (built ahead) to the next's first tenth (then the older is dropped): 4 bytes a
+    /// sample each, twice that only around a boundary.
     perms: Recent<u64, Arc<Vec<u32>>>,
     /// `feistel` with length bucketing: recent windows of [`BUCKET_WINDOW`] global batches.
     windows: Recent<(u64, u64), Arc<Vec<u32>>>,
@@ -43,7 +45,7 @@ pub struct Plan {
     shaped: Recent<(u64, u64, usize), Arc<Vec<RankSlice>>>,
 }
 
-const CACHED_EPOCHS: usize = 3;
+const CACHED_EPOCHS: usize = 2;
 /// Shaped global batches kept: a worker serves a few batches ahead of the slowest rank.
 const CACHED_SHAPES: usize = 16;
 const CACHED_WINDOWS: usize = 4;
@@ -92,6 +94,12 @@ impl<K: PartialEq + Copy, V: Clone> Recent<K, V> {
             .any(|(k, slot)| *k == key && slot.get().is_some())
     }
 
+    /// Drops the values whose key `keep` refuses (a build under way finishes for whoever
+    /// waits on it).
+    fn retain(&self, keep: impl Fn(&K) -> bool) {
+        (self.entries.lock().expect("plan cache")).retain(|(k, _)| keep(k));
+    }
+
     /// Built or being built.
     fn has(&self, key: K) -> bool {
         let entries = self.entries.lock().expect("plan cache");
@@ -110,15 +118,20 @@ pub struct Shaping {
     pub pack_max_tokens: Option<u32>,
 }
 
-/// Per sample id: tokens (4 bytes a sample); costs follow from them by the cost model.
+/// Per sample id: tokens (4 bytes a sample, where the lengths file's bytes are); costs follow
+/// from them by the cost model.
 struct SampleCosts {
-    lengths: Vec<u32>,
+    lengths: LeU32s,
     model: stoker_balance::CostModel,
 }
 
 impl SampleCosts {
+    fn tokens(&self, id: u32) -> u32 {
+        self.lengths.get(id as usize)
+    }
+
     fn cost(&self, id: u32) -> u64 {
-        self.model.cost(self.lengths[id as usize].into())
+        self.model.cost(self.tokens(id).into())
     }
 }
 
@@ -163,14 +176,15 @@ impl Plan {
 
     /// The same plan shaped by the samples' token lengths (one per sample id); costs are the
     /// default cost model's. Packing needs every length to fit a pack.
-    pub fn with_lengths(mut self, lengths: Vec<u32>, shaping: Shaping) -> Self {
+    pub fn with_lengths(mut self, lengths: impl Into<LeU32s>, shaping: Shaping) -> Self {
+        let lengths = lengths.into();
         assert_eq!(
             lengths.len() as u64,
             self.num_samples,
             "a length per sample"
         );
         if let Some(max) = shaping.pack_max_tokens {
-            assert!(lengths.iter().all(|&t| t <= max), "a sample over {max}");
+            assert!(lengths.iter().all(|t| t <= max), "a sample over {max}");
         }
         let model = stoker_balance::CostModel::default();
         self.costs = Some((SampleCosts { lengths, model }, shaping));
@@ -228,7 +242,7 @@ impl Plan {
             };
             if let Some(sample) = self.bucketing() {
                 let batch = self.global_batch_size as usize;
-                perm = bucketed(&perm, sample, batch, &mut rng);
+                bucket(&mut perm, sample, batch, &mut rng);
             }
             Arc::new(perm)
         })
@@ -256,9 +270,10 @@ impl Plan {
             let batch = self.global_batch_size as u64;
             let start = w * batch * BUCKET_WINDOW as u64;
             let end = (start + batch * BUCKET_WINDOW as u64).min(self.num_samples);
-            let ids = self.feistel_ids(epoch, start..end);
+            let mut ids = self.feistel_ids(epoch, start..end);
             let mut rng = stream(FEISTEL, self.seed, epoch, w + 1);
-            Arc::new(bucketed(&ids, sample, batch as usize, &mut rng))
+            bucket(&mut ids, sample, batch as usize, &mut rng);
+            Arc::new(ids)
         })
     }
 
@@ -378,11 +393,19 @@ impl Plan {
 
     /// Starts building, on the blocking pool, what requests after (epoch, g) will need:
     /// `shuffle`, the next epoch's order once g is in the last tenth of the epoch; `feistel`
-    /// with bucketing, the next window.
+    /// with bucketing, the next window. Past an epoch's first tenth, `shuffle` drops the
+    /// earlier epochs' orders: ranks are in step within a tenth of an epoch, as the build
+    /// ahead assumes (one further behind has its epoch's order built again).
     fn build_ahead(self: &Arc<Self>, epoch: u64, g: u64) {
         let n = self.batches_per_epoch();
+        let tenth = n.div_ceil(AHEAD_FRACTION);
+        if let Needs::Epoch(e) = self.needs(epoch, g) {
+            if e > 0 && g >= tenth {
+                self.perms.retain(|&k| k >= e);
+            }
+        }
         let next = match self.needs(epoch, g) {
-            Needs::Epoch(e) if g + n.div_ceil(AHEAD_FRACTION) >= n => Needs::Epoch(e + 1),
+            Needs::Epoch(e) if g + tenth >= n => Needs::Epoch(e + 1),
             Needs::Window(e, w) if (w + 1) * (BUCKET_WINDOW as u64) < n => Needs::Window(e, w + 1),
             Needs::Window(e, _) => Needs::Window(e + 1, 0),
             _ => return,
@@ -413,10 +436,7 @@ fn shape(batch: &[u32], sample: &SampleCosts, shaping: Shaping, world: usize) ->
     let ids = |positions: &[usize]| positions.iter().map(|&p| batch[p] as u64).collect();
     let costs: Vec<u64> = batch.iter().map(|&i| sample.cost(i)).collect();
     if let Some(max) = shaping.pack_max_tokens {
-        let lengths: Vec<u64> = batch
-            .iter()
-            .map(|&i| sample.lengths[i as usize].into())
-            .collect();
+        let lengths: Vec<u64> = batch.iter().map(|&i| sample.tokens(i).into()).collect();
         let ranks = stoker_balance::pack_ranks(&lengths, &costs, world, max.into());
         return ranks
             .iter()
@@ -444,23 +464,23 @@ fn shape(batch: &[u32], sample: &SampleCosts, shaping: Shaping, world: usize) ->
 /// Length bucketing of a shuffled order: within each window of [`BUCKET_WINDOW`] global
 /// batches, samples sorted by cost (ties by id; cost grows with length) are cut into global
 /// batches, and those are shuffled (so steps do not run short to long). A final partial batch
-/// stays last, so every global batch keeps its place in the epoch.
-fn bucketed(
-    perm: &[u32],
-    sample: &SampleCosts,
-    batch: usize,
-    rng: &mut rand_chacha::ChaCha8Rng,
-) -> Vec<u32> {
-    let mut out = Vec::with_capacity(perm.len());
-    for window in perm.chunks(batch * BUCKET_WINDOW) {
-        let mut sorted = window.to_vec();
-        sorted.sort_unstable_by_key(|&i| (sample.cost(i), i));
-        let full = sorted.len() / batch;
+/// stays last, so every global batch keeps its place in the epoch. In place: a window's
+/// copy is all it allocates.
+fn bucket(perm: &mut [u32], sample: &SampleCosts, batch: usize, rng: &mut rand_chacha::ChaCha8Rng) {
+    let mut sorted = Vec::with_capacity(batch * BUCKET_WINDOW);
+    for window in perm.chunks_mut(batch * BUCKET_WINDOW) {
+        window.sort_unstable_by_key(|&i| (sample.cost(i), i));
+        sorted.clear();
+        sorted.extend_from_slice(window);
         let mut batches: Vec<&[u32]> = sorted.chunks(batch).collect();
+        let full = window.len() / batch;
         fisher_yates(&mut batches[..full], rng);
-        out.extend(batches.concat());
+        let mut at = 0;
+        for b in batches {
+            window[at..at + b.len()].copy_from_slice(b);
+            at += b.len();
+        }
     }
-    out
 }
 
 /// The streams of the `shuffle` order (tag "stokerv1", its values pinned since the first
@@ -694,6 +714,22 @@ mod tests {
             &Plan::new(10, 4, 0).permutation(0)[..],
             &[8, 3, 9, 2, 5, 4, 1, 6, 0, 7][..]
         );
+    }
+
+    #[test]
+    fn shuffle_holds_one_epochs_order_but_around_a_boundary() {
+        // 100 global batches an epoch: the next order from batch 90, the older dropped at 10.
+        let plan = Arc::new(Plan::new(1000, 10, 3));
+        let held = |e| plan.perms.has(e);
+        plan.permutation(0);
+        plan.permutation(1);
+        plan.build_ahead(1, 9);
+        assert!(held(0) && held(1));
+        plan.build_ahead(1, 10);
+        assert!(!held(0) && held(1));
+        // A rank an epoch behind still gets its order, built again.
+        assert_eq!(plan.rank_slice(0, 5, 0, 1).unwrap().samples.len(), 10);
+        assert!(held(0));
     }
 
     #[test]

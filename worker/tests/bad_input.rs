@@ -213,7 +213,7 @@ async fn lengths_from_headers_and_a_packed_batch_without_its_skipped_samples() {
     let lengths = SampleLengths {
         index_version: p.index.version,
         preprocessing: stoker_worker::identity::preprocessing_id(&p.config, p.text.fingerprint),
-        tokens: tokens.clone(),
+        tokens: tokens.clone().into(),
     };
     p.store.put(LENGTHS_KEY, lengths.to_bytes()).await.unwrap();
 

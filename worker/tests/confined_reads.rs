@@ -77,7 +77,7 @@ async fn an_index_naming_a_shard_outside_the_root_is_refused() {
     ] {
         let mut forged = built.clone();
         forged.shards[0].key = bad.to_string();
-        let e = DatasetIndex::from_bytes(&forged.to_bytes()).unwrap_err();
+        let e = DatasetIndex::from_bytes(forged.to_bytes()).unwrap_err();
         assert!(e.to_string().contains(&format!("shard key {bad:?}")), "{e}");
 
         // A worker given that index refuses to start, naming it.

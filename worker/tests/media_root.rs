@@ -67,7 +67,7 @@ async fn images_in_another_bucket_are_read_in_place() {
     // The stored index records its media root; opened with another, it is built again.
     store.put(INDEX_KEY, idx.to_bytes()).await.unwrap();
     let stored =
-        DatasetIndex::from_bytes(&store.get_at_most(INDEX_KEY, INDEX_CAP).await.unwrap()).unwrap();
+        DatasetIndex::from_bytes(store.get_at_most(INDEX_KEY, INDEX_CAP).await.unwrap()).unwrap();
     assert!(stored
         .shards
         .iter()

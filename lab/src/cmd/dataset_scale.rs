@@ -2,6 +2,13 @@
 //! it cost — time, peak memory and (behind the embedded S3 server) store requests — for this
 //! binary and, side by side, a baseline binary (e.g. the previous release). The dataset is
 //! text-only shards whose lines reference a few hundred images, generated once and reused.
+//!
+//! `--serve` then reads with one rank across two epoch boundaries (resumed a few batches
+//! before each end): the worker holds its index, the epochs' orders it caches, and with
+//! `--lengths` the samples' lengths (a synthetic `stoker-lengths.bin` for the worker's
+//! preprocessing, written without tokenizing 10^7 samples) for `--bucket-by-length`; its
+//! peak resident memory (VmHWM) after that is the figure the memory formula of docs/design.md
+//! is checked against.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -30,6 +37,15 @@ pub struct DatasetScaleArgs {
     /// Measure behind the embedded S3 server only (skip the local folder).
     #[arg(long)]
     s3_only: bool,
+    /// Once ready, read across two epoch boundaries and measure the worker's memory.
+    #[arg(long)]
+    serve: bool,
+    /// Give the worker samples' lengths and `--bucket-by-length` (with `--serve`).
+    #[arg(long)]
+    lengths: bool,
+    /// The worker's sample order.
+    #[arg(long, value_enum, default_value = "shuffle")]
+    order: stoker_config::SampleOrder,
 }
 
 /// One binary's figures on one store.
@@ -43,6 +59,8 @@ struct Row {
     ready_rss_mib: f64,
     /// Store requests from start to ready (S3 only).
     requests: Option<u64>,
+    /// With `--serve`: peak and resident MiB after two epoch boundaries.
+    served: Option<(f64, f64)>,
 }
 
 pub async fn run(a: DatasetScaleArgs) -> anyhow::Result<()> {
@@ -63,9 +81,10 @@ pub async fn run(a: DatasetScaleArgs) -> anyhow::Result<()> {
     for (name, exe) in &binaries {
         if !a.s3_only {
             let uri = data.display().to_string();
-            rows.push(measure(name, exe, "local", &uri, &[], None).await?);
+            rows.push(measure(name, exe, "local", &uri, &[], None, &a, &data).await?);
         }
-        rows.push(measure(name, exe, "s3", "s3://bucket/data", &s3.env(), Some(&s3)).await?);
+        let s3_uri = "s3://bucket/data";
+        rows.push(measure(name, exe, "s3", s3_uri, &s3.env(), Some(&s3), &a, &data).await?);
     }
     println!(
         "\n{} samples in {} shards, {} images",
@@ -74,7 +93,7 @@ pub async fn run(a: DatasetScaleArgs) -> anyhow::Result<()> {
         a.images
     );
     println!(
-        "{:<9} {:<6} {:>9} {:>11} {:>12} {:>9} {:>14} {:>13} {:>9}",
+        "{:<9} {:<6} {:>9} {:>11} {:>12} {:>9} {:>14} {:>13} {:>9} {:>15} {:>14}",
         "binary",
         "store",
         "index s",
@@ -83,11 +102,16 @@ pub async fn run(a: DatasetScaleArgs) -> anyhow::Result<()> {
         "ready s",
         "ready peak MiB",
         "ready RSS MiB",
-        "requests"
+        "requests",
+        "served peak MiB",
+        "served RSS MiB"
     );
     for r in &rows {
+        let (peak, rss) = r.served.map_or(("-".into(), "-".into()), |(p, r)| {
+            (format!("{p:.0}"), format!("{r:.0}"))
+        });
         println!(
-            "{:<9} {:<6} {:>9.1} {:>11.0} {:>12.0} {:>9.2} {:>14.0} {:>13.0} {:>9}",
+            "{:<9} {:<6} {:>9.1} {:>11.0} {:>12.0} {:>9.2} {:>14.0} {:>13.0} {:>9} {:>15} {:>14}",
             r.binary,
             r.store,
             r.index_s,
@@ -96,13 +120,30 @@ pub async fn run(a: DatasetScaleArgs) -> anyhow::Result<()> {
             r.ready_s,
             r.ready_peak_mib,
             r.ready_rss_mib,
-            r.requests.map_or("-".into(), |n| n.to_string())
+            r.requests.map_or("-".into(), |n| n.to_string()),
+            peak,
+            rss
+        );
+    }
+    if a.serve {
+        println!(
+            "served: one rank from 4 batches before the end of epochs 0 and 1 to 4 batches into \
+             the next; order {:?}{}",
+            a.order,
+            if a.lengths {
+                ", --bucket-by-length"
+            } else {
+                ""
+            }
         );
     }
     Ok(())
 }
 
-/// Indexes the dataset with `exe`, then starts a worker on it and waits until it is ready.
+/// Indexes the dataset with `exe`, then starts a worker on it and waits until it is ready
+/// (and with `--serve`, reads across two epoch boundaries). `data`: the dataset's folder,
+/// which the S3 server serves too.
+#[allow(clippy::too_many_arguments)]
 async fn measure(
     binary: &str,
     exe: &Path,
@@ -110,6 +151,8 @@ async fn measure(
     uri: &str,
     env: &[(&'static str, String)],
     s3: Option<&EmbeddedS3>,
+    a: &DatasetScaleArgs,
+    data: &Path,
 ) -> anyhow::Result<Row> {
     eprintln!("{binary} on {store}: indexing {uri}");
     let mut index = Command::new(exe);
@@ -124,6 +167,11 @@ async fn measure(
         ..WorkerConfig::default()
     };
     config.serving.insecure_plaintext = true;
+    config.sampling.order = a.order;
+    if a.lengths {
+        write_synthetic_lengths(data).await?;
+        config.sampling.bucket_by_length = true;
+    }
     let before = s3.map(EmbeddedS3::requests_received);
     let t = Instant::now();
     let worker = tokio::task::spawn_blocking({
@@ -138,13 +186,15 @@ async fn measure(
     .await??;
     let ready_s = t.elapsed().as_secs_f64();
     let requests = s3.zip(before).map(|(s, b)| s.requests_received() - b);
-    let status = std::fs::read_to_string(format!("/proc/{}/status", worker.pid()))?;
-    let kib = |field: &str| -> f64 {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(field))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap_or(0.0)
+    let ready = memory_mib(worker.pid())?;
+    let served = match a.serve {
+        false => None,
+        true => {
+            eprintln!("{binary} on {store}: reading across two epoch boundaries");
+            let addr = worker.addr.clone();
+            tokio::task::spawn_blocking(move || across_epochs(&addr)).await??;
+            Some(memory_mib(worker.pid())?)
+        }
     };
     Ok(Row {
         binary: binary.into(),
@@ -152,10 +202,75 @@ async fn measure(
         index_s,
         index_peak_mib: index_peak_kib / 1024.0,
         ready_s,
-        ready_peak_mib: kib("VmHWM:") / 1024.0,
-        ready_rss_mib: kib("VmRSS:") / 1024.0,
+        ready_peak_mib: ready.0,
+        ready_rss_mib: ready.1,
         requests,
+        served,
     })
+}
+
+/// A process's peak and current resident MiB (VmHWM, VmRSS).
+fn memory_mib(pid: u32) -> anyhow::Result<(f64, f64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib = |field: &str| -> f64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    Ok((kib("VmHWM:") / 1024.0, kib("VmRSS:") / 1024.0))
+}
+
+/// One rank reads the last 4 batches of epochs 0 and 1 and the first 4 of the next: the
+/// worker builds (or computes) three epochs' orders, each next one ahead of its boundary.
+fn across_epochs(addr: &str) -> anyhow::Result<()> {
+    use stoker_client::{Dial, Discovery, Loader, LoaderConfig, LoaderState};
+    let mut cfg = LoaderConfig::new(Discovery::parse(addr)?, 0, 1);
+    cfg.dial = Some(Dial::InsecurePlaintext);
+    cfg.token = "bench".into();
+    let mut loader = Loader::new(cfg)?;
+    let (plan_id, bpe) = (loader.plan().plan_id, loader.plan().batches_per_epoch);
+    for epoch in 0..2 {
+        let next_batch = bpe.saturating_sub(4);
+        loader.load_state(LoaderState {
+            plan_id,
+            epoch,
+            next_batch,
+        })?;
+        let mut batches = 0;
+        while batches < 8 {
+            if loader.next_batch()?.is_some() {
+                batches += 1;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A `stoker-lengths.bin` for the dataset's index as it is now and the default worker's
+/// preprocessing: every sample a made-up length (200–4,000 tokens), as if measured.
+async fn write_synthetic_lengths(data: &Path) -> anyhow::Result<()> {
+    use stoker_worker::dataset::index::{DatasetIndex, INDEX_KEY};
+    use stoker_worker::dataset::lengths::{SampleLengths, LENGTHS_KEY};
+    let index = DatasetIndex::from_bytes(std::fs::read(data.join(INDEX_KEY))?)?;
+    let config = WorkerConfig {
+        data: data.display().to_string(),
+        ..WorkerConfig::default()
+    };
+    let metrics = stoker_worker::metrics::Metrics::new();
+    let p = stoker_worker::open::open_pipeline(&config, metrics).await?;
+    let n = index.num_samples();
+    let tokens: Vec<u32> = (0..n)
+        .map(|i| (200 + (i.wrapping_mul(0x9e37_79b9) % 3800)) as u32)
+        .collect();
+    let lengths = SampleLengths {
+        index_version: index.version,
+        preprocessing: stoker_worker::identity::preprocessing_id(&p.config, p.text.fingerprint),
+        tokens: tokens.into(),
+    };
+    std::fs::write(data.join(LENGTHS_KEY), lengths.to_bytes())?;
+    Ok(())
 }
 
 /// Runs a command to its end: wall seconds and its peak resident KiB (from `wait4`).

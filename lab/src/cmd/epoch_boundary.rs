@@ -55,6 +55,7 @@ pub fn run(a: EpochBoundaryArgs) -> anyhow::Result<()> {
     let lengths: Vec<u32> = (0..a.samples)
         .map(|i| (200 + (i.wrapping_mul(0x9e37_79b9) % 3800)) as u32)
         .collect();
+    let lengths = stoker_worker::dataset::le_u32s::LeU32s::from(lengths);
     println!(
         "{} samples, global batch {}, {} ranks, step {} ms, {}",
         a.samples,

@@ -17,12 +17,14 @@
 //! keys, sizes and versions are in it, so a worker checks it is fresh with one HEAD per shard:
 //! it never lists the dataset (whose images may be 10^8 objects).
 
+use super::le_u32s::LeU32s;
 use super::sample::Formats;
 use super::shard::{index_shard, Framing, MediaObjects, ShardPart};
 pub use super::shard::{
     BadLine, Shard, DATASET_INFO, MAX_INDEXED_LINE_BYTES, MAX_LISTED_BAD_LINES,
 };
 use crate::source::{check_key, MediaRoot, ObjectInfo, ReadCap, Store};
+use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use std::sync::Arc;
 
@@ -67,8 +69,8 @@ pub struct DatasetIndex {
     pub bad_lines: Vec<BadLine>,
     /// Bad lines in all (listed or not).
     pub bad_line_count: u64,
-    /// Each sample's line offset in its shard, by sample id.
-    offsets: Vec<u32>,
+    /// Each sample's line offset in its shard, by sample id: where a stored index holds them.
+    offsets: LeU32s,
     /// Each shard's first sample id.
     starts: Vec<u64>,
 }
@@ -87,22 +89,25 @@ pub fn fingerprint<P: AsRef<[u8]>>(parts: &[P]) -> u64 {
 
 impl DatasetIndex {
     fn assemble(parts: Vec<ShardPart>, version: u64) -> Self {
+        let total: usize = parts.iter().map(|p| p.offsets.len()).sum();
+        let mut offsets = Vec::with_capacity(4 * total);
         let mut idx = DatasetIndex {
             version,
             shards: Vec::with_capacity(parts.len()),
             bad_lines: Vec::new(),
             bad_line_count: 0,
-            offsets: Vec::with_capacity(parts.iter().map(|p| p.offsets.len()).sum()),
+            offsets: LeU32s::default(),
             starts: Vec::with_capacity(parts.len()),
         };
         for part in parts {
-            idx.starts.push(idx.offsets.len() as u64);
-            idx.offsets.extend_from_slice(&part.offsets);
+            idx.starts.push(offsets.len() as u64 / 4);
+            offsets.extend(part.offsets.iter().flat_map(|o| o.to_le_bytes()));
             idx.bad_line_count += part.shard.bad_lines;
             idx.shards.push(part.shard);
             let room = MAX_LISTED_BAD_LINES - idx.bad_lines.len();
             idx.bad_lines.extend(part.bad.into_iter().take(room));
         }
+        idx.offsets = LeU32s::from_bytes(offsets.into());
         idx
     }
 
@@ -115,10 +120,12 @@ impl DatasetIndex {
             .map(|(prefix, part)| format!("{prefix}\0{}", part.version).into_bytes())
             .collect();
         let mut idx = Self::assemble(Vec::new(), fingerprint(&versions));
+        let mut offsets = Vec::with_capacity(parts.len());
+        let mut first = 0;
         for (prefix, part) in parts {
-            let first = idx.num_samples();
             idx.starts.extend(part.starts.iter().map(|s| first + s));
-            idx.offsets.extend_from_slice(&part.offsets);
+            first += part.num_samples();
+            offsets.push(part.offsets);
             idx.shards.extend(part.shards.into_iter().map(|s| Shard {
                 key: format!("{prefix}{}", s.key),
                 ..s
@@ -131,6 +138,7 @@ impl DatasetIndex {
                     ..b
                 }));
         }
+        idx.offsets = LeU32s::concat(offsets);
         idx
     }
 
@@ -151,7 +159,7 @@ impl DatasetIndex {
                     + 8 * (s.skipped.len() + s.lengths.len())
             })
             .sum();
-        (self.offsets.len() * 4 + self.starts.len() * 8 + shards) as u64
+        self.offsets.resident_bytes() + (self.starts.len() * 8 + shards) as u64
     }
 
     /// The shard and line of a sample id.
@@ -166,9 +174,9 @@ impl DatasetIndex {
             return None;
         }
         let (id, j) = (sample_id as usize, j as u32);
-        let offset = u64::from(self.offsets[id]);
+        let offset = u64::from(self.offsets.get(id));
         let next = match j + 1 < shard.samples {
-            true => u64::from(self.offsets[id + 1]),
+            true => u64::from(self.offsets.get(id + 1)),
             false => shard.size,
         };
         Some((
@@ -205,16 +213,17 @@ impl DatasetIndex {
             w.u32(b.line);
             w.str(&b.reason);
         }
-        for &o in &self.offsets {
+        for o in self.offsets.iter() {
             w.u32(o);
         }
         w.0
     }
 
     /// Reads the stored form; a truncated or foreign file is an error naming what is wrong,
-    /// never a panic or an allocation its length does not back.
-    pub fn from_bytes(data: &[u8]) -> anyhow::Result<Self> {
-        let mut r = Reader { data, at: 0 };
+    /// never a panic or an allocation its length does not back. The offsets stay in `data`.
+    pub fn from_bytes(data: impl Into<Bytes>) -> anyhow::Result<Self> {
+        let data: Bytes = data.into();
+        let mut r = Reader { data: &data, at: 0 };
         anyhow::ensure!(
             r.take(MAGIC.len())? == MAGIC,
             "not a stoker index of this format (rebuild it with `stoker dataset index`)"
@@ -253,16 +262,13 @@ impl DatasetIndex {
                 reason: r.str()?,
             });
         }
-        let body = r.take(r.left())?;
+        let body = data.slice(r.at..);
         anyhow::ensure!(
             body.len() as u64 == total * 4,
             "the index's shards hold {total} samples but it has {} bytes of offsets",
             body.len()
         );
-        let offsets = body
-            .chunks_exact(4)
-            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
-            .collect();
+        let offsets = LeU32s::from_bytes(body);
         Ok(DatasetIndex {
             version,
             shards,
@@ -375,9 +381,8 @@ impl DatasetIndex {
         let root = media_root.map_or("", |m| m.uri.as_str());
         match store.get_at_most(INDEX_KEY, INDEX_CAP).await {
             Ok(data) => {
-                let idx = Self::from_bytes(&data)
+                let idx = Self::from_bytes(data)
                     .map_err(|e| e.context(store.describe(INDEX_KEY)))?;
-                drop(data);
                 let stale = match idx.shards.iter().find(|s| s.media_root != root) {
                     Some(s) => Some(format!(
                         "its media root is {:?}, not {root:?}",
@@ -614,7 +619,7 @@ not json\n\
             let text = &data[l.offset as usize..(l.offset + l.len) as usize];
             assert!(Conversation::parse(text).is_ok());
         }
-        let back = DatasetIndex::from_bytes(&idx.to_bytes()).unwrap();
+        let back = DatasetIndex::from_bytes(idx.to_bytes()).unwrap();
         assert_eq!(lines(&back), lines(&idx));
         assert_eq!(back.bad_lines, idx.bad_lines);
         assert_eq!(back.bad_line_count, idx.bad_line_count);
@@ -625,11 +630,11 @@ not json\n\
         let bytes = idx.to_bytes();
         for cut in [0, 5, 20, bytes.len() - 1] {
             assert!(
-                DatasetIndex::from_bytes(&bytes[..cut]).is_err(),
+                DatasetIndex::from_bytes(bytes[..cut].to_vec()).is_err(),
                 "cut at {cut}"
             );
         }
-        let e = DatasetIndex::from_bytes(b"{\"format\":1}").unwrap_err();
+        let e = DatasetIndex::from_bytes(&b"{\"format\":1}"[..]).unwrap_err();
         assert!(e.to_string().contains("not a stoker index"), "{e}");
     }
 
@@ -712,7 +717,7 @@ not json\n\
             assert_eq!(lines(&again), lines(&idx), "chunks of {chunk}");
             assert_eq!(again.bad_lines, idx.bad_lines, "chunks of {chunk}");
         }
-        let back = DatasetIndex::from_bytes(&idx.to_bytes()).unwrap();
+        let back = DatasetIndex::from_bytes(idx.to_bytes()).unwrap();
         assert_eq!(lines(&back), lines(&idx));
         assert_eq!(back.shards, idx.shards);
         // An empty array is a shard without samples.

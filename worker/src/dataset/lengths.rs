@@ -2,7 +2,9 @@
 //! index (`stoker dataset stats --write-lengths`), so a worker knows each sample's cost without
 //! decoding a pixel: the token-aware plan assigns ranks and buckets lengths by it.
 
+use super::le_u32s::LeU32s;
 use crate::source::{ReadCap, Store};
+use bytes::Bytes;
 use std::cmp::Reverse;
 
 /// Where `stoker dataset stats --write-lengths` writes the lengths, at the dataset root.
@@ -25,8 +27,9 @@ pub struct SampleLengths {
     pub index_version: u64,
     /// The preprocessing they were measured with (preset, limits, tokenizer and template).
     pub preprocessing: u64,
-    /// Tokens per sample id (0 for a sample that could not be loaded).
-    pub tokens: Vec<u32>,
+    /// Tokens per sample id (0 for a sample that could not be loaded), held where the file's
+    /// bytes are.
+    pub tokens: LeU32s,
 }
 
 impl SampleLengths {
@@ -48,7 +51,7 @@ impl SampleLengths {
                     store.describe(LENGTHS_KEY)
                 )
             })?;
-        let lengths = SampleLengths::from_bytes(&data)
+        let lengths = SampleLengths::from_bytes(data)
             .map_err(|e| anyhow::anyhow!("{}: {e}; {fix}", store.describe(LENGTHS_KEY)))?;
         anyhow::ensure!(
             lengths.index_version == index_version && lengths.tokens.len() as u64 == num_samples,
@@ -73,7 +76,7 @@ impl SampleLengths {
         ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
-        for t in &self.tokens {
+        for t in self.tokens.iter() {
             out.extend_from_slice(&t.to_le_bytes());
         }
         out
@@ -81,7 +84,9 @@ impl SampleLengths {
 
     /// Lengths from [`to_bytes`](Self::to_bytes)' output; a cut, padded or foreign file is an
     /// error (the count must be what the bytes hold: nothing is allocated that they do not back).
-    pub fn from_bytes(data: &[u8]) -> anyhow::Result<SampleLengths> {
+    /// The lengths stay in `data`.
+    pub fn from_bytes(data: impl Into<Bytes>) -> anyhow::Result<SampleLengths> {
+        let data: Bytes = data.into();
         anyhow::ensure!(
             data.len() >= HEADER && data[..8] == MAGIC[..],
             "not a lengths file of this version (rewrite it with this stoker)"
@@ -93,14 +98,10 @@ impl SampleLengths {
             "{count} samples announced, {} bytes of lengths held",
             data.len() - HEADER
         );
-        let tokens = data[HEADER..]
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
         Ok(SampleLengths {
             index_version: word(0),
             preprocessing: word(1),
-            tokens,
+            tokens: LeU32s::from_bytes(data.slice(HEADER..)),
         })
     }
 
@@ -110,9 +111,9 @@ impl SampleLengths {
             .tokens
             .iter()
             .enumerate()
-            .max_by_key(|&(i, &t)| (t, Reverse(i)));
+            .max_by_key(|&(i, t)| (t, Reverse(i)));
         match longest {
-            Some((id, &tokens)) if tokens > max_tokens => anyhow::bail!(
+            Some((id, tokens)) if tokens > max_tokens => anyhow::bail!(
                 "sample {id} is {tokens} tokens, longer than --pack-max-tokens {max_tokens}: \
                  raise it to at least {tokens}, or truncate samples with --max-length"
             ),
@@ -130,22 +131,22 @@ mod tests {
         let l = SampleLengths {
             index_version: 7,
             preprocessing: u64::MAX - 3,
-            tokens: vec![0, 17, 4096, u32::MAX],
+            tokens: vec![0, 17, 4096, u32::MAX].into(),
         };
         let bytes = l.to_bytes();
         assert_eq!(bytes.len(), 32 + 4 * 4);
-        assert_eq!(SampleLengths::from_bytes(&bytes).unwrap(), l);
+        assert_eq!(SampleLengths::from_bytes(bytes.clone()).unwrap(), l);
         for bad in [
             &bytes[..bytes.len() - 1],
             &bytes[..20],
             b"{\"tokens\": []}".as_slice(),
         ] {
-            assert!(SampleLengths::from_bytes(bad).is_err());
+            assert!(SampleLengths::from_bytes(bad.to_vec()).is_err());
         }
         // A count the bytes do not back (a hostile 2^62) is refused before any allocation.
         let mut huge = bytes[..32].to_vec();
         huge[24..32].copy_from_slice(&(1u64 << 62).to_le_bytes());
-        let e = SampleLengths::from_bytes(&huge).unwrap_err().to_string();
+        let e = SampleLengths::from_bytes(huge).unwrap_err().to_string();
         assert!(
             e.contains("4611686018427387904 samples announced, 0 bytes"),
             "{e}"
