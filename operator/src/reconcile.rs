@@ -282,7 +282,7 @@ async fn reconcile_inner(dp: &DataPipeline, ctx: &Context) -> Result<Action, Err
     credentials
         .ensure_token(&valid, &ctx.client, &pipeline, unready)
         .await?;
-    let cert_not_after = (credentials)
+    let cert_not_after = credentials
         .ensure_tls(dp, &ctx.client, &pipeline, unready)
         .await?;
     let mut scale = decide(dp, ctx, current.unwrap_or(dp.spec.replicas), ready).await;

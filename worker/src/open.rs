@@ -107,8 +107,8 @@ async fn combine(
     Ok((store, media_roots, DatasetIndex::concat(parts.collect())))
 }
 
-/// From this many samples the `shuffle` order's arrays (4 bytes a sample, two at an epoch's
-/// end) are worth a warning: 67 MB each here, 400 MB at 10^8 (docs/design.md, "What a worker
+/// From this many samples the `shuffle` order's arrays (4 bytes a sample, two around an
+/// epoch boundary) are worth a warning: 67 MB each here, 400 MB at 10^8 (docs/design.md, "What a worker
 /// holds").
 const LARGE_SHUFFLE: u64 = 1 << 24;
 
@@ -148,7 +148,7 @@ pub async fn open_pipeline(
     if cfg.sampling.order == SampleOrder::Shuffle && n >= LARGE_SHUFFLE {
         tracing::warn!(
             "--order shuffle holds each epoch's order, 4 bytes a sample: {} MB for {n} samples, \
-             twice that from an epoch's last tenth to its end; --order feistel holds none \
+             twice that around an epoch boundary; --order feistel holds none \
              (another plan: a resume state of one is refused by the other)",
             4 * n / 1_000_000
         );

@@ -399,12 +399,13 @@ impl Plan {
     fn build_ahead(self: &Arc<Self>, epoch: u64, g: u64) {
         let n = self.batches_per_epoch();
         let tenth = n.div_ceil(AHEAD_FRACTION);
-        if let Needs::Epoch(e) = self.needs(epoch, g) {
+        let needs = self.needs(epoch, g);
+        if let Needs::Epoch(e) = needs {
             if e > 0 && g >= tenth {
                 self.perms.retain(|&k| k >= e);
             }
         }
-        let next = match self.needs(epoch, g) {
+        let next = match needs {
             Needs::Epoch(e) if g + tenth >= n => Needs::Epoch(e + 1),
             Needs::Window(e, w) if (w + 1) * (BUCKET_WINDOW as u64) < n => Needs::Window(e, w + 1),
             Needs::Window(e, _) => Needs::Window(e + 1, 0),

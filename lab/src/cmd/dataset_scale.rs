@@ -10,6 +10,7 @@
 //! peak resident memory (VmHWM) after that is the figure the memory formula of docs/design.md
 //! is checked against.
 
+use super::bench::{peak_rss_mib, status_mib};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -211,15 +212,7 @@ async fn measure(
 
 /// A process's peak and current resident MiB (VmHWM, VmRSS).
 fn memory_mib(pid: u32) -> anyhow::Result<(f64, f64)> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib = |field: &str| -> f64 {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(field))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap_or(0.0)
-    };
-    Ok((kib("VmHWM:") / 1024.0, kib("VmRSS:") / 1024.0))
+    Ok((peak_rss_mib(pid)?, status_mib(pid, "VmRSS")?))
 }
 
 /// One rank reads the last 4 batches of epochs 0 and 1 and the first 4 of the next: the
@@ -260,14 +253,10 @@ async fn write_synthetic_lengths(data: &Path) -> anyhow::Result<()> {
     };
     let metrics = stoker_worker::metrics::Metrics::new();
     let p = stoker_worker::open::open_pipeline(&config, metrics).await?;
-    let n = index.num_samples();
-    let tokens: Vec<u32> = (0..n)
-        .map(|i| (200 + (i.wrapping_mul(0x9e37_79b9) % 3800)) as u32)
-        .collect();
     let lengths = SampleLengths {
         index_version: index.version,
         preprocessing: stoker_worker::identity::preprocessing_id(&p.config, p.text.fingerprint),
-        tokens: tokens.into(),
+        tokens: super::epoch_boundary::synthetic_lengths(index.num_samples()).into(),
     };
     std::fs::write(data.join(LENGTHS_KEY), lengths.to_bytes())?;
     Ok(())

@@ -51,11 +51,16 @@ impl Mode {
     }
 }
 
-pub fn run(a: EpochBoundaryArgs) -> anyhow::Result<()> {
-    let lengths: Vec<u32> = (0..a.samples)
+/// Made-up lengths of `n` samples, 200–4,000 tokens, spread by a multiplicative hash: a plan's
+/// memory and build time do not depend on the values.
+pub(super) fn synthetic_lengths(n: u64) -> Vec<u32> {
+    (0..n)
         .map(|i| (200 + (i.wrapping_mul(0x9e37_79b9) % 3800)) as u32)
-        .collect();
-    let lengths = stoker_worker::dataset::le_u32s::LeU32s::from(lengths);
+        .collect()
+}
+
+pub fn run(a: EpochBoundaryArgs) -> anyhow::Result<()> {
+    let lengths = stoker_worker::dataset::le_u32s::LeU32s::from(synthetic_lengths(a.samples));
     println!(
         "{} samples, global batch {}, {} ranks, step {} ms, {}",
         a.samples,
