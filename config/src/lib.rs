@@ -122,6 +122,13 @@ pub enum SampleOrder {
     /// is no array to hold and nothing to build at an epoch boundary (for 10^7 samples and
     /// more). Another plan than `shuffle`, with its own plan id.
     Feistel,
+    /// Runs of neighbouring lines (`--run-lines` each) in a keyed order, one run per slot
+    /// of a global batch for as many steps as a run has lines: every global batch draws
+    /// from as many runs as it has samples, and a rank's slots keep their runs, so its
+    /// worker reads each run's text once (one ranged GET for many samples). Holds nothing
+    /// (the runs' order is a Feistel permutation). For datasets whose text is much larger
+    /// than the workers' line cache (10^8 samples); another plan, with its own plan id.
+    Runs,
 }
 
 impl SampleOrder {
@@ -133,6 +140,7 @@ impl SampleOrder {
         match self {
             SampleOrder::Shuffle => "shuffle",
             SampleOrder::Feistel => "feistel",
+            SampleOrder::Runs => "runs",
         }
     }
 }
@@ -420,11 +428,22 @@ pub struct Sampling {
     #[cfg_attr(feature = "clap", arg(long, value_enum, default_value = "skip"))]
     pub on_error: OnError,
     /// How each epoch's order is drawn: `shuffle` (in memory, 4 bytes per sample, built once
-    /// per epoch) or `feistel` (computed per position: no memory, no build at an epoch
-    /// boundary; for 10^7 samples and more).
+    /// per epoch), `feistel` (computed per position: no memory, no build at an epoch
+    /// boundary; for 10^7 samples and more) or `runs` (runs of `runLines` neighbouring lines,
+    /// each read with one request: for text much larger than the line cache, 10^8 samples).
     #[serde(default, skip_serializing_if = "SampleOrder::is_shuffle")]
     #[cfg_attr(feature = "clap", arg(long, value_enum, default_value = "shuffle"))]
     pub order: SampleOrder,
+    /// With order `runs`: lines per run. A rank's slot takes a run's lines on as many
+    /// consecutive steps (in a shuffled order within the run), and its worker reads them with
+    /// one request: 1/runLines text requests per sample.
+    #[serde(
+        default = "default_run_lines",
+        skip_serializing_if = "is_default_run_lines"
+    )]
+    #[schemars(range(min = 1, max = 4096))]
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_RUN_LINES, value_parser = clap::value_parser!(u32).range(1..=4096)))]
+    pub run_lines: u32,
     /// Assign each global batch's samples to ranks by token cost (longest first, to the
     /// lightest rank; equal sample counts), so no rank waits on a heavier slice. The global
     /// batches themselves do not change, so resume at another world size still holds. Needs
@@ -464,6 +483,18 @@ pub struct Sampling {
     #[schemars(range(min = 1))]
     #[cfg_attr(feature = "clap", arg(long, default_value_t = 1))]
     pub data_weight: u32,
+}
+
+/// Lines per run of the `runs` order: text requests per sample 1/32 (≤ 0.05 with a few
+/// positions answered elsewhere), and a rank's slot sees 32 neighbouring lines in 32 steps.
+pub const DEFAULT_RUN_LINES: u32 = 32;
+
+fn default_run_lines() -> u32 {
+    DEFAULT_RUN_LINES
+}
+
+fn is_default_run_lines(n: &u32) -> bool {
+    *n == DEFAULT_RUN_LINES
 }
 
 fn one() -> u32 {
@@ -535,6 +566,7 @@ impl Default for Sampling {
             global_batch_size: DEFAULT_GLOBAL_BATCH_SIZE,
             on_error: OnError::Skip,
             order: SampleOrder::Shuffle,
+            run_lines: DEFAULT_RUN_LINES,
             balance_ranks: false,
             bucket_by_length: false,
             pack_max_tokens: None,
@@ -901,6 +933,9 @@ impl Sampling {
         if !self.order.is_shuffle() {
             a.value("order", self.order.as_str());
         }
+        if self.run_lines != DEFAULT_RUN_LINES {
+            a.value("run-lines", self.run_lines);
+        }
         a.switch("balance-ranks", self.balance_ranks);
         a.switch("bucket-by-length", self.bucket_by_length);
         a.optional("pack-max-tokens", self.pack_max_tokens);
@@ -1026,6 +1061,7 @@ mod tests {
                 global_batch_size: 256,
                 on_error: OnError::Fail,
                 order: SampleOrder::Feistel,
+                run_lines: 16,
                 balance_ranks: true,
                 bucket_by_length: true,
                 pack_max_tokens: Some(8192),

@@ -29,11 +29,12 @@ impl Pipeline {
             .flat_map(|(p, &n)| std::iter::repeat_n(p, n))
             .collect();
         let mut pack_of = pack_of.into_iter();
+        let spans = self.request_spans(ids);
         let results: Vec<Result<PreparedSample, SampleFailure>> =
-            futures::stream::iter(ids.iter().copied())
-                .map(|id| {
+            futures::stream::iter(ids.iter().copied().zip(spans))
+                .map(|(id, span)| {
                     let this = self.clone();
-                    async move { this.load_sample(id).await }
+                    async move { this.load_sample_of_request(id, span).await }
                 })
                 .buffered(self.config.sample_parallelism.clamp(1, ids.len().max(1)))
                 .collect()

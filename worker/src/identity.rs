@@ -39,8 +39,13 @@ pub fn plan_id(p: &Pipeline) -> u64 {
         parts.push(format!("pack-max-tokens={max}").into_bytes());
     }
     // `shuffle` plans keep the ids they had before there was a choice.
-    if p.plan.order() != crate::plan::SampleOrder::Shuffle {
-        parts.push(format!("order={}", p.plan.order().as_str()).into_bytes());
+    match p.plan.order() {
+        crate::plan::SampleOrder::Shuffle => {}
+        crate::plan::SampleOrder::Runs => {
+            let order = format!("order=runs,run-lines={}", p.plan.run_lines());
+            parts.push(order.into_bytes());
+        }
+        other => parts.push(format!("order={}", other.as_str()).into_bytes()),
     }
     // A mix's datasets are in the index version; their shares are here.
     let draws = p.plan.draws_per_epoch();

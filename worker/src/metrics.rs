@@ -23,8 +23,11 @@ pub struct Metrics {
     pub requests_refused_total: IntCounterVec,
     /// Requests the client cancelled before their answer was sent (a Cancel frame).
     pub requests_cancelled_total: IntCounter,
-    /// Sample lines served from a cached shard block ("hit") or one read for it ("miss").
+    /// Sample lines cut from a text read already made or under way ("hit"), or from one
+    /// made for them ("miss").
     pub line_cache: IntCounterVec,
+    /// Object-store requests by kind: count them into a store with `Store::counted`.
+    pub store_requests: IntCounterVec,
     pub requests_in_flight: IntGauge,
     pub connections: IntGauge,
     pub handshakes: IntGauge,
@@ -101,6 +104,18 @@ stoker_wire::label_set! {
     LineCacheResult {
         Hit => "hit",
         Miss => "miss",
+    }
+}
+
+stoker_wire::label_set! {
+    /// An object-store request (each attempt of a read, each page of a listing):
+    /// `stoker_worker_store_requests_total`'s `kind`.
+    StoreRequest {
+        Get => "get",
+        GetRange => "get_range",
+        Head => "head",
+        List => "list",
+        Put => "put",
     }
 }
 
@@ -201,9 +216,17 @@ impl Metrics {
             line_cache: IntCounterVec::new(
                 Opts::new(
                     "stoker_worker_line_cache_total",
-                    "Sample lines cut from a shard block already read (hit) or read for them (miss).",
+                    "Sample lines cut from a text read already made or under way (hit) or from one made for them (miss).",
                 ),
                 &["result"],
+            )
+            .expect("metric"),
+            store_requests: IntCounterVec::new(
+                Opts::new(
+                    "stoker_worker_store_requests_total",
+                    "Object-store requests (each attempt of a read, each page of a listing), by kind.",
+                ),
+                &["kind"],
             )
             .expect("metric"),
             requests_in_flight: gauge(
@@ -273,6 +296,11 @@ impl Metrics {
             .expect("register");
         for result in LineCacheResult::ALL {
             m.line_cache.with_label_values(&[result.as_str()]);
+        }
+        r.register(Box::new(m.store_requests.clone()))
+            .expect("register");
+        for kind in StoreRequest::ALL {
+            m.store_requests.with_label_values(&[kind.as_str()]);
         }
         for g in [
             &m.requests_in_flight,
@@ -420,7 +448,7 @@ mod label_set_tests {
     }
 
     #[test]
-    fn the_docs_list_every_stage_queue_and_line_cache_result_and_no_other() {
+    fn the_docs_list_every_stage_queue_line_cache_result_and_store_request_and_no_other() {
         assert_documented(
             DOCS,
             "stoker_worker_stage_seconds",
@@ -438,6 +466,12 @@ mod label_set_tests {
             "stoker_worker_line_cache_total",
             "result",
             LineCacheResult::ALL.iter().map(|v| v.as_str()),
+        );
+        assert_documented(
+            DOCS,
+            "stoker_worker_store_requests_total",
+            "kind",
+            StoreRequest::ALL.iter().map(|v| v.as_str()),
         );
     }
 
@@ -475,6 +509,11 @@ mod label_set_tests {
                 LineCacheResult::ALL
                     .iter()
                     .map(|r| format!("result=\"{}\"", r.as_str())),
+            )
+            .chain(
+                StoreRequest::ALL
+                    .iter()
+                    .map(|k| format!("kind=\"{}\"", k.as_str())),
             );
         for series in more {
             assert!(text.contains(&series), "{series} missing");

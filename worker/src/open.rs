@@ -11,6 +11,7 @@ use crate::pipeline::{Pipeline, PipelineConfig};
 use crate::plan::{Plan, Shaping};
 use crate::preprocess::preset::Preset;
 use crate::source::{MediaRoot, Store};
+use prometheus::IntCounterVec;
 use std::sync::Arc;
 use stoker_config::{SampleOrder, WorkerConfig};
 
@@ -30,10 +31,11 @@ impl Dataset {
         media_root: Option<&str>,
         weight: u32,
         cfg: &WorkerConfig,
+        requests: &IntCounterVec,
     ) -> anyhow::Result<Dataset> {
-        let store = Store::open(uri, &cfg.s3).await?;
+        let store = Store::open(uri, &cfg.s3).await?.counted(requests);
         let media_root = match media_root {
-            Some(m) => Some(MediaRoot::open(m, &cfg.s3).await?),
+            Some(m) => Some(MediaRoot::open(m, &cfg.s3).await?.counted(requests)),
             None => None,
         };
         let index = DatasetIndex::load_or_build(&store, media_root.as_ref()).await?;
@@ -67,18 +69,22 @@ impl Dataset {
     }
 }
 
-/// The main dataset and those mixed in.
-async fn open_datasets(cfg: &WorkerConfig) -> anyhow::Result<Vec<Dataset>> {
+/// The main dataset and those mixed in, their store requests counted in `requests`.
+async fn open_datasets(
+    cfg: &WorkerConfig,
+    requests: &IntCounterVec,
+) -> anyhow::Result<Vec<Dataset>> {
     let main = Dataset::open(
         &cfg.data,
         cfg.media_root.as_deref(),
         cfg.sampling.data_weight,
         cfg,
+        requests,
     );
     let mut datasets = vec![main.await?];
     for m in &cfg.sampling.mix {
         let media_root = m.media_root.as_deref();
-        datasets.push(Dataset::open(&m.data, media_root, m.weight, cfg).await?);
+        datasets.push(Dataset::open(&m.data, media_root, m.weight, cfg, requests).await?);
     }
     Ok(datasets)
 }
@@ -89,6 +95,7 @@ async fn open_datasets(cfg: &WorkerConfig) -> anyhow::Result<Vec<Dataset>> {
 async fn combine(
     mut datasets: Vec<Dataset>,
     cfg: &WorkerConfig,
+    requests: &IntCounterVec,
 ) -> anyhow::Result<(Store, Vec<MediaRoot>, DatasetIndex)> {
     let mut media_roots: Vec<MediaRoot> = Vec::new();
     for m in datasets.iter().filter_map(|d| d.media_root.clone()) {
@@ -102,7 +109,7 @@ async fn combine(
     }
     let uris: Vec<&str> = datasets.iter().map(|d| d.uri.as_str()).collect();
     let (root, folders) = crate::source::common_root(&uris)?;
-    let store = Store::open(&root, &cfg.s3).await?;
+    let store = Store::open(&root, &cfg.s3).await?.counted(requests);
     let parts = folders.into_iter().zip(datasets).map(|(f, d)| (f, d.index));
     Ok((store, media_roots, DatasetIndex::concat(parts.collect())))
 }
@@ -118,7 +125,7 @@ pub async fn open_pipeline(
     cfg: &WorkerConfig,
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<Arc<Pipeline>> {
-    let datasets = open_datasets(cfg).await?;
+    let datasets = open_datasets(cfg, &metrics.store_requests).await?;
     let text = crate::tokenizer_source::text_processor(&cfg.preprocessing, &cfg.s3).await?;
     let c = &cfg.concurrency;
     let cpu_threads = c
@@ -143,7 +150,8 @@ pub async fn open_pipeline(
         cfg.sampling.global_batch_size,
         cfg.sampling.seed,
     )
-    .with_order(cfg.sampling.order);
+    .with_order(cfg.sampling.order)
+    .with_run_lines(cfg.sampling.run_lines);
     let n = plan.num_samples;
     if cfg.sampling.order == SampleOrder::Shuffle && n >= LARGE_SHUFFLE {
         tracing::warn!(
@@ -154,6 +162,10 @@ pub async fn open_pipeline(
         );
     }
     if datasets.len() > 1 {
+        anyhow::ensure!(
+            cfg.sampling.order != SampleOrder::Runs,
+            "--order runs takes one dataset: with --mix, use --order feistel (or shuffle)"
+        );
         let weights: Vec<u32> = datasets.iter().map(|d| d.weight).collect();
         plan = plan.with_mix(&sizes, &weights);
     }
@@ -171,7 +183,7 @@ pub async fn open_pipeline(
         plan = plan.with_lengths(LeU32s::concat(lengths), shaping);
     }
     let names = datasets.iter().map(|d| d.uri.clone()).zip(sizes).collect();
-    let (store, media_roots, index) = combine(datasets, cfg).await?;
+    let (store, media_roots, index) = combine(datasets, cfg, &metrics.store_requests).await?;
     let pipeline = Pipeline::new(store, media_roots, index, plan, text, config, metrics);
     Ok(Arc::new(pipeline.with_dataset_names(names)))
 }

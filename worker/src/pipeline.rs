@@ -12,7 +12,7 @@ use crate::dataset::index::{DatasetIndex, Shard};
 use crate::dataset::sample::{Conversation, Media, VideoPart, VideoSource};
 use crate::failure::{image_cause, on_blocking_pool, video_cause, Cause};
 use crate::limits::SampleLimits;
-use crate::line_cache::{LineCache, Lookup};
+use crate::line_cache::{merge_spans, LineCache, Lookup, Span, BLOCK_BYTES};
 use crate::media_check::MediaCheck;
 use crate::memory::{self, Account, Charge};
 use crate::metrics::{GaugeGuard, LineCacheResult, Metrics, Queue, SampleErrorKind, Stage};
@@ -101,10 +101,47 @@ pub struct PipelineConfig {
     pub cpu_threads: usize,
     /// Samples of one request loaded at once (1 = one after another, the serial baseline).
     pub sample_parallelism: usize,
-    /// Shard text kept in memory (the line cache); 0 reads every line on its own.
+    /// Shard text kept in memory (the line cache); 0 reads every line on its own, never
+    /// merged with its request's neighbours.
     pub line_cache_bytes: u64,
     /// Keep each video's sampled frames as decoded (`dataset inspect` saves them).
     pub keep_decoded_frames: bool,
+}
+
+/// How a worker reads its samples' text, chosen once from the dataset's text size, the line
+/// cache and the plan (docs/design.md, "Reading text").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TextReads {
+    /// The whole text fits the line cache: 1 MiB blocks, each read once while it stays.
+    Blocks,
+    /// `--order runs`, unshaped: a run's lines with one read, which the rank's next steps
+    /// take from the cache.
+    Runs,
+    /// Each line by its own range (a request's neighbours merged): the cache holds too
+    /// little of the text for a block to be read again before it goes.
+    Lines,
+}
+
+impl TextReads {
+    /// What a worker with `cache_bytes` of line cache serving `text_bytes` of text with
+    /// `plan` reads.
+    pub fn choose(text_bytes: u64, cache_bytes: u64, plan: &Plan) -> TextReads {
+        if cache_bytes > 0 && text_bytes <= cache_bytes {
+            TextReads::Blocks
+        } else if cache_bytes > 0 && plan.run_of(0).is_some() {
+            TextReads::Runs
+        } else {
+            TextReads::Lines
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TextReads::Blocks => "blocks",
+            TextReads::Runs => "runs",
+            TextReads::Lines => "lines",
+        }
+    }
 }
 
 pub struct Pipeline {
@@ -125,6 +162,7 @@ pub struct Pipeline {
     fetch_slots: Semaphore,
     cpu_slots: Arc<Semaphore>,
     line_cache: LineCache,
+    text_reads: TextReads,
     /// Each dataset's name and first sample id (one dataset unless mixed).
     datasets: Vec<(String, u64)>,
 }
@@ -143,6 +181,13 @@ impl Pipeline {
     ) -> Self {
         metrics.dataset_samples.set(index.num_samples() as i64);
         metrics.dataset_bad_lines.set(index.bad_line_count as i64);
+        let text_bytes: u64 = index.shards.iter().map(|s| s.size).sum();
+        let text_reads = TextReads::choose(text_bytes, config.line_cache_bytes, &plan);
+        tracing::info!(
+            "sample text read by {}: {text_bytes} bytes of text, {} of line cache",
+            text_reads.as_str(),
+            config.line_cache_bytes
+        );
         Pipeline {
             lut: PixelLut::new(&config.preset),
             video_lut: PixelLut::for_videos(&config.preset),
@@ -153,6 +198,7 @@ impl Pipeline {
             fetch_slots: Semaphore::new(config.max_fetches.max(1)),
             cpu_slots: Arc::new(Semaphore::new(config.cpu_threads.max(1))),
             line_cache: LineCache::new(config.line_cache_bytes),
+            text_reads,
             datasets: vec![(store.describe(""), 0)],
             store,
             media_roots,
@@ -274,15 +320,94 @@ impl Pipeline {
         r
     }
 
+    pub fn text_reads(&self) -> TextReads {
+        self.text_reads
+    }
+
     /// Loads and preprocesses one sample.
     pub async fn load_sample(
         self: &Arc<Self>,
         sample_id: u64,
     ) -> Result<PreparedSample, SampleFailure> {
+        self.load_sample_of_request(sample_id, None).await
+    }
+
+    /// [`Pipeline::load_sample`], its line read with `span` (one that holds it, from
+    /// [`Pipeline::request_spans`]) unless the cache holds it.
+    pub(crate) async fn load_sample_of_request(
+        self: &Arc<Self>,
+        sample_id: u64,
+        span: Option<Span>,
+    ) -> Result<PreparedSample, SampleFailure> {
         let (shard, line, location) = self.locate(sample_id)?;
-        self.prepare(sample_id, shard, line)
+        let span = span.unwrap_or_else(|| self.text_span(sample_id, shard, line, self.text_reads));
+        self.prepare(sample_id, shard, line, span)
             .await
             .map_err(|c| self.failure(sample_id, location, c))
+    }
+
+    /// The span each of a request's samples reads its line with: its own (by how this worker
+    /// reads text) merged with its neighbours' in the request while that reads at most twice
+    /// their bytes. `None` for a sample not in the index, and for all without a line cache
+    /// (each line read on its own).
+    pub(crate) fn request_spans(&self, ids: &[u64]) -> Vec<Option<Span>> {
+        if self.line_cache.capacity() == 0 {
+            return vec![None; ids.len()];
+        }
+        let own: Vec<Option<(usize, Span)>> = ids
+            .iter()
+            .map(|&id| {
+                let (shard, line, _) = self.locate(id).ok()?;
+                let span = self.text_span(id, shard, line, self.text_reads);
+                Some((self.index.shard_of(id)?, span))
+            })
+            .collect();
+        let found: Vec<(usize, Span)> = own.iter().flatten().copied().collect();
+        let mut merged = merge_spans(&found).into_iter();
+        own.iter().map(|o| o.and_then(|_| merged.next())).collect()
+    }
+
+    /// The span a sample's line (`(offset, len)` of `shard`) is read with under `reads`: its
+    /// 1 MiB block (the line itself if it crosses one), its run's lines in its shard, or the
+    /// line.
+    fn text_span(&self, sample_id: u64, shard: &Shard, line: (u64, u64), reads: TextReads) -> Span {
+        let own = Span {
+            start: line.0,
+            len: line.1,
+        };
+        match reads {
+            TextReads::Blocks => {
+                let start = line.0 / BLOCK_BYTES * BLOCK_BYTES;
+                let block = Span {
+                    start,
+                    len: BLOCK_BYTES.min(shard.size.saturating_sub(start)),
+                };
+                match line.0 + line.1 <= block.end() {
+                    true => block,
+                    false => own,
+                }
+            }
+            TextReads::Runs => {
+                let ids = self
+                    .plan
+                    .run_of(sample_id)
+                    .zip(self.index.shard_of(sample_id));
+                let Some((run, shard)) = ids else {
+                    return own;
+                };
+                let in_shard = self.index.shard_ids(shard);
+                let first = self.index.locate(run.start.max(in_shard.start));
+                let last = self.index.locate(run.end.min(in_shard.end) - 1);
+                match (first, last) {
+                    (Some((_, a)), Some((_, b))) => Span {
+                        start: a.offset,
+                        len: b.offset + b.len - a.offset,
+                    },
+                    _ => own,
+                }
+            }
+            TextReads::Lines => own,
+        }
     }
 
     /// What loading one sample would give in tokens, from its line and its images' headers
@@ -294,7 +419,13 @@ impl Pipeline {
         sample_id: u64,
     ) -> Result<SampleShape, SampleFailure> {
         let (shard, line, location) = self.locate(sample_id)?;
-        self.measure(shard, line)
+        // Measured in id order (`stoker dataset stats`): blocks, each read once.
+        let reads = match self.line_cache.capacity() {
+            0 => TextReads::Lines,
+            _ => TextReads::Blocks,
+        };
+        let span = self.text_span(sample_id, shard, line, reads);
+        self.measure(shard, line, span)
             .await
             .map_err(|c| self.failure(sample_id, location, c))
     }
@@ -323,24 +454,20 @@ impl Pipeline {
         }
     }
 
-    /// A sample's JSONL line: from the line cache when it lies within one block, else read
-    /// on its own.
+    /// A sample's JSONL line: from a span the line cache holds, else read with `span`.
     async fn read_line(
         self: &Arc<Self>,
         shard: &Shard,
-        offset: u64,
-        len: u64,
+        line: (u64, u64),
+        span: Span,
     ) -> Result<bytes::Bytes, FetchError> {
-        if !self.line_cache.covers(offset, len) {
-            return self.fetch(&shard.key, Some((offset, len)), None).await;
-        }
-        let read_block = |start, len| {
+        let read_span = |start, len| {
             let (this, key) = (self.clone(), shard.key.clone());
             async move { this.fetch(&key, Some((start, len)), None).await }.boxed()
         };
         let (line, lookup) = self
             .line_cache
-            .line(&shard.key, shard.size, (offset, len), read_block)
+            .line(&shard.key, span, line, read_span)
             .await?;
         self.metrics.line_cache(match lookup {
             Lookup::Hit => LineCacheResult::Hit,
@@ -353,10 +480,11 @@ impl Pipeline {
     async fn read_sample(
         self: &Arc<Self>,
         shard: &Shard,
-        (offset, len): (u64, u64),
+        line: (u64, u64),
+        span: Span,
     ) -> Result<(Conversation, Vec<MediaKey>), Cause> {
-        self.config.limits.check_line(len)?;
-        let line = self.read_line(shard, offset, len).await?;
+        self.config.limits.check_line(line.1)?;
+        let line = self.read_line(shard, line, span).await?;
         let conv = Conversation::parse(&line)?;
         self.config.limits.check_conversation(&conv)?;
         let key = |p: &str| shard.media_key(p);
@@ -462,8 +590,9 @@ impl Pipeline {
         sample_id: u64,
         shard: &Shard,
         line: (u64, u64),
+        span: Span,
     ) -> Result<PreparedSample, Cause> {
-        let (conv, keys) = self.read_sample(shard, line).await?;
+        let (conv, keys) = self.read_sample(shard, line, span).await?;
         let (media, read) = self.fetch_media(keys).await?;
         let account = memory::current();
         let fetched = Charge::on(account.as_ref(), read);
@@ -634,8 +763,9 @@ impl Pipeline {
         self: &Arc<Self>,
         shard: &Shard,
         line: (u64, u64),
+        span: Span,
     ) -> Result<SampleShape, Cause> {
-        let (conv, keys) = self.read_sample(shard, line).await?;
+        let (conv, keys) = self.read_sample(shard, line, span).await?;
         let mut tokens = Vec::with_capacity(keys.len());
         let mut check = MediaCheck::new(&self.config.preset, &self.config.limits);
         for m in keys {

@@ -9,6 +9,13 @@
 //! preprocessing, written without tokenizing 10^7 samples) for `--bucket-by-length`; its
 //! peak resident memory (VmHWM) after that is the figure the memory formula of docs/design.md
 //! is checked against.
+//!
+//! `--read` instead has `--ranks` ranks read `--read-batches` global batches each from an
+//! epoch's start (a worker that is every rank's home, as each worker is for its ranks at
+//! scale) and counts what reading the samples' text cost: store requests per sample beyond
+//! the one GET of its image (the S3 server's count) and bytes per sample beyond the image
+//! (the worker's read bytes), with `--line-cache-mib` set to what the default cache is to the
+//! text at 10^8 samples.
 
 use super::bench::{peak_rss_mib, status_mib};
 use std::io::Write;
@@ -47,6 +54,22 @@ pub struct DatasetScaleArgs {
     /// The worker's sample order.
     #[arg(long, value_enum, default_value = "shuffle")]
     order: stoker_config::SampleOrder,
+    /// Lines per run with `--order runs`.
+    #[arg(long, default_value_t = stoker_config::DEFAULT_RUN_LINES)]
+    run_lines: u32,
+    /// Once ready, read with several ranks and count the text's requests and bytes.
+    #[arg(long, conflicts_with = "serve")]
+    read: bool,
+    /// With `--read`: ranks reading, global batches each, and the global batch size.
+    #[arg(long, default_value_t = 16)]
+    ranks: u32,
+    #[arg(long, default_value_t = 256)]
+    read_batches: u64,
+    #[arg(long, default_value_t = 64)]
+    global_batch_size: u32,
+    /// The worker's line cache [default: the worker's].
+    #[arg(long)]
+    line_cache_mib: Option<u64>,
 }
 
 /// One binary's figures on one store.
@@ -62,6 +85,17 @@ struct Row {
     requests: Option<u64>,
     /// With `--serve`: peak and resident MiB after two epoch boundaries.
     served: Option<(f64, f64)>,
+    /// With `--read`: what the samples' text cost.
+    read: Option<TextCost>,
+}
+
+/// Per sample served, beyond its image: store requests, and bytes read with the bytes of its
+/// line (for the ratio).
+struct TextCost {
+    samples: u64,
+    requests_per_sample: f64,
+    bytes_per_sample: f64,
+    line_bytes_per_sample: f64,
 }
 
 pub async fn run(a: DatasetScaleArgs) -> anyhow::Result<()> {
@@ -126,6 +160,44 @@ pub async fn run(a: DatasetScaleArgs) -> anyhow::Result<()> {
             rss
         );
     }
+    if a.read {
+        println!(
+            "\nread: {} ranks x {} global batches of {} from an epoch's start, order {}{}, \
+             line cache {}",
+            a.ranks,
+            a.read_batches,
+            a.global_batch_size,
+            a.order.as_str(),
+            match a.order {
+                stoker_config::SampleOrder::Runs => format!(" ({} lines)", a.run_lines),
+                _ => String::new(),
+            },
+            a.line_cache_mib
+                .map_or("the default".into(), |m| format!("{m} MiB"))
+        );
+        println!(
+            "{:<9} {:<6} {:>9} {:>22} {:>19} {:>16}",
+            "binary",
+            "store",
+            "samples",
+            "text requests/sample",
+            "text bytes/sample",
+            "x line bytes"
+        );
+        for r in &rows {
+            if let Some(t) = &r.read {
+                println!(
+                    "{:<9} {:<6} {:>9} {:>22.4} {:>19.0} {:>16.2}",
+                    r.binary,
+                    r.store,
+                    t.samples,
+                    t.requests_per_sample,
+                    t.bytes_per_sample,
+                    t.bytes_per_sample / t.line_bytes_per_sample
+                );
+            }
+        }
+    }
     if a.serve {
         println!(
             "served: one rank from 4 batches before the end of epochs 0 and 1 to 4 batches into \
@@ -169,6 +241,13 @@ async fn measure(
     };
     config.serving.insecure_plaintext = true;
     config.sampling.order = a.order;
+    config.sampling.run_lines = a.run_lines;
+    if a.read {
+        config.sampling.global_batch_size = a.global_batch_size;
+    }
+    if let Some(mib) = a.line_cache_mib {
+        config.concurrency.line_cache_mib = mib;
+    }
     if a.lengths {
         write_synthetic_lengths(data).await?;
         config.sampling.bucket_by_length = true;
@@ -197,7 +276,15 @@ async fn measure(
             Some(memory_mib(worker.pid())?)
         }
     };
+    let read = match (a.read, s3) {
+        (true, Some(s3)) => {
+            eprintln!("{binary} on {store}: reading with {} ranks", a.ranks);
+            Some(read_text(&worker, s3, a, data).await?)
+        }
+        _ => None,
+    };
     Ok(Row {
+        read,
         binary: binary.into(),
         store,
         index_s,
@@ -239,6 +326,63 @@ fn across_epochs(addr: &str) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--read`: every rank reads `read_batches` global batches from epoch 0's start; what the
+/// store served beyond one GET and the bytes of one image per sample the worker served (those
+/// the ranks asked ahead included) is the text's cost.
+async fn read_text(
+    worker: &LocalWorker,
+    s3: &EmbeddedS3,
+    a: &DatasetScaleArgs,
+    data: &Path,
+) -> anyhow::Result<TextCost> {
+    use stoker_client::{Dial, Discovery, Loader, LoaderConfig};
+    use stoker_worker::dataset::index::{DatasetIndex, INDEX_KEY};
+    let value = |m: &str, name| stoker_control::exposition::metric_value(m, name).unwrap_or(0.0);
+    let read_bytes = |m: &str| value(m, "stoker_worker_object_store_read_bytes_total");
+    let served = |m: &str| value(m, "stoker_worker_samples_total");
+    let metrics = || stoker_testkit::http::get_ok(&worker.metrics_addr, "/metrics");
+    let start = metrics()?;
+    let requests = s3.requests_received();
+    let ranks: Vec<_> = (0..a.ranks)
+        .map(|rank| {
+            let (addr, world, batches) = (worker.addr.clone(), a.ranks, a.read_batches);
+            std::thread::spawn(move || -> anyhow::Result<()> {
+                let mut cfg = LoaderConfig::new(Discovery::parse(&addr)?, rank, world);
+                cfg.dial = Some(Dial::InsecurePlaintext);
+                cfg.token = "bench".into();
+                let mut loader = Loader::new(cfg)?;
+                let mut read = 0;
+                while read < batches {
+                    read += u64::from(loader.next_batch()?.is_some());
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for r in ranks {
+        r.join().map_err(|_| anyhow::anyhow!("a rank panicked"))??;
+    }
+    // What the ranks had asked ahead is finished or cancelled: the worker's figures, with
+    // the samples it served (those read ahead included), are whole.
+    let mut end = metrics()?;
+    while value(&end, "stoker_worker_requests_in_flight") > 0.0 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        end = metrics()?;
+    }
+    let requests = s3.requests_received() - requests;
+    let bytes = read_bytes(&end) - read_bytes(&start);
+    let samples = (served(&end) - served(&start)) as u64;
+    let index = DatasetIndex::from_bytes(std::fs::read(data.join(INDEX_KEY))?)?;
+    let text: u64 = index.shards.iter().map(|s| s.size).sum();
+    let n = samples as f64;
+    Ok(TextCost {
+        samples,
+        requests_per_sample: (requests as f64 - n) / n,
+        bytes_per_sample: (bytes - n * TINY_PNG.len() as f64) / n,
+        line_bytes_per_sample: text as f64 / index.num_samples() as f64,
+    })
 }
 
 /// A `stoker-lengths.bin` for the dataset's index as it is now and the default worker's

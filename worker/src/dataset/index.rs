@@ -162,17 +162,25 @@ impl DatasetIndex {
         self.offsets.resident_bytes() + (self.starts.len() * 8 + shards) as u64
     }
 
-    /// The shard and line of a sample id.
-    pub fn locate(&self, sample_id: u64) -> Option<(&Shard, SampleLine)> {
+    /// The position in `shards` of the shard holding a sample id.
+    pub fn shard_of(&self, sample_id: u64) -> Option<usize> {
         let i = self
             .starts
             .partition_point(|&s| s <= sample_id)
             .checked_sub(1)?;
+        (sample_id - self.starts[i] < self.shards[i].samples.into()).then_some(i)
+    }
+
+    /// The sample ids of shard `i` (by position in `shards`).
+    pub fn shard_ids(&self, i: usize) -> std::ops::Range<u64> {
+        self.starts[i]..self.starts[i] + u64::from(self.shards[i].samples)
+    }
+
+    /// The shard and line of a sample id.
+    pub fn locate(&self, sample_id: u64) -> Option<(&Shard, SampleLine)> {
+        let i = self.shard_of(sample_id)?;
         let shard = &self.shards[i];
         let j = sample_id - self.starts[i];
-        if j >= shard.samples.into() {
-            return None;
-        }
         let (id, j) = (sample_id as usize, j as u32);
         let offset = u64::from(self.offsets.get(id));
         let next = match j + 1 < shard.samples {

@@ -9,10 +9,14 @@
 //! [`ReadCap`].
 
 use crate::byte_budget::ByteBudget;
+use crate::metrics::StoreRequest;
 use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata};
 use bytes::Bytes;
 use std::path::{Path, PathBuf};
 use stoker_config::S3Connection;
+
+mod paths;
+pub use paths::{common_root, media_key, resolve_relative, PathError};
 
 /// Reads of one object before its failure counts (each after the SDK's own retries).
 const FETCH_ATTEMPTS: u32 = 4;
@@ -164,143 +168,6 @@ impl Body {
     }
 }
 
-#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
-#[error("path {path:?} in {base} is not allowed: {why}")]
-pub struct PathError {
-    pub path: String,
-    pub base: String,
-    pub why: String,
-}
-
-/// The folder holding several datasets, and each one's folder relative to it (empty or
-/// ending in '/'): one store rooted there reads every dataset's shards and images. They must
-/// share a bucket (or all be local folders), and none may lie inside another.
-pub fn common_root(uris: &[&str]) -> anyhow::Result<(String, Vec<String>)> {
-    let mut bucket = None;
-    let mut folders = Vec::with_capacity(uris.len());
-    for uri in uris {
-        let (b, path) = match uri.strip_prefix("s3://") {
-            Some(rest) => {
-                let (b, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-                (Some(b.to_string()), prefix.to_string())
-            }
-            None => {
-                let path = uri.strip_prefix("file://").unwrap_or(uri);
-                let path = std::path::Path::new(path)
-                    .canonicalize()
-                    .map_err(|e| anyhow::anyhow!("{uri}: {e}"))?;
-                (None, path.display().to_string())
-            }
-        };
-        anyhow::ensure!(
-            folders.is_empty() || b == bucket,
-            "mixed datasets must all be in one bucket or all be local folders: {uri} is not \
-             where {} is",
-            uris[0]
-        );
-        bucket = b;
-        folders.push(
-            path.split('/')
-                .filter(|p| !p.is_empty())
-                .map(str::to_string)
-                .collect::<Vec<_>>(),
-        );
-    }
-    let common = (0..)
-        .take_while(|&i| {
-            folders
-                .iter()
-                .all(|f| f.get(i).is_some() && f[i] == folders[0][i])
-        })
-        .count();
-    let relative: Vec<String> = folders
-        .iter()
-        .map(|f| f[common..].iter().map(|p| format!("{p}/")).collect())
-        .collect();
-    for (a, ra) in relative.iter().enumerate() {
-        for (b, rb) in relative.iter().enumerate() {
-            anyhow::ensure!(
-                a == b || !rb.starts_with(ra.as_str()),
-                "mixed datasets may not lie inside each other: {} holds {}",
-                uris[a],
-                uris[b]
-            );
-        }
-    }
-    let root = folders[0][..common].join("/");
-    let root = match bucket {
-        Some(b) => format!("s3://{b}/{root}"),
-        None => format!("/{root}"),
-    };
-    Ok((root, relative))
-}
-
-/// Resolves `rel` against the folder of `base_key` (a shard), within the dataset root.
-pub fn resolve_relative(base_key: &str, rel: &str) -> Result<String, PathError> {
-    let mut folder: Vec<&str> = base_key.split('/').collect();
-    folder.pop(); // the shard's file name
-    resolve_in(folder, rel, base_key, "the dataset root", "the shard")
-}
-
-/// The key of a media path written in shard `shard_key`: beside the shard when `media_root`
-/// is empty, else under that root (a [`MediaRoot::uri`]), as the root's URI and the path in
-/// it; a path that leaves the root is refused either way.
-pub fn media_key(shard_key: &str, media_root: &str, path: &str) -> Result<String, PathError> {
-    if media_root.is_empty() {
-        return resolve_relative(shard_key, path);
-    }
-    let key = resolve_in(
-        Vec::new(),
-        path,
-        shard_key,
-        "the media root",
-        "the media root",
-    )?;
-    Ok(format!("{media_root}{key}"))
-}
-
-/// `rel`'s segments applied to `folder`, never above it: `base` (where the path was written)
-/// and the names of the root and of what paths are relative to are for messages.
-fn resolve_in<'a>(
-    mut folder: Vec<&'a str>,
-    rel: &'a str,
-    base: &str,
-    root: &str,
-    relative_to: &str,
-) -> Result<String, PathError> {
-    let err = |why: String| PathError {
-        path: rel.to_string(),
-        base: base.to_string(),
-        why,
-    };
-    if rel.is_empty() {
-        return Err(err("empty path".into()));
-    }
-    if rel.starts_with('/') || rel.starts_with('\\') || rel.contains("://") || rel.contains(':') {
-        return Err(err(format!(
-            "absolute paths and URLs are refused; use a path relative to {relative_to}"
-        )));
-    }
-    if rel.contains('\\') || rel.contains('\0') {
-        return Err(err("backslashes and NUL are refused".into()));
-    }
-    for seg in rel.split('/') {
-        match seg {
-            "" | "." => {}
-            ".." => {
-                if folder.pop().is_none() {
-                    return Err(err(format!("it escapes {root}")));
-                }
-            }
-            s => folder.push(s),
-        }
-    }
-    if folder.is_empty() {
-        return Err(err(format!("it names {root}")));
-    }
-    Ok(folder.join("/"))
-}
-
 /// A folder or bucket prefix holding a dataset's media apart from its shards (`--media-root`):
 /// the paths in its lines are resolved under it, as LLaVA's `image_folder` and LLaMA-Factory's
 /// `media_dir` do. Read with the dataset's S3 connection; any bucket it reaches.
@@ -323,6 +190,14 @@ impl MediaRoot {
         Ok(MediaRoot { uri, store })
     }
 
+    /// The same root, its requests counted (see [`Store::counted`]).
+    pub fn counted(self, requests: &prometheus::IntCounterVec) -> MediaRoot {
+        MediaRoot {
+            store: self.store.counted(requests),
+            ..self
+        }
+    }
+
     /// The store and its key for a media key under this root, if it is.
     pub fn split<'k>(&self, key: &'k str) -> Option<(&Store, &'k str)> {
         key.strip_prefix(self.uri.as_str())
@@ -338,8 +213,15 @@ pub struct ObjectInfo {
     pub version: String,
 }
 
+/// A dataset's store, counting its requests when given a counter.
 #[derive(Clone)]
-pub enum Store {
+pub struct Store {
+    backend: Backend,
+    requests: Option<prometheus::IntCounterVec>,
+}
+
+#[derive(Clone)]
+enum Backend {
     Local {
         root: PathBuf,
     },
@@ -351,6 +233,15 @@ pub enum Store {
         /// Longest wait for a response to start or a body's next byte.
         read_timeout: std::time::Duration,
     },
+}
+
+impl From<Backend> for Store {
+    fn from(backend: Backend) -> Store {
+        Store {
+            backend,
+            requests: None,
+        }
+    }
 }
 
 impl Store {
@@ -384,35 +275,52 @@ impl Store {
                     aws_sdk_s3::config::ResponseChecksumValidation::WhenRequired,
                 )
                 .build();
-            return Ok(Store::S3 {
+            return Ok(Store::from(Backend::S3 {
                 client: aws_sdk_s3::Client::from_conf(s3conf),
                 bucket: bucket.to_string(),
                 prefix,
                 read_timeout: std::time::Duration::from_secs(s3.read_timeout_s.max(1)),
-            });
+            }));
         }
         let path = uri.strip_prefix("file://").unwrap_or(uri);
         let root = PathBuf::from(path);
         anyhow::ensure!(root.is_dir(), "{uri}: not a folder (and not an s3:// URI)");
-        Ok(Store::Local {
+        Ok(Store::from(Backend::Local {
             root: root.canonicalize()?,
-        })
+        }))
+    }
+
+    /// The same store, its requests counted by kind in `requests` (label `kind`).
+    pub fn counted(self, requests: &prometheus::IntCounterVec) -> Store {
+        Store {
+            requests: Some(requests.clone()),
+            ..self
+        }
+    }
+
+    fn count(&self, kind: StoreRequest) {
+        if let Some(c) = &self.requests {
+            c.with_label_values(&[kind.as_str()]).inc();
+        }
     }
 
     /// The full name of a key, for messages.
     pub fn describe(&self, key: &str) -> String {
-        match self {
-            Store::Local { root } => root.join(key).display().to_string(),
-            Store::S3 { bucket, prefix, .. } => format!("s3://{bucket}/{prefix}{key}"),
+        match &self.backend {
+            Backend::Local { root } => root.join(key).display().to_string(),
+            Backend::S3 { bucket, prefix, .. } => format!("s3://{bucket}/{prefix}{key}"),
         }
     }
 
     /// Every object under the root, sorted by key.
     pub async fn list(&self) -> anyhow::Result<Vec<ObjectInfo>> {
         let mut out = Vec::new();
-        match self {
-            Store::Local { root } => list_local(root, root, &mut out)?,
-            Store::S3 {
+        match &self.backend {
+            Backend::Local { root } => {
+                self.count(StoreRequest::List);
+                list_local(root, root, &mut out)?
+            }
+            Backend::S3 {
                 client,
                 bucket,
                 prefix,
@@ -425,6 +333,7 @@ impl Store {
                     .into_paginator()
                     .send();
                 while let Some(page) = pages.next().await {
+                    self.count(StoreRequest::List);
                     let page = page.map_err(|e| {
                         anyhow::anyhow!(
                             "listing {}: {}",
@@ -454,12 +363,13 @@ impl Store {
     }
 
     async fn head_once(&self, key: &str) -> Result<ObjectInfo, FetchError> {
-        match self {
-            Store::Local { root } => {
+        self.count(StoreRequest::Head);
+        match &self.backend {
+            Backend::Local { root } => {
                 let (_, meta) = self.local_file(root, key, false).await?;
                 Ok(local_info(key.to_string(), &meta))
             }
-            Store::S3 {
+            Backend::S3 {
                 client,
                 bucket,
                 prefix,
@@ -624,8 +534,12 @@ impl Store {
     /// Starts reading an object (or a range of it): its length, when known, and its body.
     async fn open_object(&self, key: &str, range: Option<(u64, u64)>) -> Result<Body, FetchError> {
         let io = |e: String| self.io_error(key, e);
-        match self {
-            Store::Local { root } => {
+        self.count(match range {
+            Some(_) => StoreRequest::GetRange,
+            None => StoreRequest::Get,
+        });
+        match &self.backend {
+            Backend::Local { root } => {
                 use tokio::io::AsyncSeekExt;
                 let (file, meta) = self.local_file(root, key, true).await?;
                 let mut file = tokio::fs::File::from_std(file.expect("opened"));
@@ -646,7 +560,7 @@ impl Store {
                     chunks: Chunks::File { file, left },
                 })
             }
-            Store::S3 {
+            Backend::S3 {
                 client,
                 bucket,
                 prefix,
@@ -745,15 +659,16 @@ impl Store {
     }
 
     pub async fn put(&self, key: &str, data: Vec<u8>) -> anyhow::Result<()> {
-        match self {
-            Store::Local { root } => {
+        self.count(StoreRequest::Put);
+        match &self.backend {
+            Backend::Local { root } => {
                 let path = root.join(key);
                 if let Some(dir) = path.parent() {
                     tokio::fs::create_dir_all(dir).await?;
                 }
                 tokio::fs::write(&path, data).await?;
             }
-            Store::S3 {
+            Backend::S3 {
                 client,
                 bucket,
                 prefix,
@@ -809,113 +724,5 @@ fn local_info(key: String, meta: &std::fs::Metadata) -> ObjectInfo {
         key,
         size: meta.len(),
         version: format!("{mtime}-{}", meta.len()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn relative_paths_resolve_against_the_shard_folder() {
-        assert_eq!(
-            resolve_relative("a/b/s.jsonl", "img/x.jpg").unwrap(),
-            "a/b/img/x.jpg"
-        );
-        assert_eq!(
-            resolve_relative("a/b/s.jsonl", "../c.png").unwrap(),
-            "a/c.png"
-        );
-        assert_eq!(resolve_relative("s.jsonl", "./x.jpg").unwrap(), "x.jpg");
-    }
-
-    #[test]
-    fn traversal_and_absolute_paths_are_refused() {
-        for bad in [
-            "../x.jpg",
-            "a/../../x",
-            "/etc/passwd",
-            "s3://other/x",
-            "C:\\x",
-            "..\\x",
-            "",
-        ] {
-            let e = resolve_relative("s.jsonl", bad).unwrap_err();
-            assert_eq!(e.path, bad);
-        }
-        let e = resolve_relative("d/s.jsonl", "../../etc/passwd").unwrap_err();
-        assert!(e.to_string().contains("escapes the dataset root"), "{e}");
-    }
-
-    #[test]
-    fn media_paths_resolve_under_the_media_root_never_above_it() {
-        let root = "s3://images/coco/";
-        assert_eq!(
-            media_key("a/b/s.jsonl", root, "train/x.jpg").unwrap(),
-            "s3://images/coco/train/x.jpg"
-        );
-        assert_eq!(
-            media_key("a/b/s.jsonl", root, "t/../x.jpg").unwrap(),
-            "s3://images/coco/x.jpg"
-        );
-        assert_eq!(media_key("a/b/s.jsonl", "", "x.jpg").unwrap(), "a/b/x.jpg");
-        for bad in ["../x.jpg", "t/../../x.jpg", "/x.jpg", "s3://other/x", "."] {
-            let e = media_key("a/b/s.jsonl", root, bad).unwrap_err();
-            assert_eq!((e.path.as_str(), e.base.as_str()), (bad, "a/b/s.jsonl"));
-            assert!(e.why.contains("media root"), "{e}");
-        }
-    }
-
-    #[test]
-    fn mixed_datasets_share_a_root_and_keep_their_folders() {
-        let (root, rel) =
-            common_root(&["s3://b/sft/chat", "s3://b/sft/vqa/v2", "s3://b/sft/mt"]).unwrap();
-        assert_eq!(
-            (root.as_str(), rel),
-            (
-                "s3://b/sft",
-                vec!["chat/".into(), "vqa/v2/".into(), "mt/".into()]
-            )
-        );
-        let (root, rel) = common_root(&["s3://b/x", "s3://b/y/"]).unwrap();
-        assert_eq!(
-            (root.as_str(), rel),
-            ("s3://b/", vec!["x/".into(), "y/".into()])
-        );
-        let e = common_root(&["s3://b/x", "s3://c/y"])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("one bucket"), "{e}");
-        let e = common_root(&["s3://b/x", "s3://b/x/y"])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("inside each other"), "{e}");
-        let e = common_root(&["s3://b/x", "s3://b/x"])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("inside each other"), "{e}");
-    }
-
-    /// Local folders (a volume source's datasets under its mount): rooted at their common
-    /// folder; a local folder does not mix with a bucket.
-    #[test]
-    fn mixed_local_folders_share_their_common_folder() {
-        let dir = tempfile::tempdir().unwrap();
-        let base = dir.path().canonicalize().unwrap();
-        for d in ["llava", "sft/vqa"] {
-            std::fs::create_dir_all(base.join(d)).unwrap();
-        }
-        let (llava, vqa) = (base.join("llava"), base.join("sft/vqa/"));
-        let uris = [llava.to_str().unwrap(), vqa.to_str().unwrap()];
-        let (root, rel) = common_root(&uris).unwrap();
-        assert_eq!(
-            (root, rel),
-            (
-                base.display().to_string(),
-                vec!["llava/".into(), "sft/vqa/".into()]
-            )
-        );
-        let e = common_root(&[uris[0], "s3://b/x"]).unwrap_err().to_string();
-        assert!(e.contains("one bucket or all be local folders"), "{e}");
     }
 }
