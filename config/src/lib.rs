@@ -590,11 +590,22 @@ pub struct Concurrency {
     /// another (the demo's serial baseline).
     #[cfg_attr(feature = "clap", arg(long))]
     pub sample_parallelism: Option<usize>,
-    /// Shard text kept in memory, in MiB: lines are read in 1 MiB blocks, once, so a sample
-    /// costs one GET per image instead of one more for its line; 0 reads each line on its own.
+    /// Shard text kept in memory, in MiB: while the dataset's text fits, lines are read in
+    /// 1 MiB blocks, once (a sample costs one GET per image, none for its line); past it, a
+    /// run's lines at once under `--order runs`, else each line by its range. 0 reads each
+    /// line on its own.
     #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_LINE_CACHE_MIB))]
     pub line_cache_mib: u64,
+    /// The most objects (shards and images) of a dataset, or of its media root, a worker
+    /// lists and indexes itself when `stoker-index.bin` is missing; past it the worker stays
+    /// unready, naming `stoker dataset index`, until the index is written.
+    #[cfg_attr(feature = "clap", arg(long, default_value_t = DEFAULT_SELF_INDEX_MAX_OBJECTS))]
+    pub self_index_max_objects: u64,
 }
+
+/// A dataset a worker indexes itself: 100 listing pages at most, its shards read once per
+/// worker start (the demo's and the tests' datasets, far below).
+pub const DEFAULT_SELF_INDEX_MAX_OBJECTS: u64 = 100_000;
 
 impl Default for Concurrency {
     fn default() -> Self {
@@ -603,6 +614,7 @@ impl Default for Concurrency {
             cpu_threads: None,
             sample_parallelism: None,
             line_cache_mib: DEFAULT_LINE_CACHE_MIB,
+            self_index_max_objects: DEFAULT_SELF_INDEX_MAX_OBJECTS,
         }
     }
 }
@@ -954,6 +966,9 @@ impl Concurrency {
         a.optional("cpu-threads", self.cpu_threads);
         a.optional("sample-parallelism", self.sample_parallelism);
         a.value("line-cache-mib", self.line_cache_mib);
+        if self.self_index_max_objects != DEFAULT_SELF_INDEX_MAX_OBJECTS {
+            a.value("self-index-max-objects", self.self_index_max_objects);
+        }
     }
 }
 
@@ -1076,6 +1091,7 @@ mod tests {
                 cpu_threads: Some(3),
                 sample_parallelism: Some(1),
                 line_cache_mib: 17,
+                self_index_max_objects: 5,
             },
             serving: Serving {
                 listen: "127.0.0.1:1".into(),

@@ -230,6 +230,93 @@ async fn dataset_commands_and_worker_lifecycle_over_s3() {
 /// `stoker-lab bench balance --json`: one object per world size (8, 64, 512) with the fields the
 /// benchmark documents; the token-aware assignment and packing beat naive slicing and plain
 /// batches on the same global batches (pure arithmetic, no timing).
+/// A dataset past `--self-index-max-objects` without an index: the worker stays alive and
+/// unready, /readyz naming the command to run, and becomes ready once the index is written
+/// (no restart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_waits_unready_for_the_index_of_a_large_dataset() {
+    use std::io::BufRead;
+    let root = tempfile::tempdir().unwrap();
+    let data = root.path().join("bucket/data");
+    let s3 = EmbeddedS3::start(root.path(), "127.0.0.1:0", Duration::ZERO)
+        .await
+        .unwrap();
+    let synth = ["--samples", "6", "--min-side", "32", "--max-side", "100"];
+    let out = stoker(
+        &s3,
+        &[&["synth", "--out", data.to_str().unwrap()], &synth[..]].concat(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut cfg = WorkerConfig {
+        data: "s3://bucket/data".into(),
+        ..WorkerConfig::default()
+    };
+    cfg.s3.path_style = true;
+    cfg.sampling.global_batch_size = 2;
+    cfg.concurrency.self_index_max_objects = 3;
+    cfg.serving.insecure_plaintext = true;
+    cfg.serving.listen = "127.0.0.1:0".into();
+    cfg.serving.metrics_listen = "127.0.0.1:0".into();
+    let mut child = Command::new(&*STOKER)
+        .arg("worker")
+        .args(cfg.to_args())
+        .envs(s3.env())
+        .env("STOKER_TOKEN", "t")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    let metrics = loop {
+        let line = lines.next().expect("a metrics line").unwrap();
+        if let Some(addr) = line.strip_prefix("metrics ") {
+            break addr.to_string();
+        }
+    };
+    let readyz = || loop {
+        if let Ok(r) = http::get(&metrics, "/readyz") {
+            if r.status == 200 || r.body.contains("stoker dataset index") {
+                return r;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let waiting = readyz();
+    assert_eq!(waiting.status, 503);
+    assert!(
+        waiting
+            .body
+            .contains("Run `stoker dataset index s3://bucket/data/` once"),
+        "{}",
+        waiting.body
+    );
+    assert_eq!(http::get(&metrics, "/healthz").unwrap().status, 200);
+    let out = stoker(
+        &s3,
+        &["dataset", "index", "s3://bucket/data", "--s3-path-style"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while http::get(&metrics, "/readyz").map_or(true, |r| r.status != 200) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not ready after the index"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
 #[test]
 fn bench_balance_prints_one_json_object_per_world_size() {
     let rows = json_lines(

@@ -1,11 +1,15 @@
 //! `stoker worker`: serve batches of one plan over TCP, with /metrics, /healthz and /readyz.
 
+use std::sync::Arc;
 use std::time::Duration;
 use stoker_config::WorkerConfig;
 use stoker_tls::{Serve, ServerTls};
+use stoker_worker::dataset::index::{NeedsIndex, INDEX_KEY};
 use stoker_worker::metrics::{serve_http, Metrics};
 use stoker_worker::open::open_pipeline;
+use stoker_worker::pipeline::Pipeline;
 use stoker_worker::server::{Server, ServerConfig};
+use stoker_worker::source::{FetchError, Store};
 
 /// The token from --token-file, else $STOKER_TOKEN; none only with --no-auth.
 fn load_token(a: &stoker_config::Serving) -> anyhow::Result<Option<String>> {
@@ -54,6 +58,48 @@ fn load_transport(a: &stoker_config::Serving) -> anyhow::Result<Serve> {
     }
 }
 
+/// The first wait for a dataset's index to appear, doubled up to the longest: one HEAD per
+/// worker each time, so a fleet waiting for `stoker dataset index` asks little of the store.
+const INDEX_WAIT_FIRST: Duration = Duration::from_secs(5);
+const INDEX_WAIT_LONGEST: Duration = Duration::from_secs(60);
+
+/// Opens the pipeline; a dataset too large to index here keeps the worker unready (/readyz
+/// names the command to run) until its index appears.
+async fn open_waiting_for_an_index(
+    cfg: &WorkerConfig,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<Arc<Pipeline>> {
+    let mut wait = INDEX_WAIT_FIRST;
+    loop {
+        let needs = match open_pipeline(cfg, metrics.clone()).await {
+            Ok(p) => {
+                metrics.set_waiting_for(None);
+                return Ok(p);
+            }
+            Err(e) => match e.downcast::<NeedsIndex>() {
+                Ok(needs) => needs,
+                Err(other) => return Err(other),
+            },
+        };
+        tracing::error!("not ready: {needs}");
+        metrics.set_waiting_for(Some(needs.to_string()));
+        let store = Store::open(&needs.dataset, &cfg.s3).await?;
+        loop {
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(INDEX_WAIT_LONGEST);
+            match store.head(INDEX_KEY).await {
+                Ok(_) => break,
+                Err(FetchError::NotFound(_)) => {}
+                Err(e) => tracing::warn!("looking for {}: {e}", store.describe(INDEX_KEY)),
+            }
+        }
+        tracing::info!(
+            "{} appeared: opening the pipeline",
+            store.describe(INDEX_KEY)
+        );
+    }
+}
+
 pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
     let a = &cfg.serving;
     let token = load_token(a)?;
@@ -66,7 +112,7 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
     println!("metrics {}", http.local_addr()?);
     tokio::spawn(serve_http(http, metrics.clone()));
 
-    let pipeline = open_pipeline(&cfg, metrics).await?;
+    let pipeline = open_waiting_for_an_index(&cfg, metrics).await?;
     let cpu_threads = pipeline.config.cpu_threads;
     let server = Server::new(
         pipeline,

@@ -39,6 +39,9 @@ pub struct Metrics {
     pub dataset_samples: IntGauge,
     pub dataset_bad_lines: IntGauge,
     pub ready: AtomicBool,
+    /// Why the worker cannot become ready yet, for /readyz (a missing index it will not
+    /// build).
+    waiting_for: std::sync::Mutex<Option<String>>,
 }
 
 stoker_wire::label_set! {
@@ -266,6 +269,7 @@ impl Metrics {
                 "JSONL lines excluded by the index as invalid (listed by `stoker dataset index`).",
             ),
             ready: AtomicBool::new(false),
+            waiting_for: std::sync::Mutex::new(None),
             registry,
         };
         let r = &m.registry;
@@ -364,6 +368,22 @@ impl Metrics {
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::SeqCst);
     }
+
+    /// What /readyz names while not ready (`None`: nothing but starting or draining).
+    pub fn set_waiting_for(&self, why: Option<String>) {
+        *self.waiting_for.lock().expect("not poisoned") = why;
+    }
+
+    /// /readyz's answer: ready, or not and why.
+    fn readiness(&self) -> (bool, String) {
+        if self.ready.load(Ordering::SeqCst) {
+            return (true, "ready\n".into());
+        }
+        match &*self.waiting_for.lock().expect("not poisoned") {
+            Some(why) => (false, format!("not ready: {why}\n")),
+            None => (false, "not ready\n".into()),
+        }
+    }
 }
 
 /// Holds a gauge one up while it lives. Work a cancelled request drops at an await puts its
@@ -405,10 +425,9 @@ pub async fn serve_http(
             get(move || {
                 let m = m2.clone();
                 async move {
-                    if m.ready.load(Ordering::SeqCst) {
-                        (StatusCode::OK, "ready\n")
-                    } else {
-                        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+                    match m.readiness() {
+                        (true, body) => (StatusCode::OK, body),
+                        (false, body) => (StatusCode::SERVICE_UNAVAILABLE, body),
                     }
                 }
             }),

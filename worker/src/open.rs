@@ -38,7 +38,8 @@ impl Dataset {
             Some(m) => Some(MediaRoot::open(m, &cfg.s3).await?.counted(requests)),
             None => None,
         };
-        let index = DatasetIndex::load_or_build(&store, media_root.as_ref()).await?;
+        let max_objects = cfg.concurrency.self_index_max_objects;
+        let index = DatasetIndex::load_or_build(&store, media_root.as_ref(), max_objects).await?;
         if let Some(first) = index.bad_lines.first() {
             tracing::warn!(
                 "{uri}: {} invalid lines are excluded from the plan (first: {first}); `stoker dataset index` lists them",

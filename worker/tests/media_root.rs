@@ -72,7 +72,9 @@ async fn images_in_another_bucket_are_read_in_place() {
         .shards
         .iter()
         .all(|s| s.media_root == "s3://media/coco/"));
-    let rebuilt = DatasetIndex::load_or_build(&store, None).await.unwrap();
+    let rebuilt = DatasetIndex::load_or_build(&store, None, 1000)
+        .await
+        .unwrap();
     assert_eq!(
         rebuilt.num_samples(),
         0,

@@ -70,6 +70,10 @@ pub struct DatasetScaleArgs {
     /// The worker's line cache [default: the worker's].
     #[arg(long)]
     line_cache_mib: Option<u64>,
+    /// Once indexed, re-upload one shard with a line more before the worker starts (put back
+    /// after): what a worker does with an index gone stale.
+    #[arg(long)]
+    stale_shard: bool,
 }
 
 /// One binary's figures on one store.
@@ -159,6 +163,9 @@ pub async fn run(a: DatasetScaleArgs) -> anyhow::Result<()> {
             peak,
             rss
         );
+    }
+    if a.stale_shard {
+        println!("ready: with one of the shards re-uploaded (a line more) after indexing");
     }
     if a.read {
         println!(
@@ -252,6 +259,10 @@ async fn measure(
         write_synthetic_lengths(data).await?;
         config.sampling.bucket_by_length = true;
     }
+    let stale = match a.stale_shard {
+        true => Some(StaleShard::make(data)?),
+        false => None,
+    };
     let before = s3.map(EmbeddedS3::requests_received);
     let t = Instant::now();
     let worker = tokio::task::spawn_blocking({
@@ -266,6 +277,7 @@ async fn measure(
     .await??;
     let ready_s = t.elapsed().as_secs_f64();
     let requests = s3.zip(before).map(|(s, b)| s.requests_received() - b);
+    drop(stale);
     let ready = memory_mib(worker.pid())?;
     let served = match a.serve {
         false => None,
@@ -295,6 +307,35 @@ async fn measure(
         requests,
         served,
     })
+}
+
+/// The first shard, re-uploaded with its first line once more at its end.
+struct StaleShard {
+    path: PathBuf,
+    len: u64,
+}
+
+impl StaleShard {
+    fn make(data: &Path) -> anyhow::Result<StaleShard> {
+        let path = data.join("shard-00000.jsonl");
+        let len = std::fs::metadata(&path)?.len();
+        let first = std::io::BufRead::lines(std::io::BufReader::new(std::fs::File::open(&path)?))
+            .next()
+            .ok_or_else(|| anyhow::anyhow!("{} is empty", path.display()))??;
+        let mut f = std::fs::OpenOptions::new().append(true).open(&path)?;
+        writeln!(f, "{first}")?;
+        Ok(StaleShard { path, len })
+    }
+}
+
+impl Drop for StaleShard {
+    /// The shard as it was (the generated dataset is reused), whatever happened.
+    fn drop(&mut self) {
+        let file = std::fs::OpenOptions::new().write(true).open(&self.path);
+        if let Err(e) = file.and_then(|f| f.set_len(self.len)) {
+            eprintln!("putting {} back: {e}", self.path.display());
+        }
+    }
 }
 
 /// A process's peak and current resident MiB (VmHWM, VmRSS).

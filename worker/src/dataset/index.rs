@@ -87,6 +87,49 @@ pub fn fingerprint<P: AsRef<[u8]>>(parts: &[P]) -> u64 {
     h
 }
 
+/// The version of an index of `parts`: their shards' keys, sizes, versions and media roots
+/// (the same lines name other images under another root), and which shards were re-read
+/// without checking their media (`unchecked`, by key).
+fn version_of(parts: &[ShardPart], unchecked: &[String]) -> u64 {
+    let versions: Vec<Vec<u8>> = parts
+        .iter()
+        .map(|p| {
+            let s = &p.shard;
+            let checked = match unchecked.contains(&s.key) {
+                true => "\0media unchecked",
+                false => "",
+            };
+            format!(
+                "{}\0{}\0{}\0{}{checked}",
+                s.key, s.size, s.version, s.media_root
+            )
+            .into_bytes()
+        })
+        .collect();
+    fingerprint(&versions)
+}
+
+/// A shard no longer as the index recorded it: its position, and what the store holds now
+/// (`None`: gone).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StaleShard {
+    pub shard: usize,
+    pub now: Option<ObjectInfo>,
+}
+
+/// A dataset without a usable `stoker-index.bin` that is too large for a worker to index:
+/// the worker is not ready until the index is written.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{dataset}{INDEX_KEY} is missing and the dataset holds more than --self-index-max-objects \
+     ({max_objects}) objects: a worker does not list and read a dataset that size on its own. \
+     Run `stoker dataset index {dataset}` once (it writes {INDEX_KEY}); workers wait for it"
+)]
+pub struct NeedsIndex {
+    pub dataset: String,
+    pub max_objects: u64,
+}
+
 impl DatasetIndex {
     fn assemble(parts: Vec<ShardPart>, version: u64) -> Self {
         let total: usize = parts.iter().map(|p| p.offsets.len()).sum();
@@ -297,7 +340,25 @@ impl DatasetIndex {
         media_root: Option<&MediaRoot>,
         progress: &dyn Progress,
     ) -> anyhow::Result<Self> {
-        let objects = store.list().await?;
+        Self::build_within(store, media_root, progress, u64::MAX).await
+    }
+
+    /// [`DatasetIndex::build`] for a dataset (and media root) of at most `max_objects`
+    /// objects each: a larger one is not listed past that, and is a [`NeedsIndex`] error.
+    async fn build_within(
+        store: &Store,
+        media_root: Option<&MediaRoot>,
+        progress: &dyn Progress,
+        max_objects: u64,
+    ) -> anyhow::Result<Self> {
+        let too_many = || NeedsIndex {
+            dataset: store.describe(""),
+            max_objects,
+        };
+        let objects = store
+            .list_at_most(max_objects)
+            .await?
+            .ok_or_else(too_many)?;
         let (shards, others): (Vec<ObjectInfo>, Vec<ObjectInfo>) = objects
             .into_iter()
             .filter(|o| o.key != INDEX_KEY)
@@ -310,16 +371,19 @@ impl DatasetIndex {
         let media = Arc::new(match media_root {
             None => MediaObjects {
                 root: String::new(),
-                keys: others.into_iter().map(|o| o.key.into()).collect(),
+                keys: Some(others.into_iter().map(|o| o.key.into()).collect()),
             },
             Some(m) => {
                 drop(others);
-                let listed = m.store.list().await?;
+                let listed = m.store.list_at_most(max_objects).await?;
                 MediaObjects {
-                    keys: listed
-                        .into_iter()
-                        .map(|o| format!("{}{}", m.uri, o.key).into())
-                        .collect(),
+                    keys: Some(
+                        listed
+                            .ok_or_else(too_many)?
+                            .into_iter()
+                            .map(|o| format!("{}{}", m.uri, o.key).into())
+                            .collect(),
+                    ),
                     root: m.uri.clone(),
                 }
             }
@@ -342,77 +406,139 @@ impl DatasetIndex {
             .buffered(SHARD_FETCH_CONCURRENCY)
             .try_collect()
             .await?;
-        // The media root is in it: the same lines name other images under another root.
-        let versions: Vec<Vec<u8>> = parts
-            .iter()
-            .map(|p| {
-                let s = &p.shard;
-                format!("{}\0{}\0{}\0{}", s.key, s.size, s.version, s.media_root).into_bytes()
-            })
-            .collect();
-        Ok(Self::assemble(parts, fingerprint(&versions)))
+        let version = version_of(&parts, &[]);
+        Ok(Self::assemble(parts, version))
     }
 
-    /// The first shard that is no longer as indexed (size or version changed, or gone), by
-    /// one HEAD per shard; `None` when all are as they were.
-    pub async fn stale_shard(&self, store: &Store) -> anyhow::Result<Option<String>> {
-        let mut checks = futures::stream::iter(&self.shards)
-            .map(|s| async move {
+    /// Shards no longer as indexed (size or version changed, or gone), by one HEAD per shard
+    /// (32 at once), in shard order; empty when all are as they were.
+    pub async fn stale_shards(&self, store: &Store) -> anyhow::Result<Vec<StaleShard>> {
+        let checks = futures::stream::iter(self.shards.iter().enumerate())
+            .map(|(i, s)| async move {
                 match store.head(&s.key).await {
                     Ok(now) if now.size == s.size && now.version == s.version => Ok(None),
-                    Ok(now) => Ok(Some(format!(
-                        "{} is {} bytes, version {} (indexed: {} bytes, version {})",
-                        s.key, now.size, now.version, s.size, s.version
-                    ))),
-                    Err(crate::source::FetchError::NotFound(_)) => {
-                        Ok(Some(format!("{} is gone", s.key)))
-                    }
+                    Ok(now) => Ok(Some(StaleShard {
+                        shard: i,
+                        now: Some(now),
+                    })),
+                    Err(crate::source::FetchError::NotFound(_)) => Ok(Some(StaleShard {
+                        shard: i,
+                        now: None,
+                    })),
                     Err(e) => Err(anyhow::Error::from(e)),
                 }
             })
-            .buffer_unordered(SHARD_HEAD_CONCURRENCY);
-        while let Some(check) = checks.next().await {
-            if let Some(stale) = check? {
-                return Ok(Some(stale));
+            .buffered(SHARD_HEAD_CONCURRENCY);
+        let stale: Vec<Option<StaleShard>> = checks.try_collect().await?;
+        Ok(stale.into_iter().flatten().collect())
+    }
+
+    /// What a stale shard is now, for messages.
+    pub fn describe(&self, stale: &StaleShard) -> String {
+        let was = &self.shards[stale.shard];
+        match &stale.now {
+            None => format!("{} is gone", was.key),
+            Some(now) => format!(
+                "{} is {} bytes, version {} (indexed: {} bytes, version {})",
+                was.key, now.size, now.version, was.size, was.version
+            ),
+        }
+    }
+
+    /// This index with its `stale` shards (from [`DatasetIndex::stale_shards`]) re-read
+    /// alone, the others' entries kept: a gone shard's samples leave it. Re-reading a shard
+    /// does not check that its media exist (that needs a listing of them all): a missing one
+    /// is a named skip when its sample is served, and the index's version says its media were
+    /// not checked, so a worker of this index never shares a plan id with one whose index
+    /// `stoker dataset index` built.
+    pub async fn with_shards_reindexed(
+        &self,
+        store: &Store,
+        stale: &[StaleShard],
+    ) -> anyhow::Result<Self> {
+        let mut parts = Vec::with_capacity(self.shards.len());
+        let mut unchecked = Vec::new();
+        for (i, shard) in self.shards.iter().enumerate() {
+            match stale.iter().find(|s| s.shard == i) {
+                None => parts.push(self.part(i)),
+                Some(StaleShard { now: None, .. }) => {}
+                Some(StaleShard { now: Some(now), .. }) => {
+                    let media = MediaObjects {
+                        root: shard.media_root.clone(),
+                        keys: None,
+                    };
+                    unchecked.push(now.key.clone());
+                    parts.push(index_shard(store, now.clone(), &media).await?);
+                }
             }
         }
-        Ok(None)
+        let version = version_of(&parts, &unchecked);
+        Ok(Self::assemble(parts, version))
+    }
+
+    /// Shard `i`'s part, as its build gave it.
+    fn part(&self, i: usize) -> ShardPart {
+        let shard = self.shards[i].clone();
+        let ids = self.shard_ids(i);
+        let offsets = (ids.start as usize..ids.end as usize)
+            .map(|id| self.offsets.get(id))
+            .collect();
+        let bad = (self.bad_lines.iter())
+            .filter(|b| b.shard == shard.key)
+            .cloned()
+            .collect();
+        ShardPart {
+            shard,
+            offsets,
+            bad,
+        }
     }
 
     /// The stored index if its shards are still as indexed (checked shard by shard: the
-    /// dataset is never listed) with this media root, else a fresh one. Shards added after
-    /// indexing are served once `stoker dataset index` runs again.
+    /// dataset is never listed) with this media root; with stale shards, the index with those
+    /// re-read alone. Without an index (or for another media root) a fresh one, but only of a
+    /// dataset of at most `max_objects` objects: a larger one is a [`NeedsIndex`] error
+    /// (listing it and reading every shard on every worker is what `stoker dataset index`
+    /// does once). Shards added after indexing are served once `stoker dataset index` runs
+    /// again.
     pub async fn load_or_build(
         store: &Store,
         media_root: Option<&MediaRoot>,
+        max_objects: u64,
     ) -> anyhow::Result<Self> {
         let root = media_root.map_or("", |m| m.uri.as_str());
+        let at = store.describe(INDEX_KEY);
         match store.get_at_most(INDEX_KEY, INDEX_CAP).await {
             Ok(data) => {
-                let idx = Self::from_bytes(data)
-                    .map_err(|e| e.context(store.describe(INDEX_KEY)))?;
-                let stale = match idx.shards.iter().find(|s| s.media_root != root) {
-                    Some(s) => Some(format!(
-                        "its media root is {:?}, not {root:?}",
+                let idx = Self::from_bytes(data).map_err(|e| e.context(at.clone()))?;
+                match idx.shards.iter().find(|s| s.media_root != root) {
+                    Some(s) => tracing::warn!(
+                        "{at} is stale (its media root is {:?}, not {root:?}); re-indexing",
                         s.media_root
-                    )),
-                    None => idx.stale_shard(store).await?,
-                };
-                match stale {
-                    None => return Ok(idx),
-                    Some(why) => tracing::warn!(
-                        "{} is stale ({why}); re-indexing",
-                        store.describe(INDEX_KEY)
                     ),
+                    None => {
+                        let stale = idx.stale_shards(store).await?;
+                        if stale.is_empty() {
+                            return Ok(idx);
+                        }
+                        let named: Vec<String> = stale.iter().map(|s| idx.describe(s)).collect();
+                        tracing::warn!(
+                            "{at} is stale ({}); re-reading {} of its {} shards (their media \
+                             are checked when served; `stoker dataset index` checks them all)",
+                            named.join("; "),
+                            stale.len(),
+                            idx.shards.len()
+                        );
+                        return idx.with_shards_reindexed(store, &stale).await;
+                    }
                 }
             }
             Err(crate::source::FetchError::NotFound(_)) => tracing::warn!(
-                "{} does not exist; indexing (run `stoker dataset index` once, so that workers start without reading every shard)",
-                store.describe(INDEX_KEY)
+                "{at} does not exist; indexing (run `stoker dataset index` once, so that workers start without reading every shard)"
             ),
             Err(e) => return Err(e.into()),
         }
-        Self::build(store, media_root, &()).await
+        Self::build_within(store, media_root, &(), max_objects).await
     }
 
     /// The media roots its shards' paths resolve under (none: all beside their shards).
@@ -767,7 +893,7 @@ not json\n\
             let obj = object("s.jsonl", lines.join("\n").as_bytes());
             let media = MediaObjects {
                 root: String::new(),
-                keys: ["a.jpg".into()].into_iter().collect(),
+                keys: Some(["a.jpg".into()].into_iter().collect()),
             };
             let mut reader = ShardLines::new(&obj, &media);
             reader.feed(lines.join("\n").as_bytes());

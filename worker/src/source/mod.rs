@@ -205,7 +205,7 @@ impl MediaRoot {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ObjectInfo {
     pub key: String,
     pub size: u64,
@@ -314,11 +314,20 @@ impl Store {
 
     /// Every object under the root, sorted by key.
     pub async fn list(&self) -> anyhow::Result<Vec<ObjectInfo>> {
+        let all = self.list_at_most(u64::MAX).await?;
+        Ok(all.expect("no more than u64::MAX objects"))
+    }
+
+    /// Every object under the root, sorted by key, if there are at most `max`: the listing
+    /// stops at the page (or, for a folder, the file) that goes past it (`None`).
+    pub async fn list_at_most(&self, max: u64) -> anyhow::Result<Option<Vec<ObjectInfo>>> {
         let mut out = Vec::new();
         match &self.backend {
             Backend::Local { root } => {
                 self.count(StoreRequest::List);
-                list_local(root, root, &mut out)?
+                if !list_local(root, root, &mut out, max)? {
+                    return Ok(None);
+                }
             }
             Backend::S3 {
                 client,
@@ -349,11 +358,14 @@ impl Store {
                             version: o.e_tag().unwrap_or_default().to_string(),
                         });
                     }
+                    if out.len() as u64 > max {
+                        return Ok(None);
+                    }
                 }
             }
         }
         out.sort_by(|a, b| a.key.cmp(&b.key));
-        Ok(out)
+        Ok(Some(out))
     }
 
     /// One object's size and version (one HEAD request): what the index's freshness check
@@ -694,22 +706,33 @@ impl Store {
     }
 }
 
-fn list_local(root: &Path, dir: &Path, out: &mut Vec<ObjectInfo>) -> anyhow::Result<()> {
+/// Lists the files under `dir` into `out` while it holds at most `max` (false: it went past).
+fn list_local(
+    root: &Path,
+    dir: &Path,
+    out: &mut Vec<ObjectInfo>,
+    max: u64,
+) -> anyhow::Result<bool> {
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
         let meta = entry.metadata()?;
         let path = entry.path();
         if meta.is_dir() {
-            list_local(root, &path, out)?;
+            if !list_local(root, &path, out, max)? {
+                return Ok(false);
+            }
         } else if meta.is_file() {
             let rel = path
                 .strip_prefix(root)?
                 .to_string_lossy()
                 .replace('\\', "/");
             out.push(local_info(rel, &meta));
+            if out.len() as u64 > max {
+                return Ok(false);
+            }
         }
     }
-    Ok(())
+    Ok(true)
 }
 
 /// A local file's size and version (mtime and size: changes when the content does).
