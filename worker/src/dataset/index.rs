@@ -635,9 +635,17 @@ mod tests {
         }
     }
 
+    /// A dataset with no media objects: every media path names a missing object.
+    fn no_media() -> MediaObjects {
+        MediaObjects {
+            root: String::new(),
+            keys: Some(Default::default()),
+        }
+    }
+
     /// One shard named `key` holding `data`, fed in chunks of `chunk` bytes, read.
     fn read_shard(key: &str, data: &[u8], chunk: usize) -> anyhow::Result<ShardPart> {
-        let (obj, media) = (object(key, data), MediaObjects::default());
+        let (obj, media) = (object(key, data), no_media());
         let mut lines = ShardLines::new(&obj, &media);
         data.chunks(chunk).for_each(|c| lines.feed(c));
         lines.finish()
@@ -778,7 +786,7 @@ not json\n\
             let data: Vec<u8> = std::iter::repeat_n([GOOD, b"\n"].concat(), n)
                 .flatten()
                 .collect();
-            let (obj, media) = (object(key, &data), MediaObjects::default());
+            let (obj, media) = (object(key, &data), no_media());
             let mut lines = ShardLines::new(&obj, &media);
             lines.feed(&data);
             lines.finish().unwrap()

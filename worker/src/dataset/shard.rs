@@ -115,7 +115,7 @@ impl Framing {
 
 /// The media a dataset's samples may name: where their paths resolve (as
 /// [`Shard::media_root`]) and the keys present there (`None`: not checked).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct MediaObjects {
     pub root: String,
     pub keys: Option<HashSet<Box<str>>>,
