@@ -357,8 +357,9 @@ impl Pipeline {
         let own: Vec<Option<(usize, Span)>> = ids
             .iter()
             .map(|&id| {
-                let (shard, line, _) = self.locate(id).ok()?;
-                let span = self.text_span(id, shard, line, self.text_reads);
+                // The index's own lookup: a missing sample is counted once, when it is loaded.
+                let (shard, line) = self.index.locate(id)?;
+                let span = self.text_span(id, shard, (line.offset, line.len), self.text_reads);
                 Some((self.index.shard_of(id)?, span))
             })
             .collect();
