@@ -708,14 +708,17 @@ impl Scheduler {
             match self.choose(pos, false) {
                 Choice::Link(link) => {
                     let probe = !self.members.spares.is_empty()
-                        && self.links.get(&link).is_some_and(|l| l.suspect);
+                        && self.links.get(&link).is_some_and(|l| l.suspect)
+                        && self.may_duplicate();
                     self.send(pos, link, false);
                     // A suspect is probed with a position that also goes elsewhere: the first
                     // answer is delivered, so probing a worker still slow never makes the
-                    // trainer wait (and costs one duplicate per probe).
+                    // trainer wait. The duplicate is a hedge, paid from the budget (while it is
+                    // empty `choose` gives a suspect a position only as a last resort, alone).
                     if probe {
                         if let Choice::Link(other) = self.choose(pos, true) {
                             self.send(pos, other, true);
+                            self.spend_duplicate();
                             self.metrics.hedge(HedgeOutcome::Sent);
                         }
                     }

@@ -997,8 +997,9 @@ async fn a_straggler_with_time_to_spare_is_hedged_only_once_the_trainer_would_wa
     assert!(m.asked(slow).is_empty());
 }
 
-#[tokio::test]
-async fn a_lagging_home_keeps_what_it_holds_and_is_probed_one_request_at_a_time() {
+/// A home that lags keeps what it holds, the next position goes to a spare, and the home
+/// answers late (a suspect now), the spare in time: the rank, its home and the spare.
+fn a_suspect_home_beside_a_spare() -> (Machine, LinkId, LinkId) {
     let (mut m, home, members) = subset_home_up();
     for _ in 1..LAG_OBSERVATIONS {
         m.s.latencies.record(Duration::from_millis(10));
@@ -1029,6 +1030,12 @@ async fn a_lagging_home_keeps_what_it_holds_and_is_probed_one_request_at_a_time(
     m.advance(Duration::from_millis(10));
     m.answer(spare, on_spare[0].0);
     assert_eq!(m.delivered().len(), 3);
+    (m, home, spare)
+}
+
+#[tokio::test]
+async fn a_lagging_home_keeps_what_it_holds_and_is_probed_one_request_at_a_time() {
+    let (mut m, home, spare) = a_suspect_home_beside_a_spare();
     // Once its estimate has decayed below the limit the home is probed with one request,
     // whose position goes to the spare too; the next goes to the spare while the probe is out.
     m.advance(Duration::from_secs(20));
@@ -1055,6 +1062,37 @@ async fn a_lagging_home_keeps_what_it_holds_and_is_probed_one_request_at_a_time(
     m.step();
     assert_eq!(m.asked(home).len(), 2, "home again");
     assert!(m.asked(spare).is_empty());
+}
+
+/// A probe's duplicate is paid from the hedge budget: with the budget spent, the suspect home
+/// is not probed; the positions go to the spare alone, duplicated nowhere.
+#[tokio::test]
+async fn a_suspect_is_not_probed_over_the_hedge_budget() {
+    let (mut m, home, spare) = a_suspect_home_beside_a_spare();
+    m.s.hedges = no_hedges_left();
+    m.advance(Duration::from_secs(20));
+    m.consume(2);
+    m.step();
+    assert!(m.asked(home).is_empty(), "no probe without a duplicate");
+    let on_spare = m.asked(spare);
+    assert_eq!(
+        on_spare.iter().map(|r| (r.1, r.2)).collect::<Vec<_>>(),
+        [(0, 3), (1, 0)]
+    );
+    assert_eq!(m.s.metrics.hedges.with_label_values(&["sent"]).get(), 0);
+}
+
+/// A budget with `n` duplicates left, earning none.
+fn hedges_left(n: f64) -> HedgeBudget {
+    HedgeBudget::new(HedgePolicy {
+        burst: n,
+        budget: 0.0,
+        ..HedgePolicy::default()
+    })
+}
+
+fn no_hedges_left() -> HedgeBudget {
+    hedges_left(0.0)
 }
 
 /// A worker gone without a word (no answer, no close: a partition, a lost node) holds two
@@ -1105,6 +1143,31 @@ async fn positions_held_by_a_silent_worker_are_asked_elsewhere_within_a_few_late
     m.answer(home, held[0].0);
     m.answer(home, held[1].0);
     assert!(m.delivered().is_empty());
+}
+
+/// A silent link's positions are asked elsewhere as duplicates (their requests stay out),
+/// so the hedge budget pays for them: with one duplicate left, one of the two positions a
+/// silent home holds moves; the other stays until the budget allows or the socket fails.
+#[tokio::test]
+async fn a_silent_link_s_positions_are_asked_elsewhere_only_within_the_hedge_budget() {
+    let (mut m, home, members) = subset_home_up();
+    m.s.hedges = hedges_left(1.0);
+    for ms in [10, 10, 10, 10, 10, 10, 10, 20] {
+        m.s.latencies.record(Duration::from_millis(ms));
+    }
+    m.step();
+    assert_eq!(m.asked(home).len(), 2);
+    m.advance(Duration::from_millis(40));
+    m.step();
+    let spare = m.worker_up(&members.spares[0], plan(7));
+    m.step();
+    let again = m.asked(spare);
+    assert_eq!(
+        again.iter().map(|r| (r.1, r.2)).collect::<Vec<_>>(),
+        [(0, 0)]
+    );
+    assert_eq!(m.s.metrics.retries.with_label_values(&["silent"]).get(), 1);
+    assert!(m.s.metrics.hedges.with_label_values(&["over_budget"]).get() >= 1);
 }
 
 fn refusal(code: ErrorCode, message: &str) -> ErrorFrame {

@@ -354,6 +354,7 @@ fn a_faulty_store_and_killed_workers_change_no_byte_and_skip_no_sample() {
             every_nth_slow_down: 7,
             every_nth_cut_body: 5,
             every_nth_stall_body: 23,
+            ..Faults::default()
         };
         let store = StoreBehaviour {
             faults,

@@ -17,6 +17,7 @@ mod cmd {
     pub mod local;
     pub mod scale;
     pub mod spread;
+    pub mod store_latency;
     pub mod transport;
 }
 

@@ -615,22 +615,77 @@ fn the_scale_simulator_shows_silent_workers_rollouts_and_pauses_cost_at_most_a_s
     assert!(row("trainer-pause")["links_closed_idle"].as_u64().unwrap() >= 512);
 }
 
-/// A service-time profile that is no distribution is refused by name, before any run.
+/// The object store in the simulator at CI size (docs/benchmarks.md, "The object store in the
+/// simulator"). `brownout`: every worker, its reads and its cores, 5x slower for 20 steps —
+/// every duplicate a rank sends (hedges, probes' duplicates, silent links' positions) stays
+/// within the hedge budget (0.05 per answer and a burst of 4 per rank), and once the
+/// brownout ends the steps are back at full speed. Throttling: the store serves the 512 ranks
+/// what one S3 prefix serves 4,096 (5,500 requests/s ÷ 8); reads it throttles are retried,
+/// never failed, so every step runs and every rank gets exactly its batches, and reading each
+/// line alone (2.05 requests a sample) costs more steps than with `--order runs` (1.07).
+#[test]
+fn the_scale_simulator_keeps_duplicates_in_budget_in_a_brownout_and_rides_out_throttling() {
+    let rows = ci_scale_rows(&["--policies", "subset", "--scenarios", "brownout"]);
+    let [brownout] = &rows[..] else {
+        panic!("{rows:?}")
+    };
+    assert_eq!(brownout["exact_delivery"], true, "{brownout}");
+    let answers = brownout["answers"].as_f64().unwrap();
+    let duplicates = brownout["duplicates_per_answer"].as_f64().unwrap() * answers;
+    assert!(
+        duplicates <= 0.05 * answers + 4.0 * 512.0,
+        "{duplicates} duplicates for {answers} answers: {brownout}"
+    );
+    let eff = brownout["efficiency_by_step"].as_array().unwrap();
+    // The brownout runs from step 10 to step 30 of 40: it slowed steps, and its end let go.
+    assert_eq!(eff.len(), 40, "{brownout}");
+    let eff: Vec<f64> = eff.iter().map(|e| e.as_f64().unwrap()).collect();
+    assert!(eff[10..30].iter().any(|e| *e < 0.9), "{eff:?}");
+    assert!(eff[33..].iter().all(|e| *e >= 0.9), "{eff:?}");
+
+    let throttled = |gets: &str| {
+        let args = ["--policies", "subset", "--scenarios", "steady"];
+        let store = ["--store-gets-per-s", "687.5", "--gets-per-sample", gets];
+        let rows = ci_scale_rows(&[&args[..], &store[..]].concat());
+        let [row] = &rows[..] else { panic!("{rows:?}") };
+        assert_eq!(row["exact_delivery"], true, "{row}");
+        assert_eq!(row["steps_completed"], 20, "{row}");
+        assert_eq!(row["failed_reads"], 0, "{row}");
+        assert!(row["throttled_per_step"].as_f64().unwrap() > 0.0, "{row}");
+        let eff = row["efficiency_by_step"].as_array().unwrap();
+        eff.iter().map(|e| 1.0 / e.as_f64().unwrap()).sum::<f64>()
+    };
+    let (runs, lines) = (throttled("1.07"), throttled("2.05"));
+    assert!(
+        lines > runs,
+        "steps of 4 s took {lines} with lines, {runs} with runs"
+    );
+}
+
+/// A service-time or store profile that is no distribution is refused by name, before any
+/// run.
 #[test]
 fn the_scale_simulator_refuses_a_profile_without_times() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("profile.json");
     std::fs::write(&path, r#"{"what": "nothing measured", "per_sample_s": []}"#).unwrap();
-    let out = std::process::Command::new(LAB)
-        .args(["bench", "scale", "--sizes", "8x2", "--steps", "2"])
-        .arg("--service-profile")
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let refusal = |flag: &str| {
+        let out = std::process::Command::new(LAB)
+            .args(["bench", "scale", "--sizes", "8x2", "--steps", "2", flag])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = refusal("--service-profile");
     assert!(
         err.contains("service profile") && err.contains("profile.json"),
+        "{err}"
+    );
+    let err = refusal("--store-profile");
+    assert!(
+        err.contains("store profile") && err.contains("per_get_s"),
         "{err}"
     );
 }

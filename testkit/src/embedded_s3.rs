@@ -38,6 +38,9 @@ pub struct StoreBehaviour {
 pub struct Faults {
     /// Every n-th request is answered 503 SlowDown (what S3 says when throttling).
     pub every_nth_slow_down: u64,
+    /// The first n requests are answered 503 SlowDown (a prefix the store throttles until
+    /// it has scaled up).
+    pub first_slow_downs: u64,
     /// Every n-th GET delivers half its body and then closes the connection (a reset
     /// mid-body: the headers promised more).
     pub every_nth_cut_body: u64,
@@ -190,7 +193,9 @@ impl EmbeddedS3 {
                             }
                             let inject =
                                 || injected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            if Faults::hits(faults.every_nth_slow_down, k) {
+                            if Faults::hits(faults.every_nth_slow_down, k)
+                                || k < faults.first_slow_downs
+                            {
                                 inject();
                                 return Ok(slow_down());
                             }

@@ -57,7 +57,7 @@ impl Cause {
         use SampleErrorKind as K;
         match self {
             Cause::Fetch(FetchError::NotFound(_)) => K::ObjectMissing,
-            Cause::Fetch(FetchError::Io(..)) => K::ObjectStore,
+            Cause::Fetch(FetchError::Io(..) | FetchError::Throttled(..)) => K::ObjectStore,
             Cause::Fetch(FetchError::TooLarge { .. }) => K::ObjectTooLarge,
             Cause::Fetch(FetchError::OverByteBudget { .. }) => K::SampleOverByteBudget,
             Cause::Sample(SampleError::NotUtf8(_)) => K::NotUtf8,
@@ -101,7 +101,9 @@ impl Cause {
     pub(crate) fn is_transient(&self) -> bool {
         matches!(
             self,
-            Cause::Fetch(FetchError::Io(..)) | Cause::ShuttingDown | Cause::Cancelled
+            Cause::Fetch(FetchError::Io(..) | FetchError::Throttled(..))
+                | Cause::ShuttingDown
+                | Cause::Cancelled
         )
     }
 }

@@ -551,7 +551,7 @@ impl Pipeline {
         // read went over), then the first other: images and frames in the sample's order,
         // then clips.
         let rank = |e: &FetchError| match e {
-            FetchError::Io(..) => 0,
+            FetchError::Io(..) | FetchError::Throttled(..) => 0,
             FetchError::OverByteBudget { .. } => 1,
             _ => 2,
         };

@@ -92,17 +92,28 @@ impl Scheduler {
             .map(|(pos, _)| *pos)
             .collect();
         for pos in stragglers {
-            let budgeted = self.cfg.policy == Policy::Subset;
-            if budgeted && !self.hedges.available() {
+            if !self.may_duplicate() {
                 self.metrics.hedge(HedgeOutcome::OverBudget);
                 return;
             }
             if self.send_elsewhere(pos) {
-                if budgeted {
-                    self.hedges.spend();
-                }
+                self.spend_duplicate();
                 self.metrics.hedge(HedgeOutcome::Sent);
             }
+        }
+    }
+
+    /// Whether the hedge budget allows one more duplicate of a position now (a hedge, a
+    /// suspect's probe, a silent link's position): every duplicate is paid from it, so a
+    /// fleet slow everywhere (a brownout) is asked at most `budget` more per answer. The
+    /// full-mesh policy (the rules before the budget) is not budgeted.
+    pub(super) fn may_duplicate(&self) -> bool {
+        self.cfg.policy != Policy::Subset || self.hedges.available()
+    }
+
+    pub(super) fn spend_duplicate(&mut self) {
+        if self.cfg.policy == Policy::Subset {
+            self.hedges.spend();
         }
     }
 
@@ -131,11 +142,22 @@ impl Scheduler {
         let typical = self.typical_latency();
         let lag_limit = self.lag_limit(typical);
         // Slower than the limit by its answers or by what it has not answered yet (a worker
-        // that turned slow keeps only what it holds), or a suspect already being probed. Only
+        // that turned slow keeps only what it holds), or a suspect already being probed or
+        // not to be probed now. Only
         // a rank with spares reroutes around a lagging link: the rest of the workers is for
         // failures, and a rank with one link (few slots for many ranks) must not take
         // another's slot because it is slow.
         let may_lag = !self.members.spares.is_empty();
+        // A suspect is given a position with a duplicate elsewhere (its probe), paid from the
+        // hedge budget; while the budget is empty it is passed over for a link not suspect,
+        // if the rank has one (when every link is suspect, the whole fleet is slow: a
+        // brownout, where moving positions around only unbalances the workers).
+        let trusted = || {
+            self.links
+                .values()
+                .any(|l| l.up && !l.draining && !l.suspect)
+        };
+        let unprobed = |l: &WorkerLink| l.suspect && !self.may_duplicate() && trusted();
         let lagging = |id: &LinkId, l: &WorkerLink| {
             let slow = || {
                 lag_limit.is_some_and(|limit| {
@@ -144,7 +166,7 @@ impl Scheduler {
                         > limit
                 })
             };
-            may_lag && ((l.suspect && l.outstanding > 0) || slow())
+            may_lag && ((l.suspect && l.outstanding > 0) || unprobed(l) || slow())
         };
         let busy: Vec<LinkId> = p
             .attempts
@@ -193,9 +215,10 @@ impl Scheduler {
             .iter()
             .any(|(id, l)| !home(l) && usable(id, l) && fresh(l));
         if spare_linked {
-            if let Some(id) =
-                best(&|id, l| (!home(l) || lagging(id, l)) && usable(id, l) && fresh(l))
-            {
+            let cheaper = |id: &LinkId, l: &WorkerLink| {
+                (!home(l) || lagging(id, l)) && usable(id, l) && fresh(l) && !unprobed(l)
+            };
+            if let Some(id) = best(&cheaper) {
                 return Choice::Link(id);
             }
         }

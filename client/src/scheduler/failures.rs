@@ -137,9 +137,11 @@ impl Scheduler {
     }
 
     /// Every position whose attempts are all on silent links (`Scheduler::silent_at`) is
-    /// asked again elsewhere at once, outside the hedge budget, as a lost worker's are; the
-    /// attempts stay in flight (one wins if its worker answers after all), and a silent link
-    /// lags, so it is given nothing new. `retries_total{reason="silent"}`.
+    /// asked again elsewhere, as a lost worker's are, while the hedge budget allows: the
+    /// attempts stay in flight (one wins if its worker answers after all), so each is a
+    /// duplicate, and in a brownout every link looks silent. A silent link lags, so it is
+    /// given nothing new; once its socket fails its positions move outside the budget.
+    /// `retries_total{reason="silent"}`.
     pub(super) fn fail_over_silent(&mut self) {
         let now = self.now;
         let silent: Vec<LinkId> = self
@@ -163,7 +165,12 @@ impl Scheduler {
             .map(|(pos, _)| *pos)
             .collect();
         for pos in stranded {
+            if !self.may_duplicate() {
+                self.metrics.hedge(HedgeOutcome::OverBudget);
+                return;
+            }
             if self.send_elsewhere(pos) {
+                self.spend_duplicate();
                 self.metrics.retry(RetryReason::Silent);
             }
         }

@@ -52,6 +52,9 @@ pub enum BenchCommand {
     /// The trainer client's real scheduler at 4,096 ranks × 1,024 workers in virtual time:
     /// bounded links vs the full mesh, fault-free and through a restart, a drain and +25 %.
     Scale(super::scale::ScaleArgs),
+    /// A worker's image reads through its store on the embedded S3 server: the latency
+    /// distribution `scale` draws its reads from, and the worker's retries under 503s.
+    Store(super::store_latency::StoreArgs),
     /// Indexing a large text dataset and starting a worker on it: time, peak memory and
     /// store requests, this binary beside a baseline one.
     DatasetScale(super::dataset_scale::DatasetScaleArgs),
@@ -141,6 +144,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             tokio::task::spawn_blocking(move || super::epoch_boundary::run(a)).await?
         }
         BenchCommand::Scale(a) => tokio::task::spawn_blocking(move || super::scale::run(a)).await?,
+        BenchCommand::Store(a) => super::store_latency::run(a).await,
     }
 }
 

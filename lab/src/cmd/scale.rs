@@ -5,8 +5,10 @@
 //! come back as the events a socket would produce. What is simulated is only what is outside
 //! our client: a worker is its connection limit, its per-connection in-flight limit, its
 //! sample budget (the limits of `stoker worker`, with the same defaults) and a few cores
-//! whose per-sample service time is drawn from a distribution; a node is a NIC that carries
-//! one batch at a time; the trainer is a synchronous step with a barrier across ranks.
+//! whose per-sample service time is drawn from a distribution; a sample's reads go to an
+//! object store first (their latency drawn from a measured one, a request rate past which it
+//! throttles, the worker's retries); a node is a NIC that carries one batch at a time; the
+//! trainer is a synchronous step with a barrier across ranks.
 //! Batches carry the real plan's sample ids ([`Plan::rank_slice`]), and every delivery is
 //! checked: each rank gets every position once, in order, with the plan's samples.
 //!
@@ -17,8 +19,8 @@
 //! replacement listed after its start-up; workers close connections idle past their timeout.
 //!
 //! Deterministic from `--seed`: one thread, one event queue ordered by (time, sequence).
-//! `sim.rs` runs the events and the ranks, `fleet.rs` the workers, `scenario.rs` the events of
-//! each scenario.
+//! `sim.rs` runs the events and the ranks, `fleet.rs` the workers, `store.rs` the object
+//! store, `scenario.rs` the events of each scenario.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -40,6 +42,8 @@ use stoker_worker::plan::Plan;
 mod fleet;
 mod scenario;
 mod sim;
+pub mod store;
+use store::StoreProfile;
 
 #[derive(clap::Args, Clone)]
 pub struct ScaleArgs {
@@ -52,10 +56,11 @@ pub struct ScaleArgs {
     /// partition), blackhole-node (the same for a node's workers), node-loss (a node's workers
     /// silent, unlisted once the node is NotReady), rollout (every worker replaced, 10 % at a
     /// time, each replacement listed after its start-up), trainer-pause (one step's compute
-    /// lasts `--pause-s`, past the workers' idle timeout).
+    /// lasts `--pause-s`, past the workers' idle timeout), brownout (every worker, its reads
+    /// and its cores, 5x slower for 20 steps).
     #[arg(
         long,
-        default_value = "steady,restart,drain,scale-up,slow,blackhole,blackhole-node,node-loss,rollout,trainer-pause"
+        default_value = "steady,restart,drain,scale-up,slow,blackhole,blackhole-node,node-loss,rollout,trainer-pause,brownout"
     )]
     scenarios: String,
     /// Policies: subset (ours), full-mesh (the rules before it, for the ratio).
@@ -86,6 +91,20 @@ pub struct ScaleArgs {
     /// benchmark dataset, embedded].
     #[arg(long)]
     service_profile: Option<std::path::PathBuf>,
+    /// Read times measured through the worker's store (`stoker-lab bench store
+    /// --write-store-profile`): each read of a sample takes one drawn from them [default: the
+    /// profile measured on the embedded S3 server, embedded].
+    #[arg(long)]
+    store_profile: Option<std::path::PathBuf>,
+    /// Store reads per sample, on average: its image and, with `--order runs`, a share of its
+    /// text's (1.07 measured by `bench dataset-scale --read`; 2.05 with each line read alone).
+    #[arg(long, default_value_t = 1.07)]
+    gets_per_sample: f64,
+    /// Requests per second the store serves to the whole fleet before it answers 503
+    /// SlowDown: 5,500 is what S3 serves one prefix; a dataset spread over N prefixes gets N
+    /// times that [default: 0, unlimited].
+    #[arg(long, default_value_t = 0.0)]
+    store_gets_per_s: f64,
     /// Bytes of one prepared sample on the wire (u8 pixels of a ~1 MP image and its tokens).
     #[arg(long, default_value_t = 5_000_000)]
     sample_bytes: u64,
@@ -134,6 +153,9 @@ const NODE_NOT_READY: Duration = Duration::from_secs(55);
 const ROLLOUT_SHARE: f64 = 0.1;
 /// How often workers look for idle connections.
 const IDLE_SWEEP: Duration = Duration::from_secs(5);
+/// `brownout`: every worker's reads and cores this many times slower, for this many steps.
+const BROWNOUT_SLOWDOWN: f64 = 5.0;
+const BROWNOUT_STEPS: u64 = 20;
 
 #[derive(serde::Serialize)]
 struct Report {
@@ -151,6 +173,17 @@ struct Report {
     max_over_mean_load_by_step: Vec<f64>,
     requests_past_deadline: u64,
     hedges_per_step: f64,
+    /// Duplicates (hedges, probes' duplicates, silent links' positions) per request answered
+    /// with a batch: the hedge budget is 0.05 an answer, plus a burst of 4 per rank.
+    duplicates_per_answer: f64,
+    /// Requests answered with a batch (a hedge's loser included).
+    answers: u64,
+    /// Store requests per sample prepared (retries of throttled reads included).
+    store_gets_per_sample: f64,
+    /// Store requests answered 503 SlowDown, per step.
+    throttled_per_step: f64,
+    /// Reads that failed after every retry (each failed its request: a transient error).
+    failed_reads: u64,
     /// Positions asked again because their link went silent (`retries_total{reason="silent"}`).
     silent_retries_per_step: f64,
     restart_efficiency: Option<f64>,
@@ -199,6 +232,22 @@ pub fn run(a: ScaleArgs) -> anyhow::Result<()> {
         .map_err(anyhow::Error::from)
         .and_then(|p| p.shape())
         .map_err(|e| anyhow::anyhow!("service profile {source}: {e}"))?;
+    let store_profile = match &a.store_profile {
+        Some(path) => std::fs::read_to_string(path)
+            .map_err(anyhow::Error::from)
+            .and_then(|t| Ok(serde_json::from_str::<StoreProfile>(&t)?))
+            .map_err(|e| anyhow::anyhow!("store profile {}: {e}", path.display()))?,
+        None => StoreProfile::embedded(),
+    };
+    let reads = store_profile
+        .times()
+        .map_err(|e| anyhow::anyhow!("store profile: {e}"))?
+        .to_vec();
+    anyhow::ensure!(
+        a.gets_per_sample.is_finite() && a.gets_per_sample >= 0.0,
+        "--gets-per-sample {}: expected a non-negative number",
+        a.gets_per_sample
+    );
     let mut reports = Vec::new();
     for size in a.sizes.split(',') {
         let (r, w) = size
@@ -218,7 +267,7 @@ pub fn run(a: ScaleArgs) -> anyhow::Result<()> {
                 if failed.contains(&policy) {
                     continue;
                 }
-                let report = Sim::new(&a, &shape, ranks, workers, policy, scenario).run();
+                let report = Sim::new(&a, &shape, &reads, ranks, workers, policy, scenario).run();
                 if report.steps_completed <= a.steps / 2 {
                     failed.push(policy);
                 }
@@ -243,7 +292,7 @@ pub fn run(a: ScaleArgs) -> anyhow::Result<()> {
 
 fn print_table(reports: &[Report]) {
     println!(
-        "{:>11} {:>9} {:>9} {:>8} {:>11} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>9} {:>7}",
+        "{:>11} {:>9} {:>9} {:>8} {:>11} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>9} {:>9} {:>7} {:>9} {:>8}",
         "size",
         "policy",
         "scenario",
@@ -255,8 +304,11 @@ fn print_table(reports: &[Report]) {
         "load max/μ",
         "late",
         "hedge/st",
+        "dup/ans",
         "event eff",
-        "<0.9"
+        "<0.9",
+        "GET/smpl",
+        "503/st"
     );
     for r in reports {
         let eff = r
@@ -268,7 +320,7 @@ fn print_table(reports: &[Report]) {
         let eff = if eff.is_finite() { eff } else { 0.0 };
         let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
         println!(
-            "{:>11} {:>9} {:>9} {:>8} {:>11} {:>8} {:>8.1} {:>8.3} {:>10.3} {:>8} {:>8.2} {:>9} {:>7}",
+            "{:>11} {:>9} {:>9} {:>8} {:>11} {:>8} {:>8.1} {:>8.3} {:>10.3} {:>8} {:>8.2} {:>9.4} {:>9} {:>7} {:>9.3} {:>8.1}",
             format!("{}x{}", r.ranks, r.workers),
             r.policy,
             r.scenario,
@@ -280,8 +332,11 @@ fn print_table(reports: &[Report]) {
             r.max_over_mean_worker_load,
             r.requests_past_deadline,
             r.hedges_per_step,
+            r.duplicates_per_answer,
             opt(r.restart_efficiency),
             r.steps_below_0_9_after_event.map_or("-".into(), |n| n.to_string()),
+            r.store_gets_per_sample,
+            r.throttled_per_step,
         );
     }
 }
@@ -298,6 +353,7 @@ enum Scenario {
     NodeLoss,
     Rollout,
     TrainerPause,
+    Brownout,
 }
 
 /// Virtual nanoseconds since the start.
@@ -363,6 +419,24 @@ enum Ev {
     NodeNotReady(usize),
     /// A rollout's replacement passes its readiness probe and is listed.
     Ready(usize),
+    /// A read of a sample of request `job` reaches the store: after `made` attempts
+    /// throttled since `since`; `reads_left` of the sample's reads remain, this one
+    /// included.
+    Get {
+        worker: usize,
+        incarnation: u32,
+        job: u64,
+        reads_left: u32,
+        made: u32,
+        since: T,
+    },
+    /// A sample's reads are done (`ok`), or one failed after every retry.
+    Fetched {
+        worker: usize,
+        incarnation: u32,
+        job: u64,
+        ok: bool,
+    },
 }
 
 #[derive(Clone, Copy)]
@@ -372,14 +446,20 @@ struct Job {
     samples: u32,
 }
 
-/// A request holding its sample budget: its samples run on the worker's cores side by side
-/// (the worker loads a request's samples concurrently, each on its CPU pool).
+/// A request holding its sample budget: its samples are read side by side, then run on the
+/// worker's cores side by side (the worker loads a request's samples concurrently, each on
+/// its CPU pool).
 struct Running {
     job: Job,
+    /// Samples whose reads are under way.
+    fetching: u32,
+    /// Samples read, waiting for a core.
     unstarted: u32,
     unfinished: u32,
     /// Cancelled: samples not started are dropped, those running are wasted.
     cancelled: bool,
+    /// A read failed after every retry: the request fails (a transient error).
+    failed: bool,
 }
 
 struct Conn {
@@ -405,8 +485,8 @@ struct Worker {
     free_cores: usize,
     /// Service times are this many times the profile's (a sick node: `slow`).
     slowdown: f64,
-    /// Requests holding their budget, by id; `ready` holds those with samples not started,
-    /// in the order cores take them.
+    /// Requests holding their budget, by id; `ready` holds one entry per sample read and
+    /// not started, in the order cores take them.
     running: HashMap<u64, Running>,
     ready: VecDeque<u64>,
     next_job: u64,
@@ -459,6 +539,15 @@ struct Sim {
     nic_free: Vec<T>,
     /// The service-time profile, scaled to this fleet's mean (ns per sample).
     sample_ns: Vec<f64>,
+    /// The store's read times (ns per read), as measured.
+    read_ns: Vec<f64>,
+    store: store::RateLimit,
+    store_gets: u64,
+    throttled: u64,
+    failed_reads: u64,
+    /// Requests answered with a batch.
+    answers: u64,
+    samples_prepared: u64,
     max_samples_budget: u32,
     // The trainer's barrier.
     step_started: Vec<T>,

@@ -19,9 +19,30 @@ mod paths;
 pub use paths::{common_root, media_key, resolve_relative, PathError};
 
 /// Reads of one object before its failure counts (each after the SDK's own retries).
-const FETCH_ATTEMPTS: u32 = 4;
+pub const FETCH_ATTEMPTS: u32 = 4;
 /// The first pause between them; each next one is 4x longer (50, 200, 800 ms).
-const FETCH_BACKOFF: std::time::Duration = std::time::Duration::from_millis(50);
+pub const FETCH_BACKOFF: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// How long a read the store keeps throttling (503 SlowDown) is retried before it fails: as
+/// long as a rank waits for an answer (the client's default `request_timeout`). Throttling is
+/// the store asking for a slower rate, not a fault: failing the request would only send it
+/// to another worker of the same store, sooner.
+pub const THROTTLED_FOR: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// The pause after the `n`-th round of throttled attempts (0-based): 1 s doubling up to
+/// 20 s, each between half and all of that (jitter, so that a fleet throttled together does
+/// not come back together).
+pub fn throttled_pause(n: u32, rng: &mut impl rand::Rng) -> std::time::Duration {
+    let cap = std::time::Duration::from_secs(1 << n.min(5)).min(std::time::Duration::from_secs(20));
+    cap.mul_f64(rng.gen_range(0.5..=1.0))
+}
+
+/// The S3 client's own retries inside each of those attempts: the SDK's standard mode (3
+/// attempts, the i-th retry after a random pause below min(1 s x 2^(i-1), 20 s)), named here
+/// so that the simulator's store (`stoker-lab bench scale`) retries as the worker does.
+pub fn sdk_retry() -> aws_sdk_s3::config::retry::RetryConfig {
+    aws_sdk_s3::config::retry::RetryConfig::standard()
+}
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum FetchError {
@@ -37,6 +58,10 @@ pub enum FetchError {
     /// A key that would leave the root, or a local path through a symbolic link.
     #[error("object {0} is not read: {1}")]
     Refused(String, String),
+    /// The store asked to slow down (503 SlowDown) through every one of the SDK's retries:
+    /// retried by `Store` for up to `THROTTLED_FOR`, then a failure like `Io`.
+    #[error("object {0}: the store asks to slow down ({1})")]
+    Throttled(String, String),
     /// Reads that share a budget (one sample's objects) came to more than it. The message
     /// names no object: which read went over depends on timing, that one did does not.
     #[error(
@@ -268,6 +293,7 @@ impl Store {
             let conf = loader.load().await;
             let s3conf = aws_sdk_s3::config::Builder::from(&conf)
                 .force_path_style(s3.path_style)
+                .retry_config(sdk_retry())
                 // A CRC over every image body costs CPU the preprocessing needs, and a
                 // corrupt body fails decoding anyway (reported, never served). Checksums are
                 // still validated when an object requires it.
@@ -403,6 +429,9 @@ impl Store {
                             || e.raw_response().is_some_and(|r| r.status().as_u16() == 404);
                         if not_found {
                             FetchError::NotFound(self.describe(key))
+                        } else if throttled(&e) {
+                            let why = DisplayErrorContext(&e).to_string();
+                            FetchError::Throttled(self.describe(key), why)
                         } else {
                             self.io_error(key, DisplayErrorContext(&e).to_string())
                         }
@@ -464,7 +493,8 @@ impl Store {
     }
 
     /// Runs a read, retrying what may be transient (5xx the SDK gave up on, a reset, a body
-    /// cut short) with backoff; a missing or oversized object is final at once. What still
+    /// cut short) with backoff; a missing or oversized object is final at once. A throttled
+    /// read is retried apart, for up to `THROTTLED_FOR` (`throttled_pause`). What still
     /// fails is `FetchError::Io`: the request fails (Transient), it is never a skip.
     async fn retrying<T, F: std::future::Future<Output = Result<T, FetchError>>>(
         &self,
@@ -472,8 +502,22 @@ impl Store {
     ) -> Result<T, FetchError> {
         let mut backoff = FETCH_BACKOFF;
         let mut attempt = 1;
+        let started = std::time::Instant::now();
+        let mut throttled = 0;
         loop {
             match read().await {
+                Err(FetchError::Throttled(what, why)) if started.elapsed() < THROTTLED_FOR => {
+                    let pause = throttled_pause(throttled, &mut rand::thread_rng());
+                    tracing::debug!("{what}: throttled ({why}); retrying in {pause:?}");
+                    tokio::time::sleep(pause).await;
+                    throttled += 1;
+                }
+                Err(FetchError::Throttled(what, why)) => {
+                    return Err(FetchError::Io(
+                        what,
+                        format!("the store asks to slow down ({why}), for {THROTTLED_FOR:?}"),
+                    ))
+                }
                 Err(FetchError::Io(what, why)) if attempt < FETCH_ATTEMPTS => {
                     tracing::debug!("{what}: {why}; retrying in {backoff:?}");
                     tokio::time::sleep(backoff).await;
@@ -593,6 +637,11 @@ impl Store {
                         .is_some_and(|s| s.is_no_such_key() || s.code() == Some("NotFound"));
                     if not_found {
                         FetchError::NotFound(self.describe(key))
+                    } else if throttled(&e) {
+                        FetchError::Throttled(
+                            self.describe(key),
+                            DisplayErrorContext(&e).to_string(),
+                        )
                     } else {
                         io(DisplayErrorContext(&e).to_string())
                     }
@@ -748,4 +797,11 @@ fn local_info(key: String, meta: &std::fs::Metadata) -> ObjectInfo {
         size: meta.len(),
         version: format!("{mtime}-{}", meta.len()),
     }
+}
+
+/// Whether the store answered 503 (S3's SlowDown: too many requests on the prefix).
+fn throttled<E>(
+    e: &aws_sdk_s3::error::SdkError<E, aws_sdk_s3::config::http::HttpResponse>,
+) -> bool {
+    e.raw_response().is_some_and(|r| r.status().as_u16() == 503)
 }

@@ -141,7 +141,8 @@ impl Sim {
         self.run_worker(w);
     }
 
-    /// Grants budget in FIFO order and starts waiting samples on free cores.
+    /// Grants budget in FIFO order (each granted request's samples start their reads) and
+    /// starts samples read on free cores.
     pub(super) fn run_worker(&mut self, w: usize) {
         loop {
             let worker = &mut self.workers[w];
@@ -159,21 +160,40 @@ impl Sim {
                 id,
                 Running {
                     job,
-                    unstarted: job.samples,
+                    fetching: job.samples,
+                    unstarted: 0,
                     unfinished: job.samples,
                     cancelled: false,
+                    failed: false,
                 },
             );
-            worker.ready.push_back(id);
+            let incarnation = worker.incarnation;
+            for _ in 0..job.samples {
+                let whole = self.a.gets_per_sample.floor();
+                let extra = self.rng.gen::<f64>() < self.a.gets_per_sample - whole;
+                let reads_left = whole as u32 + extra as u32;
+                let ev = Ev::Get {
+                    worker: w,
+                    incarnation,
+                    job: id,
+                    reads_left,
+                    made: 0,
+                    since: self.now,
+                };
+                if reads_left == 0 {
+                    self.fetched(w, incarnation, id, true);
+                } else {
+                    self.at(self.now, ev);
+                }
+            }
         }
         while self.workers[w].free_cores > 0 {
             let worker = &mut self.workers[w];
-            let Some(&id) = worker.ready.front() else {
+            let Some(id) = worker.ready.pop_front() else {
                 break;
             };
             let Some(r) = worker.running.get_mut(&id).filter(|r| r.unstarted > 0) else {
-                worker.ready.pop_front(); // all started, or cancelled
-                continue;
+                continue; // cancelled
             };
             r.unstarted -= 1;
             worker.free_cores -= 1;
@@ -201,71 +221,174 @@ impl Sim {
             .get_mut(&id)
             .expect("a sample of a running job");
         r.unfinished -= 1;
-        if r.unfinished == 0 && r.unstarted == 0 {
-            let r = worker.running.remove(&id).expect("running");
-            if r.cancelled {
-                self.finish(w, r.job);
-            } else {
-                let node = self.workers[w].node;
-                let bytes = r.job.samples as u64 * self.a.sample_bytes;
-                let transfer = bytes as f64 * 8.0 / (self.a.nic_gbit * 1e9) * 1e9;
-                let start = self.nic_free[node].max(self.now);
-                self.nic_free[node] = start + transfer as T;
-                self.at(
-                    self.nic_free[node],
-                    Ev::Sent {
-                        worker: w,
-                        incarnation,
-                        job: r.job,
-                    },
-                );
+        self.samples_prepared += 1;
+        self.complete(w, id);
+        self.run_worker(w);
+    }
+
+    /// A read of a sample reaches the store, after `made` attempts throttled since `since`:
+    /// served (the next read, or the sample joins the cores' queue, once its time has
+    /// passed) or throttled (tried again after the worker's pause; the sample fails once it
+    /// has been throttled too long).
+    pub(super) fn get(&mut self, w: usize, incarnation: u32, id: u64, read: (u32, u32, T)) {
+        let (reads_left, made, since) = read;
+        let worker = &self.workers[w];
+        let live = worker.incarnation == incarnation
+            && worker.running.get(&id).is_some_and(|r| !r.cancelled);
+        if !live {
+            return; // the request was cancelled or its worker died: the read was dropped
+        }
+        let slowdown = worker.slowdown;
+        self.store_gets += 1;
+        let took = self.read_ns[self.rng.gen_range(0..self.read_ns.len())] * slowdown;
+        let then = self.now + took as T;
+        let fetched = |ok| Ev::Fetched {
+            worker: w,
+            incarnation,
+            job: id,
+            ok,
+        };
+        let get = |reads_left, made, since| Ev::Get {
+            worker: w,
+            incarnation,
+            job: id,
+            reads_left,
+            made,
+            since,
+        };
+        if self.store.admit(self.now) {
+            return match reads_left {
+                1 => self.at(then, fetched(true)),
+                _ => self.at(then, get(reads_left - 1, 0, then)),
+            };
+        }
+        self.throttled += 1;
+        let made = made + 1;
+        let waited = Duration::from_nanos(then - since);
+        match store::retry_pause(made, waited, &mut self.rng) {
+            Some(pause) => self.at(then + ns(pause), get(reads_left, made, since)),
+            None => {
+                self.failed_reads += 1;
+                self.at(then, fetched(false));
             }
         }
+    }
+
+    /// A sample's reads are over: it waits for a core, or (a read failed) it is done and
+    /// fails its request.
+    pub(super) fn fetched(&mut self, w: usize, incarnation: u32, id: u64, ok: bool) {
+        let worker = &mut self.workers[w];
+        if worker.incarnation != incarnation {
+            return;
+        }
+        let Some(r) = worker.running.get_mut(&id).filter(|r| !r.cancelled) else {
+            return;
+        };
+        r.fetching -= 1;
+        if ok {
+            r.unstarted += 1;
+            worker.ready.push_back(id);
+        } else {
+            r.failed = true;
+            r.unfinished -= 1;
+            self.complete(w, id);
+        }
         self.run_worker(w);
+    }
+
+    /// Request `id` is done once none of its samples is read or prepared any more: dropped
+    /// if cancelled, a transient error if a read failed, else its batch goes to the NIC.
+    fn complete(&mut self, w: usize, id: u64) {
+        let worker = &mut self.workers[w];
+        let incarnation = worker.incarnation;
+        if worker.running.get(&id).is_none_or(|r| r.unfinished > 0) {
+            return;
+        }
+        let r = worker.running.remove(&id).expect("running");
+        if r.cancelled {
+            self.finish(w, r.job);
+        } else if r.failed {
+            let error = ErrorFrame {
+                request_id: r.job.req.request_id,
+                code: ErrorCode::Transient,
+                message: "reading a sample: the store throttled it past every retry".into(),
+            };
+            self.answer(w, incarnation, r.job, Err(error));
+            self.finish(w, r.job);
+        } else {
+            let node = self.workers[w].node;
+            let bytes = r.job.samples as u64 * self.a.sample_bytes;
+            let transfer = bytes as f64 * 8.0 / (self.a.nic_gbit * 1e9) * 1e9;
+            let start = self.nic_free[node].max(self.now);
+            self.nic_free[node] = start + transfer as T;
+            let ev = Ev::Sent {
+                worker: w,
+                incarnation,
+                job: r.job,
+            };
+            self.at(self.nic_free[node], ev);
+        }
     }
 
     pub(super) fn sent(&mut self, w: usize, incarnation: u32, job: Job) {
         if self.workers[w].incarnation != incarnation {
             return;
         }
-        let now = self.now;
-        let live = !self.workers[w].silent
-            && self
-                .conns
-                .get_mut(&job.conn)
-                .filter(|c| c.incarnation == incarnation)
-                .map(|c| c.moved = now)
-                .is_some();
-        if live {
-            let slice = self
-                .plan
-                .rank_slice(
-                    job.req.epoch,
-                    job.req.global_batch,
-                    job.req.rank,
-                    job.req.world_size,
-                )
-                .expect("a valid request");
-            let head = BatchHead {
-                request: job.req,
-                sample_ids: slice.samples,
-                skipped: Vec::new(),
-                tensors: Vec::new(),
-                payload_len: 0,
-            };
-            let (rank, link) = job.conn;
-            let answer = Ok((head, AlignedBuf::zeroed(0)));
-            let request_id = job.req.request_id;
-            self.tell_rank(
-                rank,
-                Event::Answer {
-                    link,
-                    request_id,
-                    answer,
-                },
-            );
+        let slice = self
+            .plan
+            .rank_slice(
+                job.req.epoch,
+                job.req.global_batch,
+                job.req.rank,
+                job.req.world_size,
+            )
+            .expect("a valid request");
+        let head = BatchHead {
+            request: job.req,
+            sample_ids: slice.samples,
+            skipped: Vec::new(),
+            tensors: Vec::new(),
+            payload_len: 0,
+        };
+        if self.answer(w, incarnation, job, Ok((head, AlignedBuf::zeroed(0)))) {
+            self.answers += 1;
         }
         self.finish(w, job);
+    }
+
+    /// Worker `w` answers `job`'s request; whether the answer reaches the rank.
+    fn answer(
+        &mut self,
+        w: usize,
+        incarnation: u32,
+        job: Job,
+        answer: Result<(BatchHead, AlignedBuf), ErrorFrame>,
+    ) -> bool {
+        if !self.reaches_rank(w, incarnation, job.conn) {
+            return false;
+        }
+        let (rank, link) = job.conn;
+        let request_id = job.req.request_id;
+        let event = Event::Answer {
+            link,
+            request_id,
+            answer,
+        };
+        self.tell_rank(rank, event);
+        true
+    }
+
+    /// Whether what worker `w` sends on `conn` now arrives (the connection is this
+    /// incarnation's, the worker not silent); it counts as the connection's activity.
+    fn reaches_rank(&mut self, w: usize, incarnation: u32, conn: (u32, LinkId)) -> bool {
+        let now = self.now;
+        !self.workers[w].silent
+            && self
+                .conns
+                .get_mut(&conn)
+                .filter(|c| c.incarnation == incarnation)
+                .map(|c| c.moved = now)
+                .is_some()
     }
 
     /// A request's budget and connection slot are free again.
@@ -301,8 +424,8 @@ impl Sim {
             worker.free_budget += job.samples; // finish() gives back what it never took
             return self.finish(w, job);
         }
-        // Being prepared: the worker aborts it (as its task is): samples not started are
-        // dropped, running ones finish unused. Once sending, it goes out.
+        // Being prepared: the worker aborts it (as its task is): reads under way and samples
+        // not started are dropped, running ones finish unused. Once sending, it goes out.
         let Some((&id, r)) = worker
             .running
             .iter_mut()
@@ -311,8 +434,9 @@ impl Sim {
             return;
         };
         r.cancelled = true;
-        r.unfinished -= r.unstarted;
+        r.unfinished -= r.unstarted + r.fetching;
         r.unstarted = 0;
+        r.fetching = 0;
         if r.unfinished == 0 {
             let job = worker.running.remove(&id).expect("running").job;
             self.finish(w, job);

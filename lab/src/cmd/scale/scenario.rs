@@ -3,7 +3,7 @@
 
 use super::*;
 
-const NAMES: [(Scenario, &str); 10] = [
+const NAMES: [(Scenario, &str); 11] = [
     (Scenario::Steady, "steady"),
     (Scenario::Restart, "restart"),
     (Scenario::Drain, "drain"),
@@ -14,6 +14,7 @@ const NAMES: [(Scenario, &str); 10] = [
     (Scenario::NodeLoss, "node-loss"),
     (Scenario::Rollout, "rollout"),
     (Scenario::TrainerPause, "trainer-pause"),
+    (Scenario::Brownout, "brownout"),
 ];
 
 impl Scenario {
@@ -31,9 +32,13 @@ impl Scenario {
         NAMES.iter().find(|(s, _)| *s == self).expect("named").1
     }
 
-    /// Steps in a run: `--steps`, or enough after the middle one for a rollout to finish
-    /// (its waves, each a start-up at most 25 % over `--startup-s`) and ten more.
+    /// Steps in a run: `--steps`, or enough after the middle one for a rollout or a brownout
+    /// to end (a rollout's waves, each a start-up at most 25 % over `--startup-s`) and ten
+    /// more.
     pub(super) fn steps(self, a: &ScaleArgs, workers: usize) -> u64 {
+        if self == Scenario::Brownout {
+            return a.steps.max(event_at(a) + BROWNOUT_STEPS + 10);
+        }
         if self != Scenario::Rollout {
             return a.steps;
         }
@@ -94,6 +99,20 @@ impl Sim {
                 }
             }
             Scenario::TrainerPause => {} // in the step's compute
+            Scenario::Brownout => self.set_slowdown(BROWNOUT_SLOWDOWN),
+        }
+    }
+
+    /// `brownout`: the fleet is back to its speed, `BROWNOUT_STEPS` after the event.
+    pub(super) fn end_brownout(&mut self) {
+        if self.scenario == Scenario::Brownout {
+            self.set_slowdown(1.0);
+        }
+    }
+
+    fn set_slowdown(&mut self, factor: f64) {
+        for w in &mut self.workers {
+            w.slowdown = factor;
         }
     }
 

@@ -6,6 +6,7 @@ impl Sim {
     pub(super) fn new(
         a: &ScaleArgs,
         shape: &[f64],
+        reads: &[f64],
         ranks: u32,
         workers: usize,
         policy: Policy,
@@ -57,6 +58,13 @@ impl Sim {
             conns: BTreeMap::new(),
             nic_free: Vec::new(),
             sample_ns: shape.iter().map(|x| x * mean_sample_ns).collect(),
+            read_ns: reads.iter().map(|s| s * 1e9).collect(),
+            store: store::RateLimit::new(a.store_gets_per_s),
+            store_gets: 0,
+            throttled: 0,
+            failed_reads: 0,
+            answers: 0,
+            samples_prepared: 0,
             // The worker's default: 8 per preprocessing thread, at least 32.
             max_samples_budget: (8 * CORES_PER_WORKER as u32).max(32),
             step_started: Vec::new(),
@@ -206,6 +214,20 @@ impl Sim {
                 self.listed.insert(addr);
                 self.replace_next();
             }
+            Ev::Get {
+                worker,
+                incarnation,
+                job,
+                reads_left,
+                made,
+                since,
+            } => self.get(worker, incarnation, job, (reads_left, made, since)),
+            Ev::Fetched {
+                worker,
+                incarnation,
+                job,
+                ok,
+            } => self.fetched(worker, incarnation, job, ok),
         }
     }
 
@@ -349,6 +371,9 @@ impl Sim {
             self.event_step = Some(k);
             self.fire();
         }
+        if self.event_step.is_some_and(|e| k == e + BROWNOUT_STEPS) {
+            self.end_brownout();
+        }
         for r in 0..self.ranks.len() as u32 {
             self.wake(r);
         }
@@ -396,6 +421,7 @@ impl Sim {
         };
         let deadline = self.metrics.retries.with_label_values(&["deadline"]).get();
         let hedges = self.metrics.hedges.with_label_values(&["sent"]).get();
+        let steps = steps_completed.max(1) as f64;
         let silent = self.metrics.retries.with_label_values(&["silent"]).get();
         let end_s = self.now as f64 / 1e9;
         let exact =
@@ -423,8 +449,13 @@ impl Sim {
             max_over_mean_worker_load: max_over_mean,
             max_over_mean_load_by_step: load_by_step,
             requests_past_deadline: deadline,
-            hedges_per_step: hedges as f64 / steps_completed.max(1) as f64,
-            silent_retries_per_step: silent as f64 / steps_completed.max(1) as f64,
+            hedges_per_step: hedges as f64 / steps,
+            duplicates_per_answer: (hedges + silent) as f64 / self.answers.max(1) as f64,
+            answers: self.answers,
+            store_gets_per_sample: self.store_gets as f64 / self.samples_prepared.max(1) as f64,
+            throttled_per_step: self.throttled as f64 / steps,
+            failed_reads: self.failed_reads,
+            silent_retries_per_step: silent as f64 / steps,
             restart_efficiency,
             steps_below_0_9_after_event: below,
             refused_connects_per_worker_s: self.refused as f64
