@@ -347,6 +347,12 @@ pub fn noise_png(side: u32, seed: u64) -> Vec<u8> {
 }
 
 pub fn generate(out: &Path, o: &SynthOptions, on_sample: &(dyn Fn() + Sync)) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        o.min_side >= 1 && o.min_side <= o.max_side,
+        "images' sides: --min-side {} and --max-side {}: expected 1 <= min <= max",
+        o.min_side,
+        o.max_side
+    );
     std::fs::create_dir_all(out.join("images"))?;
     let per_shard = o.samples_per_shard.max(1);
     let shards = o.samples.div_ceil(per_shard);
@@ -414,6 +420,21 @@ mod tests {
             }
         }
         assert_eq!(lines, 12);
+    }
+
+    #[test]
+    fn sides_that_leave_no_size_are_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let o = SynthOptions {
+            samples: 1,
+            max_side: 100,
+            ..SynthOptions::default()
+        };
+        let err = generate(dir.path(), &o, &|| {}).unwrap_err().to_string();
+        assert!(
+            err.contains("--min-side 200") && err.contains("--max-side 100"),
+            "{err}"
+        );
     }
 
     #[test]

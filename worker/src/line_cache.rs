@@ -73,6 +73,11 @@ impl LineCache {
         }
     }
 
+    /// The bytes of the spans held now.
+    pub fn held(&self) -> u64 {
+        self.spans.lock().expect("line cache").bytes
+    }
+
     pub fn capacity(&self) -> u64 {
         self.capacity
     }

@@ -108,6 +108,12 @@ pub struct PipelineConfig {
     pub keep_decoded_frames: bool,
 }
 
+/// The line cache under [`TextReads::Lines`], whatever `--line-cache-mib` says: a request's
+/// merged spans and those of a request asked again while they are fresh (a retry, a hedge's
+/// twin). A line read for another request comes back only by chance, the cache's share of the
+/// text (1.3 % for 256 MiB of 20 GB at 10^8 samples): more cache would only hold memory.
+pub const LINES_CACHE_BYTES: u64 = 16 << 20;
+
 /// How a worker reads its samples' text, chosen once from the dataset's text size, the line
 /// cache and the plan (docs/design.md, "Reading text").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,7 +124,8 @@ pub enum TextReads {
     /// take from the cache.
     Runs,
     /// Each line by its own range (a request's neighbours merged): the cache holds too
-    /// little of the text for a block to be read again before it goes.
+    /// little of the text for a block to be read again before it goes, and holds at most
+    /// [`LINES_CACHE_BYTES`].
     Lines,
 }
 
@@ -183,10 +190,13 @@ impl Pipeline {
         metrics.dataset_bad_lines.set(index.bad_line_count as i64);
         let text_bytes: u64 = index.shards.iter().map(|s| s.size).sum();
         let text_reads = TextReads::choose(text_bytes, config.line_cache_bytes, &plan);
+        let cache_bytes = match text_reads {
+            TextReads::Lines => config.line_cache_bytes.min(LINES_CACHE_BYTES),
+            TextReads::Blocks | TextReads::Runs => config.line_cache_bytes,
+        };
         tracing::info!(
-            "sample text read by {}: {text_bytes} bytes of text, {} of line cache",
+            "sample text read by {}: {text_bytes} bytes of text, {cache_bytes} of line cache",
             text_reads.as_str(),
-            config.line_cache_bytes
         );
         Pipeline {
             lut: PixelLut::new(&config.preset),
@@ -197,7 +207,7 @@ impl Pipeline {
                 .then(|| le_bytes(&video_normalization_table(&config.preset))),
             fetch_slots: Semaphore::new(config.max_fetches.max(1)),
             cpu_slots: Arc::new(Semaphore::new(config.cpu_threads.max(1))),
-            line_cache: LineCache::new(config.line_cache_bytes),
+            line_cache: LineCache::new(cache_bytes),
             text_reads,
             datasets: vec![(store.describe(""), 0)],
             store,
@@ -318,6 +328,11 @@ impl Pipeline {
             self.metrics.object_bytes_total.inc_by(b.len() as u64);
         }
         r
+    }
+
+    /// The line cache's capacity and the bytes it holds now.
+    pub fn line_cache_bytes(&self) -> (u64, u64) {
+        (self.line_cache.capacity(), self.line_cache.held())
     }
 
     pub fn text_reads(&self) -> TextReads {

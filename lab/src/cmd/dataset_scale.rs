@@ -100,6 +100,8 @@ struct TextCost {
     requests_per_sample: f64,
     bytes_per_sample: f64,
     line_bytes_per_sample: f64,
+    /// The worker's peak resident MiB after the read (its line cache filled as it reads).
+    peak_mib: f64,
 }
 
 pub async fn run(a: DatasetScaleArgs) -> anyhow::Result<()> {
@@ -183,24 +185,26 @@ pub async fn run(a: DatasetScaleArgs) -> anyhow::Result<()> {
                 .map_or("the default".into(), |m| format!("{m} MiB"))
         );
         println!(
-            "{:<9} {:<6} {:>9} {:>22} {:>19} {:>16}",
+            "{:<9} {:<6} {:>9} {:>22} {:>19} {:>16} {:>10}",
             "binary",
             "store",
             "samples",
             "text requests/sample",
             "text bytes/sample",
-            "x line bytes"
+            "x line bytes",
+            "peak MiB"
         );
         for r in &rows {
             if let Some(t) = &r.read {
                 println!(
-                    "{:<9} {:<6} {:>9} {:>22.4} {:>19.0} {:>16.2}",
+                    "{:<9} {:<6} {:>9} {:>22.4} {:>19.0} {:>16.2} {:>10.0}",
                     r.binary,
                     r.store,
                     t.samples,
                     t.requests_per_sample,
                     t.bytes_per_sample,
-                    t.bytes_per_sample / t.line_bytes_per_sample
+                    t.bytes_per_sample / t.line_bytes_per_sample,
+                    t.peak_mib
                 );
             }
         }
@@ -423,6 +427,7 @@ async fn read_text(
         requests_per_sample: (requests as f64 - n) / n,
         bytes_per_sample: (bytes - n * TINY_PNG.len() as f64) / n,
         line_bytes_per_sample: text as f64 / index.num_samples() as f64,
+        peak_mib: peak_rss_mib(worker.pid())?,
     })
 }
 
