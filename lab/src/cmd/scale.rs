@@ -209,14 +209,21 @@ const EMBEDDED_PROFILE: &str = include_str!("service_profile.json");
 impl ServiceProfile {
     /// The times divided by their mean (a distribution of mean 1).
     fn shape(&self) -> anyhow::Result<Vec<f64>> {
-        let n = self.per_sample_s.len();
-        let mean = self.per_sample_s.iter().sum::<f64>() / n.max(1) as f64;
-        anyhow::ensure!(
-            n > 0 && mean > 0.0 && self.per_sample_s.iter().all(|t| t.is_finite() && *t >= 0.0),
-            "expected at least one non-negative time and a positive mean"
-        );
-        Ok(self.per_sample_s.iter().map(|t| t / mean).collect())
+        let times = measured_times(&self.per_sample_s)?;
+        let mean = times.iter().sum::<f64>() / times.len() as f64;
+        anyhow::ensure!(mean > 0.0, "expected a positive mean");
+        Ok(times.iter().map(|t| t / mean).collect())
     }
+}
+
+/// A profile's times, if they are a distribution: at least one, each finite and
+/// non-negative.
+fn measured_times(times: &[f64]) -> anyhow::Result<&[f64]> {
+    anyhow::ensure!(
+        !times.is_empty() && times.iter().all(|t| t.is_finite() && *t >= 0.0),
+        "expected at least one non-negative time"
+    );
+    Ok(times)
 }
 
 pub fn run(a: ScaleArgs) -> anyhow::Result<()> {

@@ -427,14 +427,7 @@ impl Store {
                             .as_service_error()
                             .is_some_and(|s| s.is_not_found() || s.code() == Some("NotFound"))
                             || e.raw_response().is_some_and(|r| r.status().as_u16() == 404);
-                        if not_found {
-                            FetchError::NotFound(self.describe(key))
-                        } else if throttled(&e) {
-                            let why = DisplayErrorContext(&e).to_string();
-                            FetchError::Throttled(self.describe(key), why)
-                        } else {
-                            self.io_error(key, DisplayErrorContext(&e).to_string())
-                        }
+                        self.s3_failure(key, &e, not_found)
                     })?;
                 Ok(ObjectInfo {
                     key: key.to_string(),
@@ -539,6 +532,25 @@ impl Store {
         FetchError::Io(self.describe(key), why)
     }
 
+    /// A failed S3 request for `key`: the object missing (`not_found`, as the operation tells
+    /// it), the store throttling (503, S3's SlowDown: too many requests on the prefix), else
+    /// an I/O failure.
+    fn s3_failure<E: std::error::Error + 'static>(
+        &self,
+        key: &str,
+        e: &aws_sdk_s3::error::SdkError<E, aws_sdk_s3::config::http::HttpResponse>,
+        not_found: bool,
+    ) -> FetchError {
+        let why = DisplayErrorContext(e).to_string();
+        if not_found {
+            FetchError::NotFound(self.describe(key))
+        } else if e.raw_response().is_some_and(|r| r.status().as_u16() == 503) {
+            FetchError::Throttled(self.describe(key), why)
+        } else {
+            self.io_error(key, why)
+        }
+    }
+
     /// One read of at most `cap` bytes into memory, taken from `budget` (named `limit`) as
     /// they arrive: the length the store gives first, then what the body holds past it. A
     /// failed read gives its bytes back to the budget.
@@ -635,16 +647,7 @@ impl Store {
                     let not_found = e
                         .as_service_error()
                         .is_some_and(|s| s.is_no_such_key() || s.code() == Some("NotFound"));
-                    if not_found {
-                        FetchError::NotFound(self.describe(key))
-                    } else if throttled(&e) {
-                        FetchError::Throttled(
-                            self.describe(key),
-                            DisplayErrorContext(&e).to_string(),
-                        )
-                    } else {
-                        io(DisplayErrorContext(&e).to_string())
-                    }
+                    self.s3_failure(key, &e, not_found)
                 })?;
                 Ok(Body {
                     what: self.describe(key),
@@ -797,11 +800,4 @@ fn local_info(key: String, meta: &std::fs::Metadata) -> ObjectInfo {
         size: meta.len(),
         version: format!("{mtime}-{}", meta.len()),
     }
-}
-
-/// Whether the store answered 503 (S3's SlowDown: too many requests on the prefix).
-fn throttled<E>(
-    e: &aws_sdk_s3::error::SdkError<E, aws_sdk_s3::config::http::HttpResponse>,
-) -> bool {
-    e.raw_response().is_some_and(|r| r.status().as_u16() == 503)
 }

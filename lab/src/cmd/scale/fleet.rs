@@ -172,19 +172,23 @@ impl Sim {
                 let whole = self.a.gets_per_sample.floor();
                 let extra = self.rng.gen::<f64>() < self.a.gets_per_sample - whole;
                 let reads_left = whole as u32 + extra as u32;
-                let ev = Ev::Get {
-                    worker: w,
-                    incarnation,
-                    job: id,
-                    reads_left,
-                    made: 0,
-                    since: self.now,
+                let ev = match reads_left {
+                    0 => Ev::Fetched {
+                        worker: w,
+                        incarnation,
+                        job: id,
+                        ok: true,
+                    },
+                    _ => Ev::Get {
+                        worker: w,
+                        incarnation,
+                        job: id,
+                        reads_left,
+                        made: 0,
+                        since: self.now,
+                    },
                 };
-                if reads_left == 0 {
-                    self.fetched(w, incarnation, id, true);
-                } else {
-                    self.at(self.now, ev);
-                }
+                self.at(self.now, ev);
             }
         }
         while self.workers[w].free_cores > 0 {
