@@ -31,6 +31,10 @@ const RANKS: u32 = 2;
 const BEFORE: usize = 10;
 /// How long the ranks train after it: past the link's failure (30 s).
 const AFTER: Duration = Duration::from_secs(40);
+/// The ranks' time to take `BEFORE` batches: workers index the dataset first, and a cold or
+/// busy machine is slow (the trainer's duration counts from its start, so a slow start would
+/// shorten the silence below the link's failure).
+const START: Duration = Duration::from_secs(20);
 
 #[test]
 fn ranks_move_off_a_worker_that_goes_silent_without_a_reset() {
@@ -79,12 +83,13 @@ fn ranks_move_off_a_worker_that_goes_silent_without_a_reset() {
         .collect();
     let addrs: Vec<String> = workers.iter().map(|w| w.addr.clone()).collect();
 
+    let spawned = Instant::now();
     let mut ranks = Command::new("ip")
         .args(["netns", "exec", &trainer, LAB, "bench", "trainer"])
         .args(["--workers", &addrs.join(",")])
         .args(["--ranks", &RANKS.to_string(), "--step-ms", "100"])
         .args(["--warmup-s", "0", "--record"])
-        .args(["--duration-s", &(AFTER.as_secs() + 5).to_string()])
+        .args(["--duration-s", &(START + AFTER).as_secs().to_string()])
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .spawn()
@@ -112,6 +117,8 @@ fn ranks_move_off_a_worker_that_goes_silent_without_a_reset() {
         in_ns(&worker_ns[0], &["iptables", "-A", chain, "-j", "DROP"]).unwrap();
     }
     let silent_since = Instant::now();
+    let started = silent_since.duration_since(spawned);
+    assert!(started < START, "{BEFORE} batches took {started:?}");
     lines.extend(rx.iter());
     reader.join().unwrap();
     assert!(ranks.wait().unwrap().success(), "the trainer failed");
