@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _native
+from . import replica as replica_mod
 from ._native import (
     BatchFailed,
     ConfigError,
@@ -42,9 +43,25 @@ __all__ = [
     "PlanMismatch",
     "NoWorker",
     "BatchFailed",
+    "shifted_labels",
+    "PAD_TOKEN_ID",
 ]
 
 _STATE_VERSION = 1
+
+# The id the workers pad with: Qwen-VL's ``<|endoftext|>`` (every preset's tokenizer).
+PAD_TOKEN_ID = 151643
+
+
+def shifted_labels(labels: np.ndarray) -> np.ndarray:
+    """Labels shifted left by one along the last axis, -100 at the end: position t holds the
+    label that token t predicts. A trainer that splits the sequence across context-parallel
+    ranks passes these (transformers' loss takes ``shift_labels=``): a rank's chunk cannot
+    shift across into the next chunk. A packed sample's first label is -100, so no target
+    crosses from one sample into the next."""
+    out = np.full(labels.shape, -100, dtype=labels.dtype)
+    out[..., :-1] = labels[..., 1:]
+    return out
 
 
 def bfloat16_dtype() -> Optional[np.dtype]:
@@ -174,7 +191,14 @@ class Batch:
         return self.pack_ranges is not None
 
     def packs(
-        self, device: Any = None, pixel_dtype: str = "float32", pool: Optional["BufferPool"] = None
+        self,
+        device: Any = None,
+        pixel_dtype: str = "float32",
+        pool: Optional["BufferPool"] = None,
+        *,
+        pad_to_multiple_of: Optional[int] = None,
+        shift_labels: bool = False,
+        pad_token_id: int = PAD_TOKEN_ID,
     ) -> List[Dict[str, Any]]:
         """A packed batch's packs, each the keyword arguments of one varlen forward pass.
 
@@ -194,7 +218,17 @@ class Batch:
         lists the samples pack after pack. Arrays are numpy views of the received bytes, or
         torch tensors on ``device``. A pack can be empty (T = 0) only in a final partial
         global batch with fewer samples than ranks.
+
+        For context parallelism: ``pad_to_multiple_of`` (2 x cp for a load-balanced split)
+        pads each pack to a multiple of it with a sample of its own (``pad_token_id``, labels
+        -100, positions from 0, its own ``cu_seq_lens`` boundary: attention keeps it apart and
+        no loss term reads it); ``shift_labels=True`` adds ``shift_labels``
+        (:func:`stoker.shifted_labels` of the pack's labels) to pass the loss when the sequence
+        is split across ranks. Plain data parallelism keeps neither: Hugging Face models shift
+        the labels themselves.
         """
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ConfigError(f"pad_to_multiple_of {pad_to_multiple_of}: at least 1")
         if not self.packed:
             raise ConfigError("not a packed batch: start the workers with --pack-max-tokens")
         t = self.tensors
@@ -211,6 +245,12 @@ class Batch:
                 "cu_seq_lens_q": cu,
                 "cu_seq_lens_k": cu,
             }
+            padding = -tokens % pad_to_multiple_of if pad_to_multiple_of else 0
+            if padding:
+                _pad_pack(pack, padding, pad_token_id)
+                longest = max(longest, padding)
+            if shift_labels:
+                pack["shift_labels"] = shifted_labels(pack["labels"])
             if videos is not None:
                 pack["video_grid_thw"] = t["video_grid_thw"][slice(*vids)]
                 if "second_per_grid_ts" in t:
@@ -227,6 +267,19 @@ class Batch:
             pack["use_cache"] = False
             out.append(pack)
         return out
+
+
+def _pad_pack(pack: Dict[str, Any], padding: int, pad_token_id: int) -> None:
+    """Appends ``padding`` tokens to ``pack`` as a sample of its own."""
+    ids = pack["input_ids"]
+    pack["input_ids"] = np.concatenate([ids, np.full((1, padding), pad_token_id, ids.dtype)], axis=1)
+    labels = pack["labels"]
+    pack["labels"] = np.concatenate([labels, np.full((1, padding), -100, labels.dtype)], axis=1)
+    positions = pack["position_ids"]
+    steps = np.broadcast_to(np.arange(padding, dtype=positions.dtype), (positions.shape[0], 1, padding))
+    pack["position_ids"] = np.concatenate([positions, steps], axis=2)
+    cu = pack["cu_seq_lens_q"]
+    pack["cu_seq_lens_q"] = pack["cu_seq_lens_k"] = np.append(cu, np.int32(cu[-1] + padding))
 
 
 def _default_threads() -> int:
@@ -475,7 +528,20 @@ class Loader:
         workers: ``"dns:HOST:PORT"`` (re-resolved every 5 s: a Kubernetes headless Service
             lists every ready worker pod), or ``"HOST:PORT,HOST:PORT"``, or a list of those.
         rank, world_size: this process's data-parallel rank; default from ``RANK`` /
-            ``WORLD_SIZE`` (torchrun sets them), else 0 / 1.
+            ``WORLD_SIZE`` (torchrun sets them), else 0 / 1. Each process is its own model
+            replica; with tensor, context, sequence or pipeline parallelism give the replica
+            instead (``mesh`` or ``dp_rank``), see ``stoker.replica``.
+        mesh, dp_dims: a ``torch.distributed.DeviceMesh`` with ``mesh_dim_names`` and the
+            names of its data-parallel dimensions (``("dp",)``, ``("dp_replicate",
+            "dp_shard")``): the data-parallel coordinate selects the slice, every other
+            dimension spans one replica, whose ranks all get byte-identical batches.
+        dp_rank, dp_size, replica_group: the same given plainly: this replica's slice and a
+            process group holding its ranks (broadcasting host tensors: gloo); without a
+            group each process is its own replica.
+        replica_reads: ``"leader"``: the replica's lowest rank reads from the workers and
+            broadcasts each batch to the others (over ``replica_group``, or a gloo group made
+            from the mesh; only the leader serves metrics); ``"each"``: every rank reads the
+            same slice itself (no collective; the workers prepare it once per rank).
         tls_ca: the CA bundle (PEM file) that signed the workers' certificates; default
             ``$STOKER_TLS_CA`` (on Kubernetes, the pipeline's CA Secret mounted in the trainer).
             Each worker must prove its name before the token is sent: the ``dns:`` name, else
@@ -509,6 +575,12 @@ class Loader:
         *,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
+        mesh: Any = None,
+        dp_dims: Optional[Sequence[str]] = None,
+        dp_rank: Optional[int] = None,
+        dp_size: Optional[int] = None,
+        replica_group: Any = None,
+        replica_reads: str = "leader",
         tls_ca: Optional[str] = None,
         tls_server_name: Optional[str] = None,
         insecure_plaintext: bool = False,
@@ -526,14 +598,22 @@ class Loader:
     ) -> None:
         if not isinstance(workers, str):
             workers = ",".join(workers)
-        rank = int(os.environ.get("RANK", 0)) if rank is None else rank
-        world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        self.replica = _replica(rank, world_size, mesh, dp_dims, dp_rank, dp_size, replica_group)
+        if replica_reads not in replica_mod.REPLICA_READS:
+            raise ConfigError(f"replica_reads {replica_reads!r}: one of {replica_mod.REPLICA_READS}")
         token = os.environ.get("STOKER_TOKEN", "") if token is None else token
         metrics_addr = None if metrics_port is None else f"{metrics_host}:{metrics_port}"
-        self._native = _native.NativeLoader(
+        channel = None
+        if replica_reads == "leader" and len(self.replica.ranks) > 1:
+            channel = replica_mod.Channel(replica_mod.broadcast_group(self.replica, replica_group), self.replica.leader)
+            if _process_rank() != self.replica.leader:
+                self._native = replica_mod.Follower(channel)
+                self._finish_init(pixel_buffers)
+                return
+        native_args = (
             workers,
-            rank,
-            world_size,
+            self.replica.dp_rank,
+            self.replica.dp_size,
             None if tls_ca is None else os.fspath(tls_ca),
             tls_server_name,
             insecure_plaintext,
@@ -547,8 +627,21 @@ class Loader:
             request_timeout_s,
             None if state is None else _state_tuple(state),
         )
-        self.rank = rank
-        self.world_size = world_size
+        if channel is None:
+            self._native = _native.NativeLoader(*native_args)
+        else:
+            try:
+                native = _native.NativeLoader(*native_args)
+            except StokerError as e:
+                replica_mod.Leader.failed(channel, e)
+                raise
+            self._native = replica_mod.Leader(native, channel)
+        self._finish_init(pixel_buffers)
+
+    def _finish_init(self, pixel_buffers: int) -> None:
+        # rank / world_size: the data-parallel slice this process trains on.
+        self.rank = self.replica.dp_rank
+        self.world_size = self.replica.dp_size
         self._pixel_pool = BufferPool(pixel_buffers) if pixel_buffers else None
 
     def __iter__(self) -> Iterator[Batch]:
@@ -586,6 +679,40 @@ class Loader:
     @property
     def metrics_addr(self) -> Optional[str]:
         return self._native.metrics_addr()
+
+
+def _process_rank() -> int:
+    """This process's global rank: torch.distributed's once initialized, else ``RANK``."""
+    if "torch" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def _replica(rank, world_size, mesh, dp_dims, dp_rank, dp_size, group) -> replica_mod.Replica:
+    """This process's replica from whichever of the three ways it was given."""
+    given = [name for name, v in (("rank/world_size", rank if rank is not None else world_size),
+                                  ("mesh", mesh), ("dp_rank/dp_size", dp_rank if dp_rank is not None else dp_size))
+             if v is not None]
+    if len(given) > 1:
+        raise ConfigError(f"give one of rank/world_size, mesh, dp_rank/dp_size, not {' and '.join(given)}")
+    if mesh is not None:
+        if not dp_dims:
+            raise ConfigError(f"mesh= needs dp_dims=: which of {mesh.mesh_dim_names} are data-parallel")
+        return replica_mod.replica_in_mesh(mesh.mesh.tolist(), mesh.mesh_dim_names, dp_dims, _process_rank())
+    if dp_dims is not None:
+        raise ConfigError("dp_dims= names dimensions of a mesh: give mesh= too")
+    if dp_rank is not None or dp_size is not None:
+        if dp_rank is None or dp_size is None:
+            raise ConfigError("give dp_rank and dp_size together")
+        return replica_mod.replica_of_group(dp_rank, dp_size, group, _process_rank())
+    if group is not None:
+        raise ConfigError("replica_group= goes with dp_rank= and dp_size=")
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    return replica_mod.Replica(rank, world_size, (_process_rank(),))
 
 
 def _state_tuple(state: Dict[str, Any]) -> Tuple[int, int, int]:

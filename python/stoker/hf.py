@@ -114,7 +114,8 @@ class StokerCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, STATE_FILE.format(rank=self.loader.rank))
+        # Per process: the ranks of one model replica share a data-parallel rank.
+        path = os.path.join(folder, STATE_FILE.format(rank=args.process_index))
         with open(path + ".tmp", "w") as f:
             json.dump(self.loader.state_dict(), f)
         os.replace(path + ".tmp", path)

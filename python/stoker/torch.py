@@ -118,7 +118,8 @@ def to_torch(
 class StokerIterableDataset(torch.utils.data.IterableDataset):
     """One epoch per iteration, like a map-style dataset under a DataLoader.
 
-    Rank and world size default to torch.distributed's when it is initialized."""
+    Rank and world size default to torch.distributed's when it is initialized (and no
+    replica is given: ``mesh=`` or ``dp_rank=``, see :class:`stoker.Loader`)."""
 
     def __init__(
         self, workers, device: Any = None, pixel_dtype: str = "float32", **loader_kwargs: Any
@@ -126,7 +127,8 @@ class StokerIterableDataset(torch.utils.data.IterableDataset):
         super().__init__()
         self.device = device
         self.pixel_dtype = pixel_dtype
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        replica_given = any(loader_kwargs.get(k) is not None for k in ("mesh", "dp_rank"))
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and not replica_given:
             loader_kwargs.setdefault("rank", torch.distributed.get_rank())
             loader_kwargs.setdefault("world_size", torch.distributed.get_world_size())
         self.loader = Loader(workers, **loader_kwargs)

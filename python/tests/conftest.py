@@ -1,8 +1,11 @@
 """Fixtures: a synthetic dataset in a folder and real `stoker worker` processes serving it."""
 
+import json
 import os
 import pathlib
+import socket
 import subprocess
+import sys
 
 import pytest
 
@@ -72,3 +75,28 @@ def worker(dataset):
     yield start
     for w in started:
         w.stop()
+
+
+def packed_worker(worker, dataset, max_tokens=2048):
+    """A worker packing up to ``max_tokens`` (the dataset's sample lengths written first)."""
+    subprocess.run([stoker_bin(), "dataset", "index", str(dataset), "--write-lengths"],
+                   check=True, capture_output=True)
+    return worker("--pack-max-tokens", str(max_tokens))
+
+
+def launch(tmp_path, name, processes, script, **cfg):
+    """``processes`` ranks of ``script`` on gloo; what each got, by rank."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / f"{name}-{{rank}}.json"
+    cfg = {**cfg, "out": str(out)}
+    procs = [
+        subprocess.Popen([sys.executable, str(script), json.dumps(cfg)],
+                         env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(processes),
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        for r in range(processes)
+    ]
+    codes = [p.wait(timeout=300) for p in procs]
+    assert codes == [0] * processes
+    return [json.loads(pathlib.Path(str(out).format(rank=r)).read_text()) for r in range(processes)]
