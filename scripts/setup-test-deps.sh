@@ -3,7 +3,7 @@
 #   - a Python venv with the reference stack (transformers, pillow, numpy, safetensors, pytest)
 #     and maturin, which builds the `stoker` Python package; matplotlib for the dashboard picture;
 #     torch for the checks against the model itself (run on the CPU here); accelerate, which the
-#     Hugging Face Trainer needs (stoker.hf)
+#     Hugging Face Trainer needs (stoker.hf); megatron-core for stoker.megatron
 #   - prometheus and promtool (Debian package) for the observability tests
 #   - the real Qwen tokenizer (scripts/setup-tokenizer.sh)
 # Prints nothing but progress; safe to run repeatedly (a stamp file guards each step).
@@ -48,6 +48,15 @@ if [ ! -f "$VENV/.stoker-trainer-v1" ]; then
   echo "setup: installing ${TRAINER_PKGS[*]} into the venv"
   "$VENV/bin/pip" install -q "${TRAINER_PKGS[@]}" "$TORCH"
   touch "$VENV/.stoker-trainer-v1"
+fi
+
+# Megatron-Core (no Transformer Engine or Apex: its parallel state and types run on the CPU),
+# whose own parallel state, context-parallel split and PackedSeqParams test stoker.megatron.
+MEGATRON_PKGS=(megatron-core==0.16.1)
+if [ ! -f "$VENV/.stoker-megatron-v1" ]; then
+  echo "setup: installing ${MEGATRON_PKGS[*]} into the venv"
+  "$VENV/bin/pip" install -q "${MEGATRON_PKGS[@]}" "$TORCH"
+  touch "$VENV/.stoker-megatron-v1"
 fi
 
 ./scripts/setup-tokenizer.sh
