@@ -3,7 +3,7 @@
 #   - a Python venv with the reference stack (transformers, pillow, numpy, safetensors, pytest)
 #     and maturin, which builds the `stoker` Python package; matplotlib for the dashboard picture;
 #     torch for the checks against the model itself (run on the CPU here); accelerate, which the
-#     Hugging Face Trainer needs (stoker.hf); megatron-core for stoker.megatron
+#     Hugging Face Trainer needs (stoker.hf); megatron-core for stoker.megatron; deepspeed for its example
 #   - prometheus and promtool (Debian package) for the observability tests
 #   - the real Qwen tokenizer (scripts/setup-tokenizer.sh)
 # Prints nothing but progress; safe to run repeatedly (a stamp file guards each step).
@@ -57,6 +57,15 @@ if [ ! -f "$VENV/.stoker-megatron-v1" ]; then
   echo "setup: installing ${MEGATRON_PKGS[*]} into the venv"
   "$VENV/bin/pip" install -q "${MEGATRON_PKGS[@]}" "$TORCH"
   touch "$VENV/.stoker-megatron-v1"
+fi
+
+# DeepSpeed, whose ZeRO-3 engine trains on Stoker's batches in tests/parity/test_deepspeed.py
+# (on the CPU: its accelerator "cpu" and gloo; no ops prebuilt, one is compiled at first use).
+DEEPSPEED_PKGS=(deepspeed==0.19.8)
+if [ ! -f "$VENV/.stoker-deepspeed-v1" ]; then
+  echo "setup: installing ${DEEPSPEED_PKGS[*]} into the venv"
+  DS_BUILD_OPS=0 "$VENV/bin/pip" install -q "${DEEPSPEED_PKGS[@]}" "$TORCH"
+  touch "$VENV/.stoker-deepspeed-v1"
 fi
 
 ./scripts/setup-tokenizer.sh
