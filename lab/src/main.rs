@@ -1,7 +1,7 @@
 //! `stoker-lab`: what the project measures and shows itself with, kept out of the product
-//! binary (`stoker`, which the image ships): the demo, the benchmarks, the spread experiment
-//! and synthetic datasets. Lab commands that run workers start the product binary beside this
-//! one (`$STOKER_BIN`, else `stoker` in this executable's folder).
+//! binary (`stoker`, which the image ships): the demo, the benchmarks, the spread experiment,
+//! synthetic datasets and the video sampling sweep. Lab commands that run workers start the
+//! product binary beside this one (`$STOKER_BIN`, else `stoker` in this executable's folder).
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -19,6 +19,7 @@ mod cmd {
     pub mod spread;
     pub mod store_latency;
     pub mod transport;
+    pub mod video_plan;
 }
 
 #[derive(Parser)]
@@ -48,6 +49,9 @@ enum Command {
     /// Benchmarks that print ours-vs-baseline tables (docs/benchmarks.md).
     #[command(subcommand)]
     Bench(cmd::bench::BenchCommand),
+    /// The frames each preset samples from clips given by their header (JSON lines on stdin
+    /// and stdout): the sampling sweep of the parity tests.
+    VideoPlan,
 }
 
 fn main() {
@@ -76,6 +80,7 @@ fn run() -> anyhow::Result<()> {
             Command::Synth { out, options } => synth(out, options).await,
             Command::Bench(c) => cmd::bench::run(c).await,
             Command::Demo(a) => cmd::demo::run(a).await,
+            Command::VideoPlan => cmd::video_plan::run(),
         }
     })
 }

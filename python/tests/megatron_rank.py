@@ -11,7 +11,6 @@ import os
 import sys
 import warnings
 
-import torch
 import torch.distributed as dist
 
 warnings.filterwarnings("ignore", module="megatron")  # no Transformer Engine or Apex on CPU

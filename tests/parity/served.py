@@ -1,8 +1,11 @@
 """Real `stoker worker` processes for the parity tests, and one epoch read from one."""
 
+import importlib
 import os
 import subprocess
 from pathlib import Path
+
+import pytest
 
 import stoker
 
@@ -12,6 +15,21 @@ STOKER = os.environ.get("STOKER_BIN", str(ROOT / "target/release/stoker"))
 LAB = os.environ.get("STOKER_LAB", str(Path(STOKER).with_name("stoker-lab")))
 CACHE = Path(os.environ.get("STOKER_CACHE") or Path.home() / ".cache/stoker")
 TOKENIZER = Path(os.environ.get("STOKER_TOKENIZER") or CACHE / "qwen-tokenizer")
+# scripts/test.sh installs every module the parity tests import (PyAV, torch, deepspeed …) and
+# sets STOKER_REQUIRE_TORCH: there a missing one fails, naming what installs it; elsewhere the
+# tests that need it skip.
+REQUIRED = bool(os.environ.get("STOKER_REQUIRE_TORCH"))
+MISSING = "{} is not installed (scripts/setup-test-deps.sh installs it)"
+
+
+def required_module(name):
+    """Module `name`, imported; missing, the calling test module skips (fails under test.sh)."""
+    if not REQUIRED:
+        return pytest.importorskip(name, reason=MISSING.format(name))
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        pytest.fail(f"{MISSING.format(name)}: {e}", pytrace=False)
 
 
 def synth(out: Path, samples: int, seed: int, min_side: int, max_side: int, lengths: bool = False) -> Path:

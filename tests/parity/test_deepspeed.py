@@ -17,17 +17,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import stoker  # noqa: E402
-from served import TOKENIZER, serve, synth  # noqa: E402
+from served import TOKENIZER, required_module, serve, synth  # noqa: E402
 from test_hf_trainer import loader_order  # noqa: E402
 
-try:
-    import deepspeed  # noqa: F401
-except ImportError as e:
-    # scripts/test.sh installs it and sets STOKER_REQUIRE_TORCH=1: there, missing fails.
-    if os.environ.get("STOKER_REQUIRE_TORCH"):
-        raise
-    pytest.skip(f"deepspeed is not installed: {e}", allow_module_level=True)
+required_module("deepspeed")
 
 RUN = Path(__file__).resolve().parent / "deepspeed_run.py"
 SAMPLES, BATCH, STEPS = 16, 4, 6  # 4 batches per epoch: the run crosses an epoch boundary

@@ -15,9 +15,7 @@ as it decoded them; then:
 - the rope positions of a sample with a video equal the model's own `get_rope_index`.
 """
 
-import importlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,25 +26,10 @@ import pytest
 from safetensors.numpy import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from served import STOKER, TOKENIZER  # noqa: E402
+from served import MISSING, REQUIRED, STOKER, TOKENIZER, required_module  # noqa: E402
 
-# scripts/test.sh installs PyAV, torch and ffmpeg and sets STOKER_REQUIRE_TORCH: there a missing
-# one fails, naming what installs it; elsewhere these tests skip.
-REQUIRED = bool(os.environ.get("STOKER_REQUIRE_TORCH"))
-MISSING = "{} is not installed (scripts/setup-test-deps.sh installs it)"
-
-
-def _module(name):
-    if not REQUIRED:
-        return pytest.importorskip(name, reason=MISSING.format(name))
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        pytest.fail(f"{MISSING.format(name)}: {e}", pytrace=False)
-
-
-av = _module("av")
-torch = _module("torch")
+av = required_module("av")
+torch = required_module("torch")
 import video_reference as ref  # noqa: E402
 
 FFMPEG = shutil.which("ffmpeg")
@@ -69,6 +52,8 @@ CLIPS = {
     "av1.mp4": (["-c:v", "libaom-av1", "-cpu-used", "8", "-row-mt", "1"], "testsrc2=size=200x112:rate=30", 1.0),
     "ntsc.mp4": (["-c:v", "libx264", "-pix_fmt", "yuv420p"], "testsrc2=size=176x144:rate=60000/1001", 2.0),
     "short.mp4": (["-c:v", "libx264", "-pix_fmt", "yuv420p", "-frames:v", "3"], "testsrc2=size=128x96:rate=30", 1.0),
+    # 397 frames at 25 fps: Qwen2-VL's arange picks frame 397, which the clip does not have.
+    "past-end.mp4": (["-c:v", "libx264", "-pix_fmt", "yuv420p", "-frames:v", "397"], "testsrc2=size=96x64:rate=25", 16.0),
     # Open GOPs and B-frames referenced by B-frames: the worker leaves out H.264's
     # non-reference frames that are not sampled, numbering frames by timestamp (Matroska's
     # first packets carry none to decode by).

@@ -82,8 +82,9 @@ def process_frames(preset, frames, video_fps, sampled=True, **overrides):
     preprocess: sample_frames, resize, rescale_and_normalize, patchify; plus Qwen2_5_VLProcessor's
     second_per_grid_ts) on ALL decoded frames `frames` (uint8 [T, H, W, 3]).
 
-    sampled=True: HF samples (do_sample_frames=True, target fps `overrides.get('fps', 2.0)`);
-    sampled=False: every frame is used as given. `overrides` are video-processor call kwargs
+    sampled=True: sampled as transformers' PyAV reader samples a clip (target fps
+    `overrides.get('fps', 2.0)`; an index past the end left out, see below); sampled=False:
+    every frame is used as given. `overrides` are video-processor call kwargs
     (size, cap_pixels_per_frame, num_frames, fps, ...); min_frames/max_frames are applied on the
     instance. Returns numpy arrays: indices, pixel_values_videos (float32), video_grid_thw (int64),
     resized_u8 ([T', H', W', 3] uint8 after the processor's own resize, before padding), and
@@ -99,18 +100,20 @@ def process_frames(preset, frames, video_fps, sampled=True, **overrides):
     if (min_frames, max_frames) != (vp.min_frames, vp.max_frames):
         proc = _with_video_processor(preset, video_processor(preset, min_frames, max_frames))
         vp = proc.video_processor
-    metadata = {"total_num_frames": total, "fps": video_fps}
     if sampled:
-        kw.setdefault("fps", 2.0)
-        kw.update(do_sample_frames=True)
+        # As transformers' PyAV reader (read_video_pyav) gives a clip to the processor: the
+        # frames whose number `sample_frames` chose and the clip has (an index past the end is
+        # left out), with every chosen index in the metadata (the sampled rate counts them).
+        chosen = sample_indices(preset, total, video_fps, fps=kw.pop("fps", 2.0),
+                                min_frames=min_frames, max_frames=max_frames)
+        indices = np.asarray([i for i in chosen if i < total], dtype=np.int64)
     else:
-        metadata["frames_indices"] = list(range(total))
-        kw.update(do_sample_frames=False)
-    out = proc(videos=[frames], videos_kwargs=dict(kw, video_metadata=metadata), return_metadata=True, return_tensors="pt")
-    # Not sampled: all frames. (Qwen3VLProcessor._calculate_timestamps pads a *list*
-    # frames_indices in place to a multiple of 2, so the returned metadata can't be trusted then.)
-    md = out["video_metadata"][0]
-    indices = np.asarray(md.frames_indices if sampled else range(total), dtype=np.int64)
+        chosen = list(range(total))
+        indices = np.arange(total, dtype=np.int64)
+    metadata = {"total_num_frames": total, "fps": video_fps, "frames_indices": chosen}
+    kw.update(do_sample_frames=False)
+    out = proc(videos=[frames[indices]], videos_kwargs=dict(kw, video_metadata=metadata), return_metadata=True,
+               return_tensors="pt")
     res = {
         "indices": indices,
         "pixel_values_videos": out["pixel_values_videos"].numpy(),

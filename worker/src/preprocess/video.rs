@@ -15,8 +15,12 @@ use std::io::{Read, Seek};
 /// Frames of a clip to decode, and the rate that dates them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FramePlan {
-    /// Frame numbers in the clip, ascending.
+    /// Frame numbers in the clip, ascending: the frames decoded.
     pub indices: Vec<u64>,
+    /// Frames the sampling chose (`VideoMetadata.frames_indices`), counting those past the
+    /// clip's end: Qwen2-VL's `arange` sometimes picks frame `total`, which PyAV's reader
+    /// cannot give and leaves out, while the processor's sampled rate still counts it.
+    pub sampled: u64,
     /// The clip's own rate (`VideoMetadata.fps`), which dates a frame number.
     pub video_fps: f64,
     /// Frames counted by the sampling (the clip's, or its `video_start…video_end` part).
@@ -27,7 +31,7 @@ impl FramePlan {
     /// Qwen2.5-VL's `second_per_grid_ts`: the temporal patch over the sampled rate
     /// (`VideoMetadata.sampled_fps` = sampled / total × fps).
     pub fn second_per_grid(&self, temporal: u32) -> f64 {
-        let sampled_fps = self.indices.len() as f64 / self.total as f64 * self.video_fps;
+        let sampled_fps = self.sampled as f64 / self.total as f64 * self.video_fps;
         f64::from(temporal) / sampled_fps
     }
 
@@ -88,8 +92,15 @@ pub fn plan_frames(
         }
         FrameSampling::Linspace => linspace_indices(total, video_fps, fps, v),
     };
+    // What transformers' PyAV reader does with an index past the end: nothing (it decodes
+    // frames 0.. and keeps those whose number was chosen).
     Ok(FramePlan {
-        indices: local.into_iter().map(|i| i + first).collect(),
+        sampled: local.len() as u64,
+        indices: local
+            .into_iter()
+            .filter(|&i| i < total)
+            .map(|i| i + first)
+            .collect(),
         video_fps,
         total,
     })
@@ -438,6 +449,7 @@ pub fn process_frame_list(
 fn frame_list_plan(count: usize, part: &VideoPart) -> FramePlan {
     FramePlan {
         indices: (0..count as u64).collect(),
+        sampled: count as u64,
         video_fps: part.fps.unwrap_or(2.0),
         total: count as u64,
     }
@@ -553,6 +565,21 @@ mod tests {
         // A clip shorter than min_frames keeps every frame.
         let p = plan_frames(&q3, &header(3, 24.0), None, (None, None)).unwrap();
         assert_eq!(p.indices, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn a_frame_past_the_end_is_sampled_but_not_decoded() {
+        // arange(0, 397, 397 / 30) has 31 values, the last 397: a frame the clip does not
+        // have. PyAV's reader leaves it out; the sampled rate counts it.
+        for name in [PresetName::Qwen2Vl, PresetName::Qwen25Vl] {
+            for (frames, fps, last) in [(397, 25.0, 383), (367, 23.976, 354)] {
+                let p = plan_frames(&Preset::new(name), &header(frames, fps), None, (None, None))
+                    .unwrap();
+                assert_eq!((p.sampled, p.indices.len()), (31, 30), "{frames} at {fps}");
+                assert_eq!(*p.indices.last().unwrap(), last);
+                assert_eq!(p.second_per_grid(2), 2.0 / (31.0 / frames as f64 * fps));
+            }
+        }
     }
 
     #[test]
