@@ -48,7 +48,8 @@ def main() -> None:
                 out["state"] = train.save_state()
             mb = next(train)
             # Megatron's own context-parallel split of the sequence.
-            mine = get_batch_on_this_cp_rank({k: mb[k].clone() for k in ("tokens", "labels", "loss_mask", "position_ids")})
+            text = {k: mb[k].clone() for k in ("tokens", "labels", "loss_mask", "position_ids")}
+            mine = get_batch_on_this_cp_rank(text)
             out["micro_batches"].append({"digest": digest(mb), "tokens": mb["tokens"].tolist(),
                                          "cp_tokens": mine["tokens"].tolist()})
     with open(cfg["out"].format(rank=dist.get_rank()), "w") as f:
