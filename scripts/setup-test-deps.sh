@@ -33,40 +33,29 @@ if [ ! -f "$VENV/.stoker-$TORCH" ]; then
   touch "$VENV/.stoker-$TORCH"
 fi
 
+# Packages installed beside torch (pinned with them, so pip never moves torch), once per stamp:
+# `with_torch STAMP PACKAGE...`.
+with_torch() {
+  local stamp="$VENV/.stoker-$1"
+  shift
+  if [ ! -f "$stamp" ]; then
+    echo "setup: installing $* into the venv"
+    "$VENV/bin/pip" install -q "$@" "$TORCH"
+    touch "$stamp"
+  fi
+}
+
 # The video reference: transformers' video processors resize with torchvision; PyAV decodes
 # the clips the tests compare Stoker's decoded frames with.
-VIDEO_PKGS=(torchvision==0.29.2 av==18.1.0)
-if [ ! -f "$VENV/.stoker-video-v1" ]; then
-  echo "setup: installing ${VIDEO_PKGS[*]} into the venv"
-  "$VENV/bin/pip" install -q "${VIDEO_PKGS[@]}" "$TORCH"
-  touch "$VENV/.stoker-video-v1"
-fi
-
+with_torch video-v1 torchvision==0.29.2 av==18.1.0
 # The Hugging Face Trainer's own dependency, for stoker.hf (tests/parity/test_hf_trainer.py).
-TRAINER_PKGS=(accelerate==1.16.0)
-if [ ! -f "$VENV/.stoker-trainer-v1" ]; then
-  echo "setup: installing ${TRAINER_PKGS[*]} into the venv"
-  "$VENV/bin/pip" install -q "${TRAINER_PKGS[@]}" "$TORCH"
-  touch "$VENV/.stoker-trainer-v1"
-fi
-
+with_torch trainer-v1 accelerate==1.16.0
 # Megatron-Core (no Transformer Engine or Apex: its parallel state and types run on the CPU),
 # whose own parallel state, context-parallel split and PackedSeqParams test stoker.megatron.
-MEGATRON_PKGS=(megatron-core==0.16.1)
-if [ ! -f "$VENV/.stoker-megatron-v1" ]; then
-  echo "setup: installing ${MEGATRON_PKGS[*]} into the venv"
-  "$VENV/bin/pip" install -q "${MEGATRON_PKGS[@]}" "$TORCH"
-  touch "$VENV/.stoker-megatron-v1"
-fi
-
+with_torch megatron-v1 megatron-core==0.16.1
 # DeepSpeed, whose ZeRO-3 engine trains on Stoker's batches in tests/parity/test_deepspeed.py
 # (on the CPU: its accelerator "cpu" and gloo; no ops prebuilt, one is compiled at first use).
-DEEPSPEED_PKGS=(deepspeed==0.19.8)
-if [ ! -f "$VENV/.stoker-deepspeed-v1" ]; then
-  echo "setup: installing ${DEEPSPEED_PKGS[*]} into the venv"
-  DS_BUILD_OPS=0 "$VENV/bin/pip" install -q "${DEEPSPEED_PKGS[@]}" "$TORCH"
-  touch "$VENV/.stoker-deepspeed-v1"
-fi
+DS_BUILD_OPS=0 with_torch deepspeed-v1 deepspeed==0.19.8
 
 ./scripts/setup-tokenizer.sh
 # Prometheus and promtool (Debian's package) for the dashboard, alert and exposition tests.

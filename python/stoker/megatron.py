@@ -146,7 +146,7 @@ class MegatronIterator:
         tokens[:, :width] = ids
         labels = np.full((rows, padded), -100, dtype=np.int64)
         labels[:, :width] = batch["labels"]
-        out = self._targets(tokens, labels)
+        out = self._targets(tokens, shifted_labels(labels))
         out["position_ids"] = torch.arange(padded, dtype=torch.int64).expand(rows, padded).contiguous()
         out["pixel_values"] = batch.pixel_values(device="cpu", dtype=self._pixel_dtype)
         out["image_grid_thw"] = torch.from_numpy(np.array(batch["image_grid_thw"]))
@@ -170,7 +170,7 @@ class MegatronIterator:
             tokens[0, start : start + n] = ids[lo:hi]
             labels[0, start : start + n] = shifted[lo:hi]
             positions[0, start : start + span] = np.arange(span)
-        out = self._targets(tokens, labels, shifted=True)
+        out = self._targets(tokens, labels)
         out["position_ids"] = torch.from_numpy(positions)
         out["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
         out["cu_seqlens_padded"] = torch.from_numpy(starts.astype(np.int32))
@@ -179,10 +179,10 @@ class MegatronIterator:
         out["image_grid_thw"] = pack["image_grid_thw"]
         return out
 
-    def _targets(self, tokens: np.ndarray, labels: np.ndarray, shifted: bool = False) -> Dict[str, Any]:
-        """tokens, labels as Megatron reads them (token t predicts label t; a valid id where
-        the loss mask is 0, since Megatron's cross-entropy indexes every label), loss_mask."""
-        target = labels if shifted else shifted_labels(labels)
+    def _targets(self, tokens: np.ndarray, target: np.ndarray) -> Dict[str, Any]:
+        """tokens, labels as Megatron reads them from shifted labels ``target`` (token t
+        predicts label t; a valid id where the loss mask is 0, since Megatron's cross-entropy
+        indexes every label), loss_mask."""
         mask = target != -100
         return {
             "tokens": torch.from_numpy(tokens),

@@ -170,8 +170,7 @@ def test_video_samples_match_transformers(dataset, tmp_path, preset):
                 assert d.max() <= DECODE_BOUND, f"{part['video']}: decoded frames differ by {d.max()}"
                 # The reference's input: Stoker's own decoded frames where it sampled (the
                 # others are never read).
-                first = int(np.ceil(part.get("video_start", 0) * video_fps))
-                last = int(np.floor(part["video_end"] * video_fps)) if "video_end" in part else total - 1
+                first, last = ref.part_frames(total, video_fps, part.get("video_start"), part.get("video_end"))
                 clip = np.zeros((last - first + 1, *frames.shape[1:]), np.uint8)
                 clip[np.asarray(indices) - first] = frames
                 want = ref.process_frames(preset, clip, video_fps, sampled=True, fps=part.get("fps", 2.0))

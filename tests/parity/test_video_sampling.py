@@ -8,13 +8,12 @@ as transformers' PyAV reader (`read_video_pyav`) reads a clip: it decodes frames
 those whose number was chosen, so an index past the end — Qwen2-VL's `arange` picks frame
 `total` for some lengths, 397 at 25 fps among them — is left out, while the processor's sampled
 rate (`VideoMetadata.sampled_fps`, hence Qwen2.5-VL's `second_per_grid_ts`) counts every chosen
-index. A part of a clip (frames ceil(start · rate) … floor(end · rate)) is sampled as a clip of
-that many frames, numbered in the whole clip. A length transformers cannot sample (it raises) Stoker
+index. A part of a clip (`video_reference.part_frames`) is sampled as a clip of that many frames,
+numbered in the whole clip. A length transformers cannot sample (it raises) Stoker
 refuses by name.
 """
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -47,17 +46,16 @@ def clips():
 def reference(clip):
     """What a transformers user's PyAV pipeline samples: (frames kept, chosen count, seconds
     per grid, Qwen3-VL's timestamps), or None where transformers cannot sample the clip."""
-    video_fps, total = clip["video_fps"], clip["frames"]
-    first = math.ceil(clip["start"] * video_fps) if clip.get("start") is not None else 0
-    last = min(math.floor(clip["end"] * video_fps), total - 1) if clip.get("end") is not None else total - 1
+    video_fps = clip["video_fps"]
+    first, last = ref.part_frames(clip["frames"], video_fps, clip.get("start"), clip.get("end"))
     if first > last:
         return None
     n = last - first + 1
     try:
-        chosen = ref.sample_indices(clip["preset"], n, video_fps, fps=clip["fps"])
+        chosen, kept = ref.pyav_indices(clip["preset"], n, video_fps, fps=clip["fps"])
     except (ValueError, ZeroDivisionError):
         return None
-    kept = [i + first for i in chosen if i < n]
+    kept = [i + first for i in kept]
     second_per_grid = 2 / (len(chosen) / n * video_fps)
     stamps = ref.processor("qwen3-vl")._calculate_timestamps(list(kept), video_fps, 2)
     return kept, len(chosen), second_per_grid, stamps

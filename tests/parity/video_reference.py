@@ -77,6 +77,23 @@ def sample_indices(preset, total_frames, video_fps, fps=2.0, min_frames=4, max_f
     return [int(i) for i in np.asarray(idx)]
 
 
+def part_frames(total_frames, video_fps, start=None, end=None):
+    """(first, last) frame numbers of a clip's `video_start`/`video_end` part: the frames
+    whose time lies in [start, end] (Stoker's rule, as qwen-vl-utils cuts a clip)."""
+    first = int(np.ceil(start * video_fps)) if start is not None else 0
+    last = min(int(np.floor(end * video_fps)), total_frames - 1) if end is not None else total_frames - 1
+    return first, last
+
+
+def pyav_indices(preset, total_frames, video_fps, fps=2.0, min_frames=4, max_frames=768):
+    """(chosen, kept): the indices `sample_frames` chooses, and the frames transformers' PyAV
+    reader (`read_video_pyav`) gives for them — it decodes frames 0.. and keeps those whose
+    number was chosen, so an index past the end (Qwen2-VL's arange picks frame `total` for some
+    lengths) is left out, while the metadata, hence the sampled rate, keeps every chosen one."""
+    chosen = sample_indices(preset, total_frames, video_fps, fps, min_frames, max_frames)
+    return chosen, [i for i in chosen if i < total_frames]
+
+
 def process_frames(preset, frames, video_fps, sampled=True, **overrides):
     """Run the preset's processor (Qwen*Processor.__call__ with videos only -> the video processor's
     preprocess: sample_frames, resize, rescale_and_normalize, patchify; plus Qwen2_5_VLProcessor's
@@ -101,15 +118,12 @@ def process_frames(preset, frames, video_fps, sampled=True, **overrides):
         proc = _with_video_processor(preset, video_processor(preset, min_frames, max_frames))
         vp = proc.video_processor
     if sampled:
-        # As transformers' PyAV reader (read_video_pyav) gives a clip to the processor: the
-        # frames whose number `sample_frames` chose and the clip has (an index past the end is
-        # left out), with every chosen index in the metadata (the sampled rate counts them).
-        chosen = sample_indices(preset, total, video_fps, fps=kw.pop("fps", 2.0),
-                                min_frames=min_frames, max_frames=max_frames)
-        indices = np.asarray([i for i in chosen if i < total], dtype=np.int64)
+        # As transformers' PyAV reader gives a clip to the processor (`pyav_indices`).
+        chosen, kept = pyav_indices(preset, total, video_fps, fps=kw.pop("fps", 2.0),
+                                    min_frames=min_frames, max_frames=max_frames)
     else:
-        chosen = list(range(total))
-        indices = np.arange(total, dtype=np.int64)
+        chosen = kept = list(range(total))
+    indices = np.asarray(kept, dtype=np.int64)
     metadata = {"total_num_frames": total, "fps": video_fps, "frames_indices": chosen}
     kw.update(do_sample_frames=False)
     out = proc(videos=[frames[indices]], videos_kwargs=dict(kw, video_metadata=metadata), return_metadata=True,
