@@ -3,7 +3,8 @@
 #   - a Python venv with the reference stack (transformers, pillow, numpy, safetensors, pytest)
 #     and maturin, which builds the `stoker` Python package; matplotlib for the dashboard picture;
 #     torch for the checks against the model itself (run on the CPU here); accelerate, which the
-#     Hugging Face Trainer needs (stoker.hf); megatron-core for stoker.megatron; deepspeed for its example
+#     Hugging Face Trainer needs (stoker.hf); megatron-core for stoker.megatron; deepspeed for its example;
+#     pyarrow and datasets for the Parquet datasets
 #   - prometheus and promtool (Debian package) for the observability tests
 #   - the real Qwen tokenizer (scripts/setup-tokenizer.sh)
 # Prints nothing but progress; safe to run repeatedly (a stamp file guards each step).
@@ -56,6 +57,9 @@ with_torch megatron-v1 megatron-core==0.16.1
 # DeepSpeed, whose ZeRO-3 engine trains on Stoker's batches in tests/parity/test_deepspeed.py
 # (on the CPU: its accelerator "cpu" and gloo; no ops prebuilt, one is compiled at first use).
 DS_BUILD_OPS=0 with_torch deepspeed-v1 deepspeed==0.19.8
+# Parquet datasets (tests/parity/test_parquet_dataset.py): pyarrow writes the shards, with the
+# `datasets` library's own Image feature where it applies.
+with_torch parquet-v1 pyarrow==26.0.1 datasets==5.2.0
 
 ./scripts/setup-tokenizer.sh
 # Prometheus and promtool (Debian's package) for the dashboard, alert and exposition tests.

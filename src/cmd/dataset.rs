@@ -7,6 +7,7 @@ use stoker_config::{Concurrency, OnError, Preprocessing, S3Connection, Sampling,
 use stoker_worker::batch::{collate, i64_bytes, Batch};
 use stoker_worker::dataset::index::{DatasetIndex, Progress, Shard, INDEX_KEY};
 use stoker_worker::dataset::lengths::{SampleLengths, LENGTHS_KEY};
+use stoker_worker::dataset::parquet::ColumnRequest;
 use stoker_worker::identity::preprocessing_id;
 use stoker_worker::metrics::Metrics;
 use stoker_worker::open::open_pipeline;
@@ -37,6 +38,15 @@ pub enum DatasetCommand {
         /// Do not write the index back to the dataset.
         #[arg(long)]
         dry_run: bool,
+        /// The shards' file format, checked: every shard must be of it [default: any of
+        /// .jsonl, .json and .parquet].
+        #[arg(long, value_enum)]
+        format: Option<ShardFormat>,
+        /// Parquet shards: which column holds the conversation and which the images
+        /// (`messages=conversations,images=images`) [default: the columns named messages or
+        /// conversations, and images or image].
+        #[arg(long, value_name = "ROLE=COLUMN,...")]
+        columns: Option<ColumnRequest>,
         /// Exit 0 even when bad lines were found (they are excluded from the plan).
         #[arg(long)]
         allow_bad: bool,
@@ -97,6 +107,25 @@ pub enum DatasetCommand {
     },
 }
 
+/// A shard file format `stoker dataset index --format` checks.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ShardFormat {
+    Jsonl,
+    Json,
+    Parquet,
+}
+
+impl ShardFormat {
+    fn holds(self, key: &str) -> bool {
+        let ext = match self {
+            ShardFormat::Jsonl => ".jsonl",
+            ShardFormat::Json => ".json",
+            ShardFormat::Parquet => ".parquet",
+        };
+        key.ends_with(ext)
+    }
+}
+
 fn bar(msg: &str) -> indicatif::ProgressBar {
     let pb = indicatif::ProgressBar::new(0);
     pb.set_style(
@@ -111,24 +140,43 @@ fn bar(msg: &str) -> indicatif::ProgressBar {
 /// Shards listed one by one at most; more are summed up per format.
 const SHARDS_LISTED: usize = 20;
 
-/// Each shard's detected format and counts (`format: llava, 1,204 samples, 2 bad lines`), or
-/// for many shards the same per format.
+/// A shard's format as the index report names it: its samples' text format, in a Parquet
+/// file or not (`parquet (typed-parts)`).
+fn format_label(s: &Shard) -> String {
+    match &s.parquet {
+        Some(_) => format!("parquet ({})", s.format_name()),
+        None => s.format_name().to_string(),
+    }
+}
+
+/// Each shard's detected format and counts (`format: llava, 1,204 samples, 2 bad lines`; a
+/// Parquet shard's rows, row groups and columns too), or for many shards the same per format.
 fn print_formats(shards: &[Shard]) {
     if shards.len() <= SHARDS_LISTED {
         for s in shards {
+            let layout = match &s.parquet {
+                Some(p) => format!(
+                    ", {} rows in {} row groups, columns {}",
+                    thousands(p.rows()),
+                    thousands(p.row_groups.len() as u64),
+                    p.columns
+                ),
+                None => String::new(),
+            };
             println!(
-                "{}: format: {}, {} samples, {} bad lines",
+                "{}: format: {}{layout}, {} samples, {} bad {}",
                 s.key,
-                s.format_name(),
+                format_label(s),
                 thousands(s.samples().into()),
-                thousands(s.bad_lines)
+                thousands(s.bad_lines),
+                if s.parquet.is_some() { "rows" } else { "lines" },
             );
         }
         return;
     }
-    let mut per_format: Vec<(&str, u64, u64, u64)> = Vec::new();
+    let mut per_format: Vec<(String, u64, u64, u64)> = Vec::new();
     for s in shards {
-        let name = s.format_name();
+        let name = format_label(s);
         let at = match per_format.iter().position(|f| f.0 == name) {
             Some(at) => at,
             None => {
@@ -179,6 +227,8 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
         DatasetCommand::Index {
             data,
             dry_run,
+            format,
+            columns,
             allow_bad,
             write_lengths,
             pre,
@@ -194,8 +244,21 @@ pub async fn run(cmd: DatasetCommand) -> anyhow::Result<()> {
                     .expect("template"),
             );
             let bar = ByteBar(pb);
-            let idx = DatasetIndex::build(&store, media_root.as_ref(), &bar).await?;
+            let columns = columns.unwrap_or_default();
+            let idx = DatasetIndex::build_with_columns(&store, media_root.as_ref(), &columns, &bar)
+                .await?;
             bar.0.finish_and_clear();
+            if let Some(other) = format.and_then(|f| idx.shards.iter().find(|s| !f.holds(&s.key))) {
+                anyhow::bail!(
+                    "{} is not a {} shard (--format)",
+                    other.key,
+                    format.map_or("", |f| match f {
+                        ShardFormat::Jsonl => "JSONL",
+                        ShardFormat::Json => "JSON array",
+                        ShardFormat::Parquet => "Parquet",
+                    })
+                );
+            }
             for b in &idx.bad_lines {
                 eprintln!("bad line {b}");
             }

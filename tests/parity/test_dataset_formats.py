@@ -183,6 +183,14 @@ def index(ds: Path, *extra) -> str:
     return r.stdout + r.stderr
 
 
+def assert_same_tensors(got: dict, want: dict, what: str):
+    """The same tensors, byte for byte (dtype and shape too)."""
+    assert sorted(got) == sorted(want), f"{what}: tensors {sorted(got)}"
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and got[key].shape == value.shape, (what, key)
+        assert got[key].tobytes() == value.tobytes(), f"{what}: {key} differs"
+
+
 @pytest.mark.parametrize("preset", ["qwen2-vl", "qwen3-vl"])
 def test_every_format_gives_the_typed_parts_tensors(media, tmp_path, preset):
     names = list(CONVERSATIONS)
@@ -201,10 +209,7 @@ def test_every_format_gives_the_typed_parts_tensors(media, tmp_path, preset):
             if array:  # without its media root every sample with media names a missing object
                 assert "does not exist" in index(ds, "--allow-bad")
             for i, n in enumerate(kept):
-                got = inspect(ds, i, preset, tmp_path / f"{fmt}-{array}-{i}.st")
-                assert sorted(got) == sorted(want[n]), f"{fmt} {n!r}: tensors {sorted(got)}"
-                for key, value in want[n].items():
-                    assert got[key].dtype == value.dtype and got[key].shape == value.shape, (fmt, n, key)
-                    assert got[key].tobytes() == value.tobytes(), f"{fmt} {n!r}: {key} differs"
+                assert_same_tensors(inspect(ds, i, preset, tmp_path / f"{fmt}-{array}-{i}.st"), want[n],
+                                    f"{fmt} {n!r}")
                 checked += 1
     assert checked == 2 * (3 * len(names) - 1)

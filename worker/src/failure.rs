@@ -62,9 +62,9 @@ impl Cause {
             Cause::Fetch(FetchError::OverByteBudget { .. }) => K::SampleOverByteBudget,
             Cause::Sample(SampleError::NotUtf8(_)) => K::NotUtf8,
             Cause::Sample(SampleError::Json(_)) => K::InvalidJson,
-            Cause::Sample(SampleError::Schema(_) | SampleError::UnknownFormat(_)) => {
-                K::InvalidSample
-            }
+            Cause::Sample(
+                SampleError::Schema(_) | SampleError::UnknownFormat(_) | SampleError::Parquet(_),
+            ) => K::InvalidSample,
             Cause::Path(_) | Cause::Fetch(FetchError::Refused(..)) => K::PathRefused,
             Cause::Image { err, .. } => match err {
                 ImageError::Unsupported => K::ImageUnsupported,

@@ -8,6 +8,7 @@ pub mod dataset {
     pub mod index;
     pub mod le_u32s;
     pub mod lengths;
+    pub mod parquet;
     pub mod sample;
     pub mod shard;
 }

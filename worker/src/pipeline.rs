@@ -9,13 +9,13 @@ use crate::batch::PreparedSample;
 use crate::byte_budget::ByteBudget;
 use crate::cancel::Cancel;
 use crate::dataset::index::{DatasetIndex, Shard};
-use crate::dataset::sample::{Conversation, Media, VideoPart, VideoSource};
+use crate::dataset::sample::{Conversation, VideoPart};
 use crate::failure::{image_cause, on_blocking_pool, video_cause, Cause};
 use crate::limits::SampleLimits;
-use crate::line_cache::{merge_spans, LineCache, Lookup, Span, BLOCK_BYTES};
+use crate::line_cache::{merge_spans, LineCache, Span, BLOCK_BYTES};
 use crate::media_check::MediaCheck;
 use crate::memory::{self, Account, Charge};
-use crate::metrics::{GaugeGuard, LineCacheResult, Metrics, Queue, SampleErrorKind, Stage};
+use crate::metrics::{GaugeGuard, Metrics, Queue, SampleErrorKind, Stage};
 use crate::plan::Plan;
 use crate::preprocess::preset::{PixelDtype, Preset};
 use crate::preprocess::text::{MediaTokens, TextProcessor};
@@ -26,15 +26,17 @@ use crate::preprocess::vision::{
     ImageError, ImageHeader, ImageTimings, PixelLut, Spent,
 };
 use crate::range_reader::{FetchRange, RangeReader};
-use crate::source::{FetchError, MediaRoot, PathError, ReadCap, Store};
-use futures::FutureExt;
-use std::collections::{HashMap, HashSet};
+use crate::source::{FetchError, MediaRoot, ReadCap, Store};
+use parquet::arrow::arrow_reader::ArrowReaderMetadata;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use stoker_wire::DType;
 use tokio::sync::Semaphore;
 
 pub use crate::failure::SampleFailure;
+
+mod read;
 
 pub use stoker_config::OnError;
 
@@ -68,6 +70,8 @@ pub struct SampleShape {
 /// Where one image or video of a sample lies in the store.
 enum MediaKey {
     Image(String),
+    /// An image a Parquet row holds: its name for messages, and its bytes.
+    Embedded(String, bytes::Bytes),
     Clip(String, VideoPart),
     Frames(Vec<String>, VideoPart),
 }
@@ -172,6 +176,8 @@ pub struct Pipeline {
     text_reads: TextReads,
     /// Each dataset's name and first sample id (one dataset unless mixed).
     datasets: Vec<(String, u64)>,
+    /// Parquet shards' metadata, by key (at most [`read::PARQUET_FILES_CACHED`]).
+    parquet_files: Mutex<HashMap<String, ArrowReaderMetadata>>,
 }
 
 impl Pipeline {
@@ -210,6 +216,7 @@ impl Pipeline {
             line_cache: LineCache::new(cache_bytes),
             text_reads,
             datasets: vec![(store.describe(""), 0)],
+            parquet_files: Mutex::default(),
             store,
             media_roots,
             index,
@@ -374,6 +381,10 @@ impl Pipeline {
             .map(|&id| {
                 // The index's own lookup: a missing sample is counted once, when it is loaded.
                 let (shard, line) = self.index.locate(id)?;
+                // A Parquet row's pages go through the cache as arrow-rs asks for them.
+                if shard.parquet.is_some() {
+                    return None;
+                }
                 let span = self.text_span(id, shard, (line.offset, line.len), self.text_reads);
                 Some((self.index.shard_of(id)?, span))
             })
@@ -468,137 +479,6 @@ impl Pipeline {
             message: cause.to_string(),
             transient: cause.is_transient(),
         }
-    }
-
-    /// A sample's JSONL line: from a span the line cache holds, else read with `span`.
-    async fn read_line(
-        self: &Arc<Self>,
-        shard: &Shard,
-        line: (u64, u64),
-        span: Span,
-    ) -> Result<bytes::Bytes, FetchError> {
-        let read_span = |start, len| {
-            let (this, key) = (self.clone(), shard.key.clone());
-            async move { this.fetch(&key, Some((start, len)), None).await }.boxed()
-        };
-        let (line, lookup) = self
-            .line_cache
-            .line(&shard.key, span, line, read_span)
-            .await?;
-        self.metrics.line_cache(match lookup {
-            Lookup::Hit => LineCacheResult::Hit,
-            Lookup::Miss => LineCacheResult::Miss,
-        });
-        Ok(line)
-    }
-
-    /// A sample's conversation and its images' and videos' keys, limits checked.
-    async fn read_sample(
-        self: &Arc<Self>,
-        shard: &Shard,
-        line: (u64, u64),
-        span: Span,
-    ) -> Result<(Conversation, Vec<MediaKey>), Cause> {
-        self.config.limits.check_line(line.1)?;
-        let line = self.read_line(shard, line, span).await?;
-        let conv = Conversation::parse(&line)?;
-        self.config.limits.check_conversation(&conv)?;
-        let key = |p: &str| shard.media_key(p);
-        let keys = conv
-            .media()
-            .map(|m| {
-                Ok(match m {
-                    Media::Image(p) => MediaKey::Image(key(p)?),
-                    Media::Video(v) => match &v.video {
-                        VideoSource::Clip(p) => MediaKey::Clip(key(p)?, v.clone()),
-                        VideoSource::Frames(ps) => MediaKey::Frames(
-                            ps.iter().map(|p| key(p)).collect::<Result<_, _>>()?,
-                            v.clone(),
-                        ),
-                    },
-                })
-            })
-            .collect::<Result<Vec<_>, PathError>>()?;
-        Ok((conv, keys))
-    }
-
-    /// Every object of a sample's media, read concurrently and once however often the
-    /// sample names it, its images and frames within the sample's byte budget; and the bytes
-    /// read.
-    async fn fetch_media(&self, keys: Vec<MediaKey>) -> Result<(Vec<Fetched>, u64), Cause> {
-        let budget = ByteBudget::new(self.config.limits.sample_bytes);
-        let mut whole: Vec<&str> = Vec::new();
-        for m in &keys {
-            match m {
-                MediaKey::Image(k) => whole.push(k),
-                MediaKey::Frames(ks, _) => whole.extend(ks.iter().map(String::as_str)),
-                MediaKey::Clip(..) => {}
-            }
-        }
-        let mut seen = HashSet::new();
-        whole.retain(|k| seen.insert(*k));
-        let clips = keys.iter().filter_map(|m| match m {
-            MediaKey::Clip(k, _) => Some(k.as_str()),
-            _ => None,
-        });
-        let (read, sizes) = futures::future::join(
-            futures::future::join_all(whole.iter().map(|k| self.fetch(k, None, Some(&budget)))),
-            futures::future::join_all(clips.map(|k| self.clip_size(k))),
-        )
-        .await;
-        let mut failures = Vec::new();
-        let mut objects: HashMap<String, bytes::Bytes> = HashMap::new();
-        for (k, r) in whole.into_iter().zip(read) {
-            match r {
-                Ok(b) => drop(objects.insert(k.to_owned(), b)),
-                Err(e) => failures.push(e),
-            }
-        }
-        let mut clip_sizes = Vec::new();
-        for r in sizes {
-            match r {
-                Ok(size) => clip_sizes.push(size),
-                Err(e) => failures.push(e),
-            }
-        }
-        // The store's failure first (asked again: a read that failed may have held budget
-        // another was refused), then going over the budget (which does not depend on which
-        // read went over), then the first other: images and frames in the sample's order,
-        // then clips.
-        let rank = |e: &FetchError| match e {
-            FetchError::Io(..) | FetchError::Throttled(..) => 0,
-            FetchError::OverByteBudget { .. } => 1,
-            _ => 2,
-        };
-        if let Some(first) = failures.into_iter().min_by_key(rank) {
-            return Err(first.into());
-        }
-        let read: u64 = objects.values().map(|b| b.len() as u64).sum();
-        let object = |k: &String| objects[k.as_str()].clone();
-        let mut clip_sizes = clip_sizes.into_iter();
-        let media = keys
-            .into_iter()
-            .map(|m| match m {
-                MediaKey::Image(k) => {
-                    let b = object(&k);
-                    Fetched::Image(k, b)
-                }
-                MediaKey::Clip(k, part) => {
-                    let size = clip_sizes.next().expect("one size per clip");
-                    Fetched::Clip(k, size, part)
-                }
-                MediaKey::Frames(ks, part) => Fetched::Frames(
-                    ks.into_iter()
-                        .map(|k| {
-                            let b = object(&k);
-                            (k, b)
-                        })
-                        .collect(),
-                    part,
-                ),
-            })
-            .collect();
-        Ok((media, read))
     }
 
     async fn prepare(
@@ -789,6 +669,10 @@ impl Pipeline {
                 MediaKey::Image(key) => {
                     let header = self.image_header(&key).await?;
                     tokens.push(check.image(&key, &header)?.1);
+                }
+                MediaKey::Embedded(name, bytes) => {
+                    let header = whole_header(&name, &bytes)?;
+                    tokens.push(check.image(&name, &header)?.1);
                 }
                 MediaKey::Clip(key, part) => {
                     // Only what the container's header needs is read (never a frame decoded).

@@ -18,8 +18,9 @@
 //! it never lists the dataset (whose images may be 10^8 objects).
 
 use super::le_u32s::LeU32s;
+use super::parquet::{index_parquet, ColumnRequest, Columns, ParquetShard};
 use super::sample::Formats;
-use super::shard::{index_shard, Framing, MediaObjects, ShardPart};
+use super::shard::{index_lines, Framing, MediaObjects, ShardPart};
 pub use super::shard::{
     BadLine, Shard, DATASET_INFO, MAX_INDEXED_LINE_BYTES, MAX_LISTED_BAD_LINES,
 };
@@ -36,11 +37,25 @@ pub const INDEX_CAP: ReadCap = ReadCap {
     bytes: 4 << 30,
     name: "an index's 4 GiB cap",
 };
-const MAGIC: &[u8; 8] = b"STKIDX\0\x04";
+const MAGIC: &[u8; 8] = b"STKIDX\0\x05";
 /// Shards read at once while indexing (each parsed on its own thread).
 const SHARD_FETCH_CONCURRENCY: usize = 8;
 /// Shards whose freshness is checked (one HEAD each) at once.
 const SHARD_HEAD_CONCURRENCY: usize = 32;
+/// One shard's part of the index: a JSONL or JSON array shard's lines, or a Parquet shard's rows
+/// (its columns as `columns` asks).
+async fn index_shard(
+    store: &Store,
+    obj: ObjectInfo,
+    media: &MediaObjects,
+    columns: &ColumnRequest,
+) -> anyhow::Result<ShardPart> {
+    match Framing::of(&obj.key) {
+        Some(Framing::Parquet) => index_parquet(store, obj, media, columns).await,
+        _ => index_lines(store, obj, media).await,
+    }
+}
+
 /// Where a long index build reports how far it got (the CLI draws a bar; `()` ignores it).
 pub trait Progress: Sync {
     /// The amount of work there is.
@@ -53,6 +68,8 @@ impl Progress for () {}
 
 /// Where a sample is: its 1-based line number, byte offset and length (without the newline; a
 /// CRLF line's `\r` is in it, which JSON reads as whitespace; an array element's own bytes).
+/// A Parquet shard's sample is its row (0-based, as pyarrow and `datasets` number them), in
+/// both `line` and `offset`, with no length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SampleLine {
     pub line: u32,
@@ -99,8 +116,13 @@ fn version_of(parts: &[ShardPart], unchecked: &[String]) -> u64 {
                 true => "\0media unchecked",
                 false => "",
             };
+            // A Parquet shard's samples are what its columns hold.
+            let columns = match &s.parquet {
+                Some(p) => format!("\0columns {}", p.columns),
+                None => String::new(),
+            };
             format!(
-                "{}\0{}\0{}\0{}{checked}",
+                "{}\0{}\0{}\0{}{checked}{columns}",
                 s.key, s.size, s.version, s.media_root
             )
             .into_bytes()
@@ -200,6 +222,9 @@ impl DatasetIndex {
                     + s.version.len()
                     + s.media_root.len()
                     + 8 * (s.skipped.len() + s.lengths.len())
+                    + s.parquet
+                        .as_ref()
+                        .map_or(0, |p| 4 * p.row_groups.len() + p.columns.to_string().len())
             })
             .sum();
         self.offsets.resident_bytes() + (self.starts.len() * 8 + shards) as u64
@@ -226,6 +251,17 @@ impl DatasetIndex {
         let j = sample_id - self.starts[i];
         let (id, j) = (sample_id as usize, j as u32);
         let offset = u64::from(self.offsets.get(id));
+        if shard.parquet.is_some() {
+            let line = self.offsets.get(id);
+            return Some((
+                shard,
+                SampleLine {
+                    line,
+                    offset,
+                    len: 0,
+                },
+            ));
+        }
         let next = match j + 1 < shard.samples {
             true => u64::from(self.offsets.get(id + 1)),
             false => shard.size,
@@ -256,6 +292,18 @@ impl DatasetIndex {
             w.pairs(&s.skipped);
             w.pairs(&s.lengths);
             w.str(&s.media_root);
+            match &s.parquet {
+                None => w.u32(0),
+                Some(p) => {
+                    w.u32(1);
+                    w.u32(p.row_groups.len() as u32);
+                    p.row_groups.iter().for_each(|&n| w.u32(n));
+                    w.str(&p.columns.conversation);
+                    w.str(p.columns.images.as_deref().unwrap_or(""));
+                    w.str(p.columns.system.as_deref().unwrap_or(""));
+                    w.u32(p.image_paths.into());
+                }
+            }
         }
         w.u64(self.bad_line_count);
         w.u32(self.bad_lines.len() as u32);
@@ -298,6 +346,7 @@ impl DatasetIndex {
                 skipped: r.pairs()?,
                 lengths: r.pairs()?,
                 media_root: r.str()?,
+                parquet: r.parquet()?,
             };
             starts.push(total);
             total += u64::from(shard.samples);
@@ -340,7 +389,19 @@ impl DatasetIndex {
         media_root: Option<&MediaRoot>,
         progress: &dyn Progress,
     ) -> anyhow::Result<Self> {
-        Self::build_within(store, media_root, progress, u64::MAX).await
+        let columns = ColumnRequest::default();
+        Self::build_within(store, media_root, &columns, progress, u64::MAX).await
+    }
+
+    /// [`DatasetIndex::build`], Parquet shards' conversation and image columns as `columns`
+    /// names them (the usual names for what it does not).
+    pub async fn build_with_columns(
+        store: &Store,
+        media_root: Option<&MediaRoot>,
+        columns: &ColumnRequest,
+        progress: &dyn Progress,
+    ) -> anyhow::Result<Self> {
+        Self::build_within(store, media_root, columns, progress, u64::MAX).await
     }
 
     /// [`DatasetIndex::build`] for a dataset (and media root) of at most `max_objects`
@@ -348,6 +409,7 @@ impl DatasetIndex {
     async fn build_within(
         store: &Store,
         media_root: Option<&MediaRoot>,
+        columns: &ColumnRequest,
         progress: &dyn Progress,
         max_objects: u64,
     ) -> anyhow::Result<Self> {
@@ -365,7 +427,7 @@ impl DatasetIndex {
             .partition(|o| Framing::of(&o.key).is_some());
         anyhow::ensure!(
             !shards.is_empty(),
-            "no .jsonl or .json shards under {}",
+            "no .jsonl, .json or .parquet shards under {}",
             store.describe("")
         );
         let media = Arc::new(match media_root {
@@ -393,10 +455,11 @@ impl DatasetIndex {
         let parts: Vec<ShardPart> = futures::stream::iter(shards)
             .map(|obj| {
                 let (store, media, handle) = (store.clone(), media.clone(), handle.clone());
+                let columns = columns.clone();
                 async move {
                     let size = obj.size;
                     let part = tokio::task::spawn_blocking(move || {
-                        handle.block_on(index_shard(&store, obj, &media))
+                        handle.block_on(index_shard(&store, obj, &media, &columns))
                     })
                     .await??;
                     progress.advance(size);
@@ -468,7 +531,9 @@ impl DatasetIndex {
                         keys: None,
                     };
                     unchecked.push(now.key.clone());
-                    parts.push(index_shard(store, now.clone(), &media).await?);
+                    let columns = (shard.parquet.as_ref())
+                        .map_or_else(ColumnRequest::default, |p| ColumnRequest::from(&p.columns));
+                    parts.push(index_shard(store, now.clone(), &media, &columns).await?);
                 }
             }
         }
@@ -538,7 +603,8 @@ impl DatasetIndex {
             ),
             Err(e) => return Err(e.into()),
         }
-        Self::build_within(store, media_root, &(), max_objects).await
+        let columns = ColumnRequest::default();
+        Self::build_within(store, media_root, &columns, &(), max_objects).await
     }
 
     /// The media roots its shards' paths resolve under (none: all beside their shards).
@@ -604,6 +670,29 @@ impl<'a> Reader<'a> {
     fn str(&mut self) -> anyhow::Result<String> {
         let n = self.u32()? as usize;
         Ok(String::from_utf8(self.take(n)?.to_vec())?)
+    }
+    fn parquet(&mut self) -> anyhow::Result<Option<ParquetShard>> {
+        match self.u32()? {
+            0 => return Ok(None),
+            1 => {}
+            other => anyhow::bail!("unknown shard kind {other} at byte {}", self.at),
+        }
+        let n = self.u32()? as usize;
+        let groups = self.take(n.saturating_mul(4))?;
+        let row_groups = groups
+            .chunks_exact(4)
+            .map(|g| u32::from_le_bytes(g.try_into().expect("4 bytes")))
+            .collect();
+        let optional = |s: String| (!s.is_empty()).then_some(s);
+        Ok(Some(ParquetShard {
+            row_groups,
+            columns: Columns {
+                conversation: self.str()?,
+                images: optional(self.str()?),
+                system: optional(self.str()?),
+            },
+            image_paths: self.u32()? != 0,
+        }))
     }
     fn pairs(&mut self) -> anyhow::Result<Vec<(u32, u32)>> {
         let n = self.u32()? as usize;

@@ -83,6 +83,9 @@ pub enum SampleError {
     Json(String),
     #[error("{0}")]
     Schema(String),
+    /// A Parquet row that cannot be read as a sample (a broken page, a column of another type).
+    #[error("{0}")]
+    Parquet(String),
     /// Neither a `messages` nor a `conversations` list: no format this reader knows.
     #[error("expected a \"messages\" or \"conversations\" list (keys: {0})")]
     UnknownFormat(String),
@@ -286,14 +289,8 @@ impl Conversation {
         let media = ListedMedia::read(obj)?;
         let typed = turns.iter().any(|t| matches!(t.content, Content::Parts(_)));
         let (messages, formats) = if typed {
-            if let Some(key) = media.keys.first() {
-                return Err(schema(format!(
-                    "\"{key}\" beside typed parts: name each medium as a part, or use \
-                     {IMAGE_TAG} / {VIDEO_TAG} tags in string content, not both"
-                )));
-            }
             (
-                typed_messages(list_key, &turns)?,
+                typed_messages(list_key, &turns, media)?,
                 Formats::of(&[Format::TypedParts]),
             )
         } else {
@@ -507,7 +504,17 @@ fn frame_list(frames: &[Value]) -> Result<Vec<String>, String> {
 }
 
 /// Typed parts: media are parts; a tag in text is refused (it would train as literal text).
-fn typed_messages(list_key: &str, turns: &[Turn]) -> Result<Vec<Message>, SampleError> {
+/// An image part without a path (`{"type": "image"}`, as the `datasets` library's vision sets
+/// write it, with an optional `index`) takes the next image of the top-level `images` list:
+/// the processor fills images in order, so an `index` other than that order, or a count that
+/// differs, is refused.
+fn typed_messages(
+    list_key: &str,
+    turns: &[Turn],
+    media: ListedMedia,
+) -> Result<Vec<Message>, SampleError> {
+    let mut listed = media.images.into_iter();
+    let mut taken = 0;
     let mut messages = Vec::with_capacity(turns.len());
     for (i, turn) in turns.iter().enumerate() {
         let content = match turn.content {
@@ -518,7 +525,30 @@ fn typed_messages(list_key: &str, turns: &[Turn]) -> Result<Vec<Message>, Sample
                 .iter()
                 .enumerate()
                 .map(|(j, p)| {
-                    parse_part(p).map_err(|e| schema(format!("{list_key}[{i}].content[{j}]: {e}")))
+                    let at = || format!("{list_key}[{i}].content[{j}]");
+                    match parse_part(p).map_err(|e| schema(format!("{}: {e}", at())))? {
+                        TypedPart::Part(part) => Ok(part),
+                        TypedPart::Listed(index) => {
+                            if index.is_some_and(|k| k != taken) {
+                                return Err(schema(format!(
+                                    "{}: image index {} but it is image {taken} of the sample \
+                                     (images are filled in the order their parts appear)",
+                                    at(),
+                                    index.unwrap_or_default()
+                                )));
+                            }
+                            taken += 1;
+                            let image = listed.next().ok_or_else(|| {
+                                schema(format!(
+                                    "{}: image part without an \"image\" path, and no image \
+                                     left in \"images\" for it ({} listed)",
+                                    at(),
+                                    taken - 1
+                                ))
+                            })?;
+                            Ok(Part::Image { image })
+                        }
+                    }
                 })
                 .collect::<Result<_, _>>()?,
         };
@@ -542,22 +572,47 @@ fn typed_messages(list_key: &str, turns: &[Turn]) -> Result<Vec<Message>, Sample
             content,
         });
     }
+    let left = listed.len();
+    if left > 0 || !media.videos.is_empty() {
+        let key = media.keys.first().copied().unwrap_or("images");
+        return Err(schema(format!(
+            "\"{key}\" beside typed parts lists {} more media than the {taken} image parts \
+             without a path take: name each medium as a part (or leave its path out to take \
+             the next listed image), or use {IMAGE_TAG} / {VIDEO_TAG} tags in string content",
+            left + media.videos.len()
+        )));
+    }
     Ok(messages)
 }
 
-fn parse_part(p: &Value) -> Result<Part, String> {
+/// A typed part, or an image part without a path: it takes a listed image (its `index`, if
+/// given).
+enum TypedPart {
+    Part(Part),
+    Listed(Option<u64>),
+}
+
+fn parse_part(p: &Value) -> Result<TypedPart, String> {
     let kind = p.get("type").and_then(Value::as_str).unwrap_or("");
     let field = |name: &str| p.get(name).and_then(Value::as_str).map(str::to_string);
-    match kind {
-        "text" => field("text")
-            .map(|text| Part::Text { text })
-            .ok_or_else(|| "text part without a \"text\" string".to_string()),
-        "image" | "image_url" => field("image")
+    let path = || {
+        field("image")
             .or_else(|| field("path"))
             .or_else(|| field("image_url"))
-            .map(|image| Part::Image { image })
-            .ok_or_else(|| "image part without an \"image\" path".to_string()),
-        "video" => parse_video(p).map(Part::Video),
+    };
+    match kind {
+        "text" => field("text")
+            .map(|text| TypedPart::Part(Part::Text { text }))
+            .ok_or_else(|| "text part without a \"text\" string".to_string()),
+        "image" | "image_url" => match (path(), p.get("index")) {
+            (Some(image), _) => Ok(TypedPart::Part(Part::Image { image })),
+            (None, None | Some(Value::Null)) => Ok(TypedPart::Listed(None)),
+            (None, Some(i)) => i
+                .as_u64()
+                .map(|i| TypedPart::Listed(Some(i)))
+                .ok_or_else(|| format!("image \"index\" {i} is not a non-negative integer")),
+        },
+        "video" => parse_video(p).map(|v| TypedPart::Part(Part::Video(v))),
         "audio" => Err("audio is not supported".into()),
         other => Err(format!("unsupported part type {other:?}")),
     }
@@ -818,6 +873,55 @@ mod tests {
         );
     }
 
+    /// The `datasets` library's vision SFT sets: image parts without a path take the listed
+    /// images in order; an index out of that order or counts that differ are refused.
+    #[test]
+    fn pathless_image_parts_take_the_listed_images_in_order() {
+        let line = br#"{"messages": [{"role": "user", "content": [{"type": "image", "index": 0}, {"type": "text", "text": "Compare"}, {"type": "image"}]}, {"role": "assistant", "content": [{"type": "text", "text": "Same."}]}], "images": ["a.jpg", "b.jpg"]}"#;
+        let (c, formats) = Conversation::parse_detect(line).unwrap();
+        assert_eq!(c.image_paths().collect::<Vec<_>>(), ["a.jpg", "b.jpg"]);
+        assert_eq!(formats.to_string(), "typed-parts");
+        let err = |line: &str| {
+            Conversation::parse(line.as_bytes())
+                .unwrap_err()
+                .to_string()
+        };
+        let turns = |parts: &str| {
+            format!(
+                r#"[{{"role": "user", "content": [{parts}]}}, {{"role": "assistant", "content": "x"}}]"#
+            )
+        };
+        let e = err(&format!(
+            r#"{{"messages": {}, "images": ["a.jpg", "b.jpg"]}}"#,
+            turns(r#"{"type": "image", "index": 1}, {"type": "image", "index": 0}"#)
+        ));
+        assert!(e.contains("image index 1 but it is image 0"), "{e}");
+        let e = err(&format!(
+            r#"{{"messages": {}, "images": ["a.jpg"]}}"#,
+            turns(r#"{"type": "image"}, {"type": "image"}"#)
+        ));
+        assert!(
+            e.contains("no image left in \"images\" for it (1 listed)"),
+            "{e}"
+        );
+        let e = err(&format!(
+            r#"{{"messages": {}, "images": ["a.jpg", "b.jpg"]}}"#,
+            turns(r#"{"type": "image"}"#)
+        ));
+        assert!(
+            e.contains("lists 1 more media than the 1 image parts"),
+            "{e}"
+        );
+        let e = err(&format!(
+            r#"{{"messages": {}}}"#,
+            turns(r#"{"type": "image"}"#)
+        ));
+        assert!(
+            e.contains("no image left in \"images\" for it (0 listed)"),
+            "{e}"
+        );
+    }
+
     /// Audio, media keys beside typed parts, tags in typed text, embedded bytes, tool turns
     /// and unknown shapes: each refused naming what it saw.
     #[test]
@@ -830,7 +934,10 @@ mod tests {
         let e = err(format!(r#"{{"messages": {turns}}}"#).as_bytes());
         assert!(e.contains("audio is not supported (1 <audio> tags)"), "{e}");
         let e = err(br#"{"messages": [{"role": "user", "content": [{"type": "image", "image": "a.jpg"}]}, {"role": "assistant", "content": "x"}], "images": ["a.jpg"]}"#);
-        assert!(e.contains("\"images\" beside typed parts"), "{e}");
+        assert!(
+            e.contains("\"images\" beside typed parts lists 1 more media than the 0 image parts"),
+            "{e}"
+        );
         let e = err(br#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "<image>?"}]}, {"role": "assistant", "content": "x"}]}"#);
         assert!(
             e.contains("1 <image> tags in the text of typed parts"),

@@ -37,6 +37,8 @@ pub struct Shard {
     /// Where its samples' media paths resolve: its dataset's media root
     /// ([`MediaRoot::uri`](crate::source::MediaRoot::uri)), or empty for beside the shard.
     pub media_root: String,
+    /// A Parquet shard's row groups and columns; its samples' offsets are their rows.
+    pub parquet: Option<ParquetShard>,
 }
 
 impl Shard {
@@ -49,7 +51,8 @@ impl Shard {
         self.samples
     }
 
-    /// Its format's name, as `stoker dataset index` prints it ("none" without a sample).
+    /// Its samples' text format's name, as `stoker dataset index` prints it ("none" without a
+    /// sample).
     pub fn format_name(&self) -> &'static str {
         match self.samples {
             0 => "none",
@@ -68,6 +71,57 @@ impl Shard {
             Ok(k) => self.lengths[k].1.into(),
             Err(_) => implied,
         }
+    }
+}
+
+/// Which columns hold a Parquet shard's conversation and images, as `stoker dataset index`
+/// found or was told them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Columns {
+    pub conversation: String,
+    pub images: Option<String>,
+    /// A `system` string column, read as the JSON formats' top-level `system`.
+    pub system: Option<String>,
+}
+
+impl std::fmt::Display for Columns {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "messages={}", self.conversation)?;
+        if let Some(images) = &self.images {
+            write!(f, ",images={images}")?;
+        }
+        if let Some(system) = &self.system {
+            write!(f, ",system={system}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A Parquet shard's layout in the index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParquetShard {
+    /// Rows in each row group, in file order.
+    pub row_groups: Vec<u32>,
+    pub columns: Columns,
+    /// Some image is a path (its `bytes` null): rows are read with the image column's `path`.
+    pub image_paths: bool,
+}
+
+impl ParquetShard {
+    pub fn rows(&self) -> u64 {
+        self.row_groups.iter().map(|&n| u64::from(n)).sum()
+    }
+
+    /// The row group holding `row`, and the row's position in it.
+    pub fn group_of(&self, row: u64) -> Option<(usize, u64)> {
+        let mut first = 0;
+        for (g, &n) in self.row_groups.iter().enumerate() {
+            if row < first + u64::from(n) {
+                return Some((g, row - first));
+            }
+            first += u64::from(n);
+        }
+        None
     }
 }
 
@@ -98,6 +152,8 @@ pub(crate) enum Framing {
     Lines,
     /// A JSON array: a sample per element.
     Array,
+    /// Parquet: a sample per row.
+    Parquet,
 }
 
 impl Framing {
@@ -107,6 +163,8 @@ impl Framing {
             Some(Framing::Lines)
         } else if name.ends_with(".json") && name != DATASET_INFO {
             Some(Framing::Array)
+        } else if name.ends_with(".parquet") {
+            Some(Framing::Parquet)
         } else {
             None
         }
@@ -121,8 +179,8 @@ pub(crate) struct MediaObjects {
     pub keys: Option<HashSet<Box<str>>>,
 }
 
-/// Streams one shard through [`ShardLines`].
-pub(crate) async fn index_shard(
+/// Streams one JSONL or JSON array shard through [`ShardLines`].
+pub(crate) async fn index_lines(
     store: &Store,
     obj: ObjectInfo,
     media: &MediaObjects,
@@ -188,6 +246,11 @@ pub(crate) struct ShardLines<'a> {
     lengths: Vec<(u32, u32)>,
     bad: Vec<BadLine>,
     bad_count: u64,
+    tally: FormatTally,
+}
+
+/// The format a shard's samples share, told sample by sample.
+pub(crate) struct FormatTally {
     /// The formats every valid sample so far is written in; the first sample's line and keys.
     formats: Formats,
     first: Option<(u64, String)>,
@@ -195,6 +258,58 @@ pub(crate) struct ShardLines<'a> {
     mixed: Option<(u64, Formats, String)>,
     /// The keys of the first sample in no known format.
     unknown: Option<String>,
+}
+
+impl Default for FormatTally {
+    fn default() -> Self {
+        FormatTally {
+            formats: Formats::ANY,
+            first: None,
+            mixed: None,
+            unknown: None,
+        }
+    }
+}
+
+impl FormatTally {
+    /// A sample in no known format, with these keys.
+    pub(crate) fn unknown(&mut self, keys: &str) {
+        self.unknown.get_or_insert_with(|| keys.to_string());
+    }
+
+    /// Keeps the formats all samples so far share; the first sample that shares none (at line
+    /// or row `at`) is remembered, and refuses the shard.
+    pub(crate) fn add(&mut self, at: u64, formats: Formats, sample: &[u8]) {
+        if self.first.is_none() {
+            self.first = Some((at, top_level_keys(sample)));
+        }
+        let both = self.formats.and(formats);
+        if !both.is_empty() {
+            self.formats = both;
+        } else if self.mixed.is_none() {
+            self.mixed = Some((at, formats, top_level_keys(sample)));
+        }
+    }
+
+    /// The shard's formats, once its `samples` valid ones are told; a shard that mixes formats
+    /// or holds no sample of any is refused (`unit`: "line" or "row").
+    pub(crate) fn finish(&self, key: &str, samples: usize, unit: &str) -> anyhow::Result<Formats> {
+        if let (Some((at, formats, keys)), Some((first, first_keys))) = (&self.mixed, &self.first) {
+            anyhow::bail!(
+                "{key} mixes dataset formats: {unit} {first} is {} (keys: {first_keys}), {unit} \
+                 {at} is {formats} (keys: {keys}); one shard holds one format (\"Dataset \
+                 formats\" in docs/preprocessing.md)",
+                self.formats,
+            );
+        }
+        if let (0, Some(keys)) = (samples, &self.unknown) {
+            anyhow::bail!(
+                "{key}: no sample in a dataset format Stoker reads (keys: {keys}); see \
+                 \"Dataset formats\" in docs/preprocessing.md"
+            );
+        }
+        Ok(self.formats)
+    }
 }
 
 impl<'a> ShardLines<'a> {
@@ -217,16 +332,13 @@ impl<'a> ShardLines<'a> {
             lengths: Vec::new(),
             bad: Vec::new(),
             bad_count: 0,
-            formats: Formats::ANY,
-            first: None,
-            mixed: None,
-            unknown: None,
+            tally: FormatTally::default(),
         }
     }
 
     pub(crate) fn feed(&mut self, chunk: &[u8]) {
         match self.framing {
-            Framing::Lines => self.feed_lines(chunk),
+            Framing::Lines | Framing::Parquet => self.feed_lines(chunk),
             Framing::Array => self.feed_array(chunk),
         }
     }
@@ -390,7 +502,7 @@ impl<'a> ShardLines<'a> {
         };
         match verdict {
             Ok(Some(formats)) => {
-                self.tally(formats, &line);
+                self.tally.add(self.sample_line, formats, &line);
                 self.push_sample();
             }
             Ok(None) => {}
@@ -415,7 +527,7 @@ impl<'a> ShardLines<'a> {
         let (conv, formats) = match Conversation::parse_detect(line) {
             Ok(parsed) => parsed,
             Err(SampleError::UnknownFormat(keys)) => {
-                self.unknown.get_or_insert_with(|| keys.clone());
+                self.tally.unknown(&keys);
                 return Err(SampleError::UnknownFormat(keys).to_string());
             }
             Err(e) => return Err(e.to_string()),
@@ -428,20 +540,6 @@ impl<'a> ShardLines<'a> {
             }
         }
         Ok(formats)
-    }
-
-    /// Keeps the formats all samples so far share; the first sample that shares none is
-    /// remembered, and refuses the shard.
-    fn tally(&mut self, formats: Formats, line: &[u8]) {
-        if self.first.is_none() {
-            self.first = Some((self.sample_line, top_level_keys(line)));
-        }
-        let both = self.formats.and(formats);
-        if !both.is_empty() {
-            self.formats = both;
-        } else if self.mixed.is_none() {
-            self.mixed = Some((self.sample_line, formats, top_level_keys(line)));
-        }
     }
 
     /// The current sample is valid.
@@ -472,7 +570,7 @@ impl<'a> ShardLines<'a> {
     pub(crate) fn finish(mut self) -> anyhow::Result<ShardPart> {
         let key = &self.obj.key;
         match self.framing {
-            Framing::Lines => {
+            Framing::Lines | Framing::Parquet => {
                 if self.over_limit || !self.line.is_empty() {
                     self.end_sample();
                 }
@@ -499,21 +597,7 @@ impl<'a> ShardLines<'a> {
             self.offset,
             self.obj.size
         );
-        if let (Some((line, formats, keys)), Some((first, first_keys))) = (&self.mixed, &self.first)
-        {
-            anyhow::bail!(
-                "{key} mixes dataset formats: line {first} is {} (keys: {first_keys}), line \
-                 {line} is {formats} (keys: {keys}); one shard holds one format (\"Dataset \
-                 formats\" in docs/preprocessing.md)",
-                self.formats,
-            );
-        }
-        if let (0, Some(keys)) = (self.offsets.len(), &self.unknown) {
-            anyhow::bail!(
-                "{key}: no sample in a dataset format Stoker reads (keys: {keys}); see \
-                 \"Dataset formats\" in docs/preprocessing.md"
-            );
-        }
+        let formats = self.tally.finish(key, self.offsets.len(), "line")?;
         self.close_previous(self.obj.size);
         Ok(ShardPart {
             shard: Shard {
@@ -521,11 +605,12 @@ impl<'a> ShardLines<'a> {
                 size: self.obj.size,
                 version: self.obj.version.clone(),
                 samples: self.offsets.len() as u32,
-                formats: self.formats,
+                formats,
                 bad_lines: self.bad_count,
                 skipped: self.skipped,
                 lengths: self.lengths,
                 media_root: self.media.root.clone(),
+                parquet: None,
             },
             offsets: self.offsets,
             bad: self.bad,
