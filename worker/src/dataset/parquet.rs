@@ -136,12 +136,6 @@ impl ColumnRequest {
             system,
         })
     }
-
-    fn names(columns: &Columns) -> impl Iterator<Item = &str> {
-        std::iter::once(columns.conversation.as_str())
-            .chain(columns.images.as_deref())
-            .chain(columns.system.as_deref())
-    }
 }
 
 /// An image of a row: its embedded bytes, or the path it names (the `Image` feature's `path`
@@ -186,23 +180,46 @@ pub type ReadRange =
 /// `max_read` bytes; the store's own failure kept apart from the file's (one is retried, the
 /// other is the data's).
 pub struct StoreFile {
-    name: String,
     size: u64,
     read: ReadRange,
     max_read: (u64, &'static str),
     metadata: Option<Arc<ParquetMetaData>>,
-    failure: Arc<Mutex<Option<FetchError>>>,
+    failure: Failure,
+}
+
+/// A file's name and the store's last failure reading it: what tells a row's error apart.
+#[derive(Clone)]
+struct Failure {
+    name: String,
+    store: Arc<Mutex<Option<FetchError>>>,
+}
+
+impl Failure {
+    /// The store's failure behind `err` if there was one, else the file's fault, named.
+    fn error(&self, err: ParquetError) -> RowError {
+        match self.store.lock().expect("failure").take() {
+            Some(f) => RowError::Fetch(f),
+            None => self.data(err),
+        }
+    }
+
+    /// The file's fault, named.
+    fn data(&self, err: impl std::fmt::Display) -> RowError {
+        RowError::Data(format!("{}: {err}", self.name))
+    }
 }
 
 impl StoreFile {
     pub fn new(name: String, size: u64, read: ReadRange, max_read: (u64, &'static str)) -> Self {
         StoreFile {
-            name,
             size,
             read,
             max_read,
             metadata: None,
-            failure: Arc::default(),
+            failure: Failure {
+                name,
+                store: Arc::default(),
+            },
         }
     }
 
@@ -222,20 +239,12 @@ impl StoreFile {
         )
     }
 
-    /// The store's failure behind `err` if there was one, else the file's fault, named.
-    fn error(&self, err: ParquetError) -> RowError {
-        match self.failure.lock().expect("failure").take() {
-            Some(f) => RowError::Fetch(f),
-            None => RowError::Data(format!("{}: {err}", self.name)),
-        }
-    }
-
     /// The file's metadata with its page index (where it has one), read from its footer.
     pub async fn load_metadata(&mut self) -> Result<ArrowReaderMetadata, RowError> {
         let options = reader_options();
         let meta = self.get_metadata(Some(&options)).await;
-        let meta = meta.map_err(|e| self.error(e))?;
-        ArrowReaderMetadata::try_new(meta, options).map_err(|e| self.error(e))
+        let meta = meta.map_err(|e| self.failure.error(e))?;
+        ArrowReaderMetadata::try_new(meta, options).map_err(|e| self.failure.error(e))
     }
 }
 
@@ -257,7 +266,7 @@ impl StoreFile {
             );
             return futures::future::ready(Err(ParquetError::General(err))).boxed();
         }
-        let (read, failure) = (self.read.clone(), self.failure.clone());
+        let (read, failure) = (self.read.clone(), self.failure.store.clone());
         async move {
             read(range.start, len).await.map_err(|e| {
                 let msg = e.to_string();
@@ -368,7 +377,8 @@ fn projection(
     with_paths: bool,
 ) -> Result<ProjectionMask, String> {
     let schema = meta.schema();
-    let roots = ColumnRequest::names(columns)
+    let roots = columns
+        .names()
         .map(|n| {
             schema
                 .index_of(n)
@@ -395,13 +405,9 @@ pub async fn read_row(
     (group, in_group): (usize, u64),
 ) -> Result<Row, RowError> {
     let failure = file.failure.clone();
-    let name = file.name.clone();
-    let fail = |e: ParquetError| match failure.lock().expect("failure").take() {
-        Some(f) => RowError::Fetch(f),
-        None => RowError::Data(format!("{name}: {e}")),
-    };
-    let mask = projection(&meta, &layout.columns, layout.image_paths)
-        .map_err(|e| RowError::Data(format!("{name}: {e}")))?;
+    let fail = |e| failure.error(e);
+    let mask =
+        projection(&meta, &layout.columns, layout.image_paths).map_err(|e| failure.data(e))?;
     let selection = RowSelection::from(vec![
         RowSelector::skip(in_group as usize),
         RowSelector::select(1),
@@ -415,11 +421,11 @@ pub async fn read_row(
         .map_err(&fail)?;
     let batch = stream.try_next().await.map_err(&fail)?;
     let batch = batch.filter(|b| b.num_rows() == 1).ok_or_else(|| {
-        RowError::Data(format!(
-            "{name}: row {in_group} of row group {group} is not in the file"
+        failure.data(format_args!(
+            "row {in_group} of row group {group} is not in the file"
         ))
     })?;
-    row_of(&batch, 0, &layout.columns).map_err(|e| RowError::Data(format!("{name}: {e}")))
+    row_of(&batch, 0, &layout.columns).map_err(|e| failure.data(e))
 }
 
 /// Row `i` of a batch holding `columns`.
@@ -573,7 +579,7 @@ pub(crate) async fn index_parquet(
     request: &ColumnRequest,
 ) -> anyhow::Result<ShardPart> {
     let mut file = StoreFile::of_store(store, &obj);
-    let name = file.name.clone();
+    let name = file.failure.name.clone();
     let meta = match file.load_metadata().await {
         Ok(m) => m,
         Err(RowError::Fetch(f)) => return Err(f.into()),

@@ -84,6 +84,15 @@ pub struct Columns {
     pub system: Option<String>,
 }
 
+impl Columns {
+    /// The columns a row is read from.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.conversation.as_str())
+            .chain(self.images.as_deref())
+            .chain(self.system.as_deref())
+    }
+}
+
 impl std::fmt::Display for Columns {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "messages={}", self.conversation)?;

@@ -53,9 +53,9 @@ impl Pipeline {
     ) -> Result<(Conversation, Vec<MediaKey>), Cause> {
         let (text, row) = match &shard.parquet {
             Some(layout) => {
-                let row = self.read_row(shard, layout, line.0).await?;
+                let mut row = self.read_row(shard, layout, line.0).await?;
                 self.config.limits.check_line(row.json.len() as u64)?;
-                (Bytes::copy_from_slice(&row.json), Some(row))
+                (Bytes::from(std::mem::take(&mut row.json)), Some(row))
             }
             None => {
                 self.config.limits.check_line(line.1)?;
