@@ -1,13 +1,14 @@
 """Parity of Stoker's video preprocessing with transformers 5.23's Qwen-VL video processors.
 
 Clips are made here with Debian's ffmpeg (H.264, H.265, VP9 and AV1 in MP4, MKV and WebM; 24,
-25, 30 and 59.94 fps, a variable frame rate, a rotated clip, odd sizes, a clip shorter than 4
-frames), plus a frame-list video and a `video_start`/`video_end` part. For every sample and
+25, 30 and 59.94 fps, a variable frame rate, a rotated clip, odd sizes, BT.709 and full range, a
+clip shorter than 4 frames), plus a frame-list video and a `video_start`/`video_end` part. For every sample and
 preset, `stoker dataset inspect --out` writes what Stoker produces, including the sampled frames
 as it decoded them; then:
 
 - decoded frames: Stoker's (FFmpeg 5.1 from Debian, through ffmpeg-next) against PyAV's (its own
-  FFmpeg build), rotated the same way; the difference is reported and bounded (see DECODE_BOUND);
+  FFmpeg 8.1), rotated the same way: equal; a second test sweeps sizes, colour matrices and
+  ranges;
 - given the same decoded frames (Stoker's, at the positions it sampled), transformers' processor
   (video processor + chat template + tokenizer) must give the same frame indices, the same
   `pixel_values_videos` bit for bit, `video_grid_thw`, `second_per_grid_ts` and token ids —
@@ -39,10 +40,13 @@ pytestmark = pytest.mark.skipif(FFMPEG is None, reason=MISSING.format("ffmpeg"))
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = {"qwen2-vl": "qwen2-vl.jinja", "qwen2.5-vl": "qwen2-vl.jinja", "qwen3-vl": "qwen3-vl.jinja"}
-# Largest |Δ| of one 8-bit value between Stoker's decoded frames and PyAV's: the decoders are
-# bit-exact by their specifications; what may differ is swscale's YUV → RGB conversion between
-# FFmpeg builds (Debian's 5.1 vs PyAV's bundled one).
-DECODE_BOUND = 2
+X264, VP9 = ["-c:v", "libx264", "-pix_fmt", "yuv420p"], ["-c:v", "libvpx-vp9", "-deadline", "realtime", "-cpu-used", "8"]
+BT709 = ["-colorspace", "bt709", "-color_primaries", "bt709", "-color_trc", "bt709"]
+
+
+def cropped(w, h):
+    """Output arguments cropping a larger test pattern to w x h (testsrc2 rounds sizes to even)."""
+    return ["-vf", f"format=rgb24,crop={w}:{h}:6:4"]
 
 # name: (ffmpeg output arguments, source filter)
 CLIPS = {
@@ -60,6 +64,9 @@ CLIPS = {
     **{f"pyramid.{ext}": (["-c:v", "libx264", "-pix_fmt", "yuv420p", "-x264-params",
                            "open-gop=1:keyint=24:bframes=4:b-pyramid=strict"],
                           "testsrc2=size=224x128:rate=25", 3.0) for ext in ["mp4", "mkv"]},
+    # An odd height (VP9 codes any size), BT.709 and full range; and H.264 in full range.
+    "odd-bt709-full.webm": ([*cropped(96, 63), *VP9, *BT709, "-color_range", "pc"], "testsrc2=size=112x80:rate=25", 1.0),
+    "full.mp4": (["-c:v", "libx264", "-pix_fmt", "yuvj420p", *BT709], "testsrc2=size=128x96:rate=25", 1.0),
 }
 
 
@@ -167,7 +174,7 @@ def test_video_samples_match_transformers(dataset, tmp_path, preset):
                     decoded = np.rot90(decoded, k=1, axes=(1, 2))
                 d = np.abs(decoded[indices].astype(int) - frames.astype(int))
                 worst_decode = max(worst_decode, int(d.max()))
-                assert d.max() <= DECODE_BOUND, f"{part['video']}: decoded frames differ by {d.max()}"
+                assert d.max() == 0, f"{part['video']}: decoded frames differ by {d.max()}"
                 # The reference's input: Stoker's own decoded frames where it sampled (the
                 # others are never read).
                 first, last = ref.part_frames(total, video_fps, part.get("video_start"), part.get("video_end"))
@@ -308,3 +315,46 @@ def test_a_packed_video_forward_is_each_samples_own_forward(dataset, tmp_path):
 
 
 IMAGE_TOKEN = 151655  # <|image_pad|>
+
+
+# Sizes, colour matrices and ranges, decoded frames only: every odd height up to 9 reaches the
+# edges of swscale's chroma filter (one or two chroma rows, taps folded at both ends); odd widths
+# take swscale's full-chroma output in both FFmpegs.
+SWEEP = {
+    **{f"vp9-64x{h}.webm": (64, h, VP9) for h in [1, 3, 5, 7, 9, 17, 63, 127]},
+    "vp9-65x64.webm": (65, 64, VP9),
+    "vp9-65x63.webm": (65, 63, VP9),
+    "vp9-1x9.webm": (1, 9, VP9),
+    "vp9-3x5.webm": (3, 5, VP9),
+    "av1-96x63.mp4": (96, 63, ["-c:v", "libaom-av1", "-cpu-used", "8", "-row-mt", "1"]),
+    "vp9-bt709-97x65.webm": (97, 65, [*VP9, *BT709]),
+    "vp9-full-96x65.webm": (96, 65, [*VP9, "-color_range", "pc"]),
+    "h264-bt709-96x64.mp4": (96, 64, [*X264, *BT709]),
+    "h264-full-96x64.mp4": (96, 64, ["-c:v", "libx264", "-pix_fmt", "yuvj420p"]),
+}
+
+
+def test_decoded_frames_are_pyavs_for_odd_sizes_matrices_and_ranges(tmp_path):
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    lines = []
+    for name, (w, h, codec) in SWEEP.items():
+        ffmpeg("-f", "lavfi", "-i", "testsrc2=size=160x144:rate=25", "-t", "0.6", *cropped(w, h), *codec,
+               str(clips / name))
+        lines.append({"messages": [
+            {"role": "user", "content": [{"type": "video", "video": f"clips/{name}", "fps": 24.0},
+                                         {"type": "text", "text": "What moves?"}]},
+            {"role": "assistant", "content": "Colours."}]})
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    subprocess.run([STOKER, "dataset", "index", str(tmp_path)], check=True, capture_output=True)
+    report = []
+    for i, name in enumerate(SWEEP):
+        ours, _ = inspect(tmp_path, i, "qwen2-vl", tmp_path)
+        frames, indices = ours["video_frames_0"], ours["video_indices_0"].tolist()
+        decoded, _, _ = pyav_frames(clips / name)
+        w, h, _ = SWEEP[name]
+        assert decoded.shape[1:3] == frames.shape[1:3] == (h, w), name
+        d = int(np.abs(decoded[indices].astype(int) - frames.astype(int)).max())
+        report.append(f"{name}: {len(indices)} frames, |Δ| {d}")
+        assert d == 0, f"{name}: decoded frames differ by {d}"
+    print("\n" + "\n".join(report), file=sys.stderr)

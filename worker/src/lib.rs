@@ -21,6 +21,7 @@ pub mod preprocess {
     pub mod video;
     pub mod video_decode;
     pub(crate) mod video_error;
+    mod video_rgb;
     pub mod vision;
 }
 pub mod alloc;
