@@ -9,6 +9,11 @@ figure that counts is clips per CPU-second (user + system time of each side's pr
 the machines here are 2 shared cores.
 
     python benches/video_preprocess.py [--clips 24] [--preset qwen2-vl] [--baseline-clips 8]
+        [--ten-bit] [--stoker-before PATH]
+
+`--ten-bit` makes the same mix at 10 bits (HEVC Main 10, H.264 High 10, VP9 profile 2), whose
+frames the worker resamples as PyAV's swscale does before converting them to RGB;
+`--stoker-before` adds a row for another `stoker` binary on the same clips (what a change cost).
 
 `stoker-lab bench preprocess` runs it with `--baseline-only` for the video rows of its
 table (it serves the same clips through S3 and a worker itself).
@@ -38,14 +43,19 @@ KINDS = [
     (["-c:v", "libx265", "-pix_fmt", "yuv420p", "-x265-params", "log-level=error"], "480x270", 25, 6),
     (["-c:v", "libvpx-vp9", "-deadline", "realtime", "-cpu-used", "8"], "640x360", 24, 6),
 ]
+KINDS_10 = [
+    (["-c:v", "libx264", "-pix_fmt", "yuv420p10le"], "640x360", 30, 8),
+    (["-c:v", "libx265", "-pix_fmt", "yuv420p10le", "-x265-params", "log-level=error"], "480x270", 25, 6),
+    (["-c:v", "libvpx-vp9", "-deadline", "realtime", "-cpu-used", "8", "-pix_fmt", "yuv420p10le"], "640x360", 24, 6),
+]
 
 
-def make_clips(root: Path, n: int) -> list:
+def make_clips(root: Path, n: int, kinds=KINDS) -> list:
     clips = root / "clips"
     clips.mkdir(parents=True, exist_ok=True)
     lines = []
     for i in range(n):
-        codec, size, fps, secs = KINDS[i % len(KINDS)]
+        codec, size, fps, secs = kinds[i % len(kinds)]
         ext = {"libx264": "mp4", "libx265": "mkv", "libvpx-vp9": "webm"}[codec[1]]
         path = clips / f"c{i}.{ext}"
         if not path.exists():
@@ -65,9 +75,9 @@ def children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def ours(root: Path, preset: str, n: int) -> dict:
+def ours(root: Path, preset: str, n: int, stoker: str = STOKER) -> dict:
     cpu0, t0 = children_cpu(), time.perf_counter()
-    subprocess.run([STOKER, "dataset", "stats", str(root), "--decode", "--preset", preset,
+    subprocess.run([stoker, "dataset", "stats", str(root), "--decode", "--preset", preset,
                     "--tokenizer", str(TOKENIZER), "--json"], check=True, capture_output=True)
     return {"clips": n, "wall_s": time.perf_counter() - t0, "cpu_s": children_cpu() - cpu0}
 
@@ -102,14 +112,20 @@ def main():
     ap.add_argument("--dir", type=Path, default=CACHE / "bench/video")
     ap.add_argument("--baseline-only", action="store_true",
                     help="make the clips, run only the baseline, print its row as one JSON line")
+    ap.add_argument("--ten-bit", action="store_true", help="the same mix at 10 bits")
+    ap.add_argument("--stoker-before", help="another stoker binary, run on the same clips")
     a = ap.parse_args()
-    lines = make_clips(a.dir, a.clips)
+    root = a.dir.with_name(a.dir.name + "-10bit") if a.ten_bit else a.dir
+    lines = make_clips(root, a.clips, KINDS_10 if a.ten_bit else KINDS)
     if a.baseline_only:
-        print(json.dumps(baseline(a.dir, lines, a.preset, a.baseline_clips)))
+        print(json.dumps(baseline(root, lines, a.preset, a.baseline_clips)))
         return
-    rows = [("stoker dataset stats --decode (worker pipeline)", ours(a.dir, a.preset, a.clips)),
-            ("transformers processor + PyAV, Python loop", baseline(a.dir, lines, a.preset, a.baseline_clips))]
-    print(f"\nVideo preprocessing, {a.preset}, clips of 6-8 s (H.264 640x360@30, H.265 480x270@25, "
+    rows = [("stoker dataset stats --decode (worker pipeline)", ours(root, a.preset, a.clips)),
+            ("transformers processor + PyAV, Python loop", baseline(root, lines, a.preset, a.baseline_clips))]
+    if a.stoker_before:
+        rows.append((f"the same, {Path(a.stoker_before).name}", ours(root, a.preset, a.clips, a.stoker_before)))
+    depth = "10-bit " if a.ten_bit else ""
+    print(f"\nVideo preprocessing, {a.preset}, {depth}clips of 6-8 s (H.264 640x360@30, H.265 480x270@25, "
           f"VP9 640x360@24), {os.cpu_count()} cores")
     print(f"{'pipeline':<50} {'clips':>6} {'wall s':>8} {'CPU s':>8} {'clips/CPU-s':>12}")
     for name, r in rows:

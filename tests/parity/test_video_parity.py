@@ -67,6 +67,8 @@ CLIPS = {
     # An odd height (VP9 codes any size), BT.709 and full range; and H.264 in full range.
     "odd-bt709-full.webm": ([*cropped(96, 63), *VP9, *BT709, "-color_range", "pc"], "testsrc2=size=112x80:rate=25", 1.0),
     "full.mp4": (["-c:v", "libx264", "-pix_fmt", "yuvj420p", *BT709], "testsrc2=size=128x96:rate=25", 1.0),
+    # 10 bits (HEVC Main 10, left chroma siting): every frame takes swscale's scaler.
+    "main10.mkv": (["-c:v", "libx265", "-pix_fmt", "yuv420p10le", "-x265-params", "log-level=error"], "testsrc2=size=160x90:rate=24", 1.0),
 }
 
 
@@ -317,28 +319,41 @@ def test_a_packed_video_forward_is_each_samples_own_forward(dataset, tmp_path):
 IMAGE_TOKEN = 151655  # <|image_pad|>
 
 
-# Sizes, colour matrices and ranges, decoded frames only: every odd height up to 9 reaches the
-# edges of swscale's chroma filter (one or two chroma rows, taps folded at both ends); odd widths
-# take swscale's full-chroma output in both FFmpegs.
+# Sizes, formats, colour matrices and ranges, decoded frames only: every odd height up to 9
+# reaches the edges of swscale's chroma filter (one or two chroma rows, taps folded at both
+# ends); odd widths take swscale's full-chroma output; H.264 and HEVC name left chroma siting.
+# name: (width, height, encoder arguments, largest |Δ| against PyAV).
+HIGH10 = ["-c:v", "libx265", "-pix_fmt", "yuv420p10le", "-x265-params", "log-level=error"]
 SWEEP = {
-    **{f"vp9-64x{h}.webm": (64, h, VP9) for h in [1, 3, 5, 7, 9, 17, 63, 127]},
-    "vp9-65x64.webm": (65, 64, VP9),
-    "vp9-65x63.webm": (65, 63, VP9),
-    "vp9-1x9.webm": (1, 9, VP9),
-    "vp9-3x5.webm": (3, 5, VP9),
-    "av1-96x63.mp4": (96, 63, ["-c:v", "libaom-av1", "-cpu-used", "8", "-row-mt", "1"]),
-    "vp9-bt709-97x65.webm": (97, 65, [*VP9, *BT709]),
-    "vp9-full-96x65.webm": (96, 65, [*VP9, "-color_range", "pc"]),
-    "h264-bt709-96x64.mp4": (96, 64, [*X264, *BT709]),
-    "h264-full-96x64.mp4": (96, 64, ["-c:v", "libx264", "-pix_fmt", "yuvj420p"]),
+    **{f"vp9-64x{h}.webm": (64, h, VP9, 0) for h in [1, 3, 5, 7, 9, 17, 63, 127]},
+    "vp9-65x64.webm": (65, 64, VP9, 0),
+    "vp9-65x63.webm": (65, 63, VP9, 0),
+    "vp9-1x9.webm": (1, 9, VP9, 0),
+    "vp9-3x5.webm": (3, 5, VP9, 0),
+    "av1-96x63.mp4": (96, 63, ["-c:v", "libaom-av1", "-cpu-used", "8", "-row-mt", "1"], 0),
+    "vp9-bt709-97x65.webm": (97, 65, [*VP9, *BT709], 0),
+    "vp9-full-96x65.webm": (96, 65, [*VP9, "-color_range", "pc"], 0),
+    "h264-bt709-96x64.mp4": (96, 64, [*X264, *BT709], 0),
+    "h264-full-96x64.mp4": (96, 64, ["-c:v", "libx264", "-pix_fmt", "yuvj420p"], 0),
+    "hevc10-96x64.mkv": (96, 64, HIGH10, 0),
+    "hevc10-bt709-full-96x64.mkv": (96, 64, [*HIGH10, *BT709, "-color_range", "pc"], 0),
+    "h264-high10-96x64.mp4": (96, 64, ["-c:v", "libx264", "-pix_fmt", "yuv420p10le"], 0),
+    "vp9-10bit-96x63.webm": (96, 63, [*VP9, "-pix_fmt", "yuv420p10le"], 0),
+    "h264-422-96x63.mp4": (96, 63, ["-c:v", "libx264", "-pix_fmt", "yuv422p"], 0),
+    "h264-422-10bit-96x64.mp4": (96, 64, ["-c:v", "libx264", "-pix_fmt", "yuv422p10le"], 0),
+    "vp9-444-97x63.webm": (97, 63, [*VP9, "-pix_fmt", "yuv444p"], 0),
+    # 10 bits at an odd width: swscale 8.1 interpolates chroma across columns before rows and
+    # keeps it at 15 bits into its full-chroma RGB arithmetic; the worker hands 5.1 the rows
+    # interpolated first (docs/preprocessing.md).
+    "vp9-10bit-97x64.webm": (97, 64, [*VP9, "-pix_fmt", "yuv420p10le"], 2),
 }
 
 
-def test_decoded_frames_are_pyavs_for_odd_sizes_matrices_and_ranges(tmp_path):
+def test_decoded_frames_are_pyavs_for_odd_sizes_formats_matrices_and_ranges(tmp_path):
     clips = tmp_path / "clips"
     clips.mkdir()
     lines = []
-    for name, (w, h, codec) in SWEEP.items():
+    for name, (w, h, codec, _) in SWEEP.items():
         ffmpeg("-f", "lavfi", "-i", "testsrc2=size=160x144:rate=25", "-t", "0.6", *cropped(w, h), *codec,
                str(clips / name))
         lines.append({"messages": [
@@ -352,9 +367,9 @@ def test_decoded_frames_are_pyavs_for_odd_sizes_matrices_and_ranges(tmp_path):
         ours, _ = inspect(tmp_path, i, "qwen2-vl", tmp_path)
         frames, indices = ours["video_frames_0"], ours["video_indices_0"].tolist()
         decoded, _, _ = pyav_frames(clips / name)
-        w, h, _ = SWEEP[name]
+        w, h, _, bound = SWEEP[name]
         assert decoded.shape[1:3] == frames.shape[1:3] == (h, w), name
         d = int(np.abs(decoded[indices].astype(int) - frames.astype(int)).max())
         report.append(f"{name}: {len(indices)} frames, |Δ| {d}")
-        assert d == 0, f"{name}: decoded frames differ by {d}"
+        assert d <= bound, f"{name}: decoded frames differ by {d}"
     print("\n" + "\n".join(report), file=sys.stderr)

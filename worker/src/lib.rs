@@ -16,6 +16,7 @@ pub mod preprocess {
     pub(crate) mod image_error;
     pub mod preset;
     pub(crate) mod resample;
+    mod sws_chroma;
     pub(crate) mod text;
     pub(crate) mod torch_resize;
     pub mod video;
