@@ -339,6 +339,8 @@ SWEEP = {
     "hevc10-bt709-full-96x64.mkv": (96, 64, [*HIGH10, *BT709, "-color_range", "pc"], 0),
     "h264-high10-96x64.mp4": (96, 64, ["-c:v", "libx264", "-pix_fmt", "yuv420p10le"], 0),
     "vp9-10bit-96x63.webm": (96, 63, [*VP9, "-pix_fmt", "yuv420p10le"], 0),
+    "hevc12-96x64.mkv": (96, 64, ["-c:v", "libx265", "-pix_fmt", "yuv420p12le", "-x265-params", "log-level=error"], 0),
+    "hevc-444-10bit-96x64.mkv": (96, 64, ["-c:v", "libx265", "-pix_fmt", "yuv444p10le", "-x265-params", "log-level=error"], 0),
     "h264-422-96x63.mp4": (96, 63, ["-c:v", "libx264", "-pix_fmt", "yuv422p"], 0),
     "h264-422-10bit-96x64.mp4": (96, 64, ["-c:v", "libx264", "-pix_fmt", "yuv422p10le"], 0),
     "vp9-444-97x63.webm": (97, 63, [*VP9, "-pix_fmt", "yuv444p"], 0),
@@ -346,6 +348,7 @@ SWEEP = {
     # keeps it at 15 bits into its full-chroma RGB arithmetic; the worker hands 5.1 the rows
     # interpolated first (docs/preprocessing.md).
     "vp9-10bit-97x64.webm": (97, 64, [*VP9, "-pix_fmt", "yuv420p10le"], 2),
+    "vp9-10bit-97x63.webm": (97, 63, [*VP9, "-pix_fmt", "yuv420p10le"], 2),
 }
 
 

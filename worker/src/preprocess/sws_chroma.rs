@@ -36,6 +36,8 @@ fn source(format: ff::format::Pixel, height: u32) -> Option<Source> {
         Pixel::YUVJ422P if odd => (Pixel::YUVJ422P, 8, false),
         Pixel::YUV420P10LE => (Pixel::YUV422P10LE, 10, true),
         Pixel::YUV422P10LE => (Pixel::YUV422P10LE, 10, false),
+        Pixel::YUV420P12LE => (Pixel::YUV422P12LE, 12, true),
+        Pixel::YUV422P12LE => (Pixel::YUV422P12LE, 12, false),
         _ => return None,
     };
     Some(Source {
@@ -416,6 +418,7 @@ mod tests {
         assert_eq!(source(Pixel::YUV422P, 64), None);
         assert!(source(Pixel::YUV420P10LE, 64).is_some_and(|s| s.bits == 10 && s.half_rows));
         assert!(source(Pixel::YUV422P10LE, 64).is_some_and(|s| !s.half_rows));
+        assert!(source(Pixel::YUV420P12LE, 64).is_some_and(|s| s.bits == 12));
         assert_eq!(source(Pixel::YUV444P, 63), None);
     }
 
