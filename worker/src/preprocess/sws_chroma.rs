@@ -7,10 +7,10 @@
 //! centre siting; a quarter-sample shift for MPEG-2's left siting, which H.264 and HEVC frames
 //! name, and which 5.1 ignores), then interpolates between chroma rows; 8.1 weighs the two rows
 //! as its bilinear filter says, 5.1 rounds the weight to 0 or ½ (it averages them wherever the
-//! second weighs at least half) — up to 149 levels apart. Here both steps run as 8.1 runs them
-//! (its `initFilter`, `hScale` and RGB output arithmetic), giving per RGB row the 8-bit chroma
-//! 8.1 looks its tables up with; written into a 4:2:2 frame of the source's depth, which 5.1
-//! converts with neither filter, through the same tables.
+//! second weighs at least half) — up to 60 levels apart at 8 bits, 155 at 12. Here both steps
+//! run as 8.1 runs them (its `initFilter`, `hScale` and RGB output arithmetic), giving per RGB
+//! row the 8-bit chroma 8.1 looks its tables up with; written into a 4:2:2 frame of the
+//! source's depth, which 5.1 converts with neither filter, through the same tables.
 
 use ffmpeg_next as ff;
 
