@@ -76,6 +76,16 @@ def ffmpeg(*args):
     subprocess.run([FFMPEG, "-hide_banner", "-loglevel", "error", "-y", *args], check=True)
 
 
+def video(path, **kw):
+    return {"type": "video", "video": path, **kw}
+
+
+def conversation(*parts, text="Describe the video."):
+    return {"messages": [
+        {"role": "user", "content": [*parts, {"type": "text", "text": text}]},
+        {"role": "assistant", "content": "A test pattern."}]}
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("videos")
@@ -95,18 +105,10 @@ def dataset(tmp_path_factory):
            str(frames / "f%d.jpg"))
     listed = [f"frames/f{i}.jpg" for i in range(1, 6)]
 
-    def video(path, **kw):
-        return {"type": "video", "video": path, **kw}
-
-    def sample(*parts, text="Describe the video."):
-        return {"messages": [
-            {"role": "user", "content": [*parts, {"type": "text", "text": text}]},
-            {"role": "assistant", "content": "A test pattern."}]}
-
-    lines = [sample(video(f"clips/{n}")) for n in [*CLIPS, "vfr.mkv", "rotated.mp4"]]
-    lines.append(sample(video("clips/h264.mp4", video_start=0.5, video_end=2.5, fps=1.0)))
-    lines.append(sample(video(listed, fps=2.0)))
-    lines.append(sample({"type": "image", "image": "frames/f1.jpg"}, video("clips/hevc.mkv"),
+    lines = [conversation(video(f"clips/{n}")) for n in [*CLIPS, "vfr.mkv", "rotated.mp4"]]
+    lines.append(conversation(video("clips/h264.mp4", video_start=0.5, video_end=2.5, fps=1.0)))
+    lines.append(conversation(video(listed, fps=2.0)))
+    lines.append(conversation({"type": "image", "image": "frames/f1.jpg"}, video("clips/hevc.mkv"),
                         text="Image, then video: the same?"))
     lines.append({"video": "clips/vp9.webm", "conversations": [
         {"from": "human", "value": "<video>\nWhat moves?"}, {"from": "gpt", "value": "Colours."}]})
@@ -359,10 +361,7 @@ def test_decoded_frames_are_pyavs_for_odd_sizes_formats_matrices_and_ranges(tmp_
     for name, (w, h, codec, _) in SWEEP.items():
         ffmpeg("-f", "lavfi", "-i", "testsrc2=size=160x144:rate=25", "-t", "0.6", *cropped(w, h), *codec,
                str(clips / name))
-        lines.append({"messages": [
-            {"role": "user", "content": [{"type": "video", "video": f"clips/{name}", "fps": 24.0},
-                                         {"type": "text", "text": "What moves?"}]},
-            {"role": "assistant", "content": "Colours."}]})
+        lines.append(conversation(video(f"clips/{name}", fps=24.0)))
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     subprocess.run([STOKER, "dataset", "index", str(tmp_path)], check=True, capture_output=True)
     report = []

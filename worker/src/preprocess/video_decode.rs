@@ -58,10 +58,6 @@ fn init() {
     });
 }
 
-fn corrupt(what: &str, e: ff::Error) -> VideoError {
-    VideoError::Corrupt(format!("{what}: {e}"))
-}
-
 /// An opened container and the index of its video stream.
 struct Opened {
     input: ff::format::context::Input,
@@ -77,7 +73,7 @@ const CONTAINERS: &str = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi";
 fn open<R: Read + Seek + Send + 'static>(reader: R) -> Result<Opened, VideoError> {
     init();
     let io = ff::format::context::StreamIo::from_read_seek(reader)
-        .map_err(|e| corrupt("opening the container", e))?;
+        .map_err(|e| VideoError::corrupt("opening the container", e))?;
     let mut options = ff::Dictionary::new();
     options.set("format_whitelist", CONTAINERS);
     // FFmpeg says "invalid data" alike for a file no demuxer knows and one cut short before its
@@ -87,7 +83,7 @@ fn open<R: Read + Seek + Send + 'static>(reader: R) -> Result<Opened, VideoError
         ff::Error::Other { errno } if errno == ff::util::error::EINVAL => {
             VideoError::UnsupportedContainer
         }
-        e => corrupt("opening the container", e),
+        e => VideoError::corrupt("opening the container", e),
     })?;
     let stream = input
         .streams()
@@ -265,7 +261,7 @@ fn run<R: Read + Seek + Send + 'static>(
     let mut opened = open(reader)?;
     let stream = opened.input.stream(opened.stream).expect("found in open");
     let mut ctx = ff::codec::context::Context::from_parameters(stream.parameters())
-        .map_err(|e| corrupt("reading the codec parameters", e))?;
+        .map_err(|e| VideoError::corrupt("reading the codec parameters", e))?;
     // One thread per clip: the worker already decodes samples side by side on every core
     // (and a skip decision must reach the decoder with its packet).
     ctx.set_threading(ff::codec::threading::Config {
@@ -281,7 +277,7 @@ fn run<R: Read + Seek + Send + 'static>(
     unsafe { (*ctx.as_mut_ptr()).max_pixels = coded(header.width) * coded(header.height) };
     let mut decoder = ctx.decoder().video().map_err(|e| match e {
         ff::Error::DecoderNotFound => VideoError::Unsupported,
-        e => corrupt("opening the decoder", e),
+        e => VideoError::corrupt("opening the decoder", e),
     })?;
     let skip = skip && decoder.id() == ff::codec::Id::H264;
     let mut out = Output {
@@ -479,14 +475,14 @@ impl<F: FnMut(usize, Rgb) -> Result<(), VideoError>> Output<'_, F> {
         }
         decoder
             .send_packet(packet)
-            .map_err(|e| corrupt(&format!("decoding frame {}", self.number), e))?;
+            .map_err(|e| VideoError::corrupt(&format!("decoding frame {}", self.number), e))?;
         self.receive(decoder)
     }
 
     fn finish(&mut self, decoder: &mut ff::decoder::Video) -> Result<(), VideoError> {
         decoder
             .send_eof()
-            .map_err(|e| corrupt("flushing the decoder", e))?;
+            .map_err(|e| VideoError::corrupt("flushing the decoder", e))?;
         self.receive(decoder)
     }
 
@@ -499,7 +495,12 @@ impl<F: FnMut(usize, Rgb) -> Result<(), VideoError>> Output<'_, F> {
                 | Err(ff::Error::Other {
                     errno: ff::util::error::EAGAIN,
                 }) => break,
-                Err(e) => return Err(corrupt(&format!("decoding frame {}", self.number), e)),
+                Err(e) => {
+                    return Err(VideoError::corrupt(
+                        &format!("decoding frame {}", self.number),
+                        e,
+                    ))
+                }
             }
         }
         Ok(())

@@ -49,3 +49,10 @@ pub enum VideoError {
     #[error("stopped after {frames} frames: its request went away")]
     Cancelled { frames: u64 },
 }
+
+impl VideoError {
+    /// A clip FFmpeg failed on while `what` (decoding, converting…), with FFmpeg's reason.
+    pub(crate) fn corrupt(what: &str, e: impl std::fmt::Display) -> Self {
+        VideoError::Corrupt(format!("{what}: {e}"))
+    }
+}

@@ -9,10 +9,6 @@ use super::video_error::VideoError;
 use super::vision::Rgb;
 use ffmpeg_next as ff;
 
-fn failed(e: ff::Error) -> VideoError {
-    VideoError::Corrupt(format!("converting to RGB: {e}"))
-}
-
 /// What a conversion is made for: the format swscale reads, the size, colour matrix and range.
 type ScalerKey = (ff::format::Pixel, u32, u32, i32, i32);
 
@@ -50,14 +46,16 @@ impl Converter {
                 h,
                 ff::software::scaling::Flags::BILINEAR,
             )
-            .map_err(failed)?;
+            .map_err(|e| VideoError::corrupt("converting to RGB", e))?;
             set_colorspace(&mut ctx, space, range);
             self.scaler = Some((ctx, key));
             self.rgb = Some(ff::frame::Video::new(ff::format::Pixel::RGB24, w, h));
         }
         let (scaler, _) = self.scaler.as_mut().expect("set above");
         let out = self.rgb.as_mut().expect("set with the scaler");
-        scaler.run(input, out).map_err(failed)?;
+        scaler
+            .run(input, out)
+            .map_err(|e| VideoError::corrupt("converting to RGB", e))?;
         let (w, h) = (w as usize, h as usize);
         let stride = out.stride(0);
         let plane = out.data(0);
